@@ -1,0 +1,298 @@
+"""Attention that returns its log-sum-exp, and the exact merge of partial attentions.
+
+A response (or prompt-chunk) query attends to two disjoint key sets: the prompt pages (every key visible)
+and its own keys (causal). Each part yields ``(out, lse)``; they compose exactly:
+
+    lse = logaddexp(lse_a, lse_b),   out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+The backward of a part needs only the *final* ``out`` and ``lse`` (the FlashAttention identity): with
+``D_i = dO_i . O_i``, ``P_ij = exp(s_ij - lse_i)`` and ``dS_ij = P_ij (dO_i . v_j - D_i)``, the part
+contributes ``dQ_i = scale * sum_j dS_ij k_j`` (and dK/dV for keys that are parameters' functions).
+Prompt keys are constants, so their part computes dQ only.
+
+Layouts: queries ``[B, Hq, T, D]``; response keys/values ``[B, Hkv, T, D]``; prompt pages
+``[Hkv, L, D]`` shared by the whole batch. Grouped-query heads are folded into the query axis for the
+prompt part (no mask there, so the ``Hq / Hkv`` query heads of one group are just more rows).
+
+``*_reference`` functions are the plain torch math (used on CPU and as the test oracle); on CUDA the
+prompt part's forward uses PyTorch's flash-attention op, which returns the LSE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+# The plain-math path processes keys in blocks so that one fp32 score tile stays under this many
+# elements (1 GiB), whatever the number of query rows.
+MATH_TILE_ELEMENTS = 1 << 28
+
+
+def _key_block(q: torch.Tensor) -> int:
+    rows = q.numel() // q.shape[-1]
+    return max(128, min(1 << 16, MATH_TILE_ELEMENTS // max(rows, 1)))
+
+
+def fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[B, Hq, T, D] -> [Hkv, B * rep * T, D]``: query heads of one KV group become extra rows."""
+    b, hq, t, d = q.shape
+    rep = hq // num_kv_heads
+    return q.view(b, num_kv_heads, rep, t, d).permute(1, 0, 2, 3, 4).reshape(num_kv_heads, b * rep * t, d)
+
+
+def unfold_gqa(x: torch.Tensor, batch: int, num_q_heads: int, seq: int) -> torch.Tensor:
+    """Inverse of :func:`fold_gqa` for ``[Hkv, rows, ...]`` (out ``[..., D]`` or lse ``[...]``)."""
+    hkv = x.shape[0]
+    rep = num_q_heads // hkv
+    tail = x.shape[2:]
+    return (
+        x.view(hkv, batch, rep, seq, *tail)
+        .permute(1, 0, 2, 3, *range(4, 4 + len(tail)))
+        .reshape(batch, num_q_heads, seq, *tail)
+    )
+
+
+def merge_partials(
+    out_a: torch.Tensor | None, lse_a: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two partial attentions over disjoint key sets (fp32 ``out`` and ``lse``)."""
+    if out_a is None:
+        return out_b, lse_b
+    lse = torch.logaddexp(lse_a, lse_b)
+    # A part with no keys has lse = -inf; exp(-inf - finite) = 0 keeps it out.
+    out = torch.exp(lse_a - lse).unsqueeze(-1) * out_a + torch.exp(lse_b - lse).unsqueeze(-1) * out_b
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plain torch math (reference and CPU path)
+# ----------------------------------------------------------------------------------------------------
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+
+
+def attention_lse_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False, q_offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning ``(out fp32, lse fp32)`` for equal head counts ``[..., T, D]``.
+
+    ``causal`` masks key ``j`` for query ``i`` when ``j > i + q_offset``; keys are processed in blocks
+    with an online log-sum-exp so no ``[T, L]`` fp32 tile larger than one block is alive at once.
+    """
+    out, lse = None, None
+    block = _key_block(q)
+    for start in range(0, k.shape[-2], block):
+        kb = k[..., start : start + block, :]
+        vb = v[..., start : start + block, :]
+        s = _scores(q, kb, scale)
+        if causal:
+            qi = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
+            kj = torch.arange(start, start + kb.shape[-2], device=q.device)[None, :]
+            s = s.masked_fill(kj > qi, float("-inf"))
+        lse_b = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(lse_b), 0.0, lse_b).unsqueeze(-1))
+        out_b = torch.matmul(p, vb.float())
+        out, lse = merge_partials(out, lse, out_b, lse_b)
+    if out is None:  # no keys at all
+        shape = q.shape[:-1]
+        return q.new_zeros((*shape, v.shape[-1]), dtype=torch.float32), q.new_full(
+            shape, float("-inf"), dtype=torch.float32
+        )
+    return out, lse
+
+
+def attention_grad_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    q_offset: int = 0,
+    need_kv: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of one key part given the *final* merged ``out``/``lse`` (fp32 results).
+
+    ``need_kv=False`` (prompt pages) skips dK/dV.
+    """
+    dout = dout.float()
+    delta = (dout * out.float()).sum(-1, keepdim=True)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = torch.zeros_like(k, dtype=torch.float32) if need_kv else None
+    dv = torch.zeros_like(v, dtype=torch.float32) if need_kv else None
+    qf = q.float()
+    block = _key_block(q)
+    for start in range(0, k.shape[-2], block):
+        kb = k[..., start : start + block, :].float()
+        vb = v[..., start : start + block, :].float()
+        s = torch.matmul(qf, kb.transpose(-1, -2)) * scale
+        if causal:
+            qi = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
+            kj = torch.arange(start, start + kb.shape[-2], device=q.device)[None, :]
+            s = s.masked_fill(kj > qi, float("-inf"))
+        p = torch.exp(s - lse.unsqueeze(-1))
+        ds = p * (torch.matmul(dout, vb.transpose(-1, -2)) - delta)
+        dq += torch.matmul(ds, kb) * scale
+        if need_kv:
+            dk[..., start : start + kb.shape[-2], :] = torch.matmul(ds.transpose(-1, -2), qf) * scale
+            dv[..., start : start + kb.shape[-2], :] = torch.matmul(p.transpose(-1, -2), dout)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fast path: PyTorch's flash-attention op returns the LSE (CUDA, fp16/bf16, head_dim <= 256)
+# ----------------------------------------------------------------------------------------------------
+def _flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
+        and k.shape[-2] > 0
+    )
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out fp32, lse fp32)`` for ``[B, H, T, D]`` with equal head counts.
+
+    ``causal`` aligns the last query with the last key (queries are the last ``T`` of the keys).
+    """
+    if causal and q.shape[-2] == 1:
+        causal = False  # one query after all its keys sees every key
+    if _flash_ok(q, k) and (not causal or q.shape[-2] == k.shape[-2]):
+        # (torch's causal flag is top-left aligned when T != L, so only T == L takes this path)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, False, scale=scale
+        )[:2]
+        return out.float(), lse.float()
+    offset = k.shape[-2] - q.shape[-2] if causal else 0
+    return attention_lse_reference(q, k, v, scale, causal=causal, q_offset=offset)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompt part: queries against a sequence of read-only pages
+# ----------------------------------------------------------------------------------------------------
+PageIter = Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def pages_attention(
+    q: torch.Tensor, pages: PageIter, scale: float, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """Attention of ``q [B, Hq, T, D]`` over all pages (no mask). Returns ``(out, lse)`` in the query
+    layout (fp32), or ``(None, None)`` when there are no pages. ``pages()`` yields ``(k, v)`` of shape
+    ``[Hkv, L, D]`` already on ``q``'s device."""
+    b, hq, t, _ = q.shape
+    qf = fold_gqa(q, num_kv_heads).unsqueeze(0)
+    out, lse = None, None
+    for k, v in pages():
+        o, s = attention_lse(qf, k.unsqueeze(0), v.unsqueeze(0), scale)
+        out, lse = merge_partials(out, lse, o, s)
+    if out is None:
+        return None, None
+    return unfold_gqa(out[0], b, hq, t), unfold_gqa(lse[0], b, hq, t)
+
+
+def pages_attention_dq(
+    q: torch.Tensor,
+    pages: PageIter,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    scale: float,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """dQ contribution of the prompt pages (fp32, query layout), given the final ``out``/``lse``."""
+    b, hq, t, _ = q.shape
+    qf = fold_gqa(q, num_kv_heads)
+    of, df = fold_gqa(out, num_kv_heads), fold_gqa(dout, num_kv_heads)
+    lf = fold_gqa(lse.unsqueeze(-1), num_kv_heads)[..., 0]
+    dq = torch.zeros_like(qf, dtype=torch.float32)
+    for k, v in pages():
+        dq += attention_grad_reference(qf, k, v, of, lf, df, scale, need_kv=False)[0]
+    return unfold_gqa(dq, b, hq, t)
+
+
+def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """``[B, Hkv, T, D] -> [B, Hkv * rep, T, D]`` (HF's grouped-query expansion)."""
+    if rep == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, rep, t, d).reshape(b, h * rep, t, d)
+
+
+def _self_attention_lse(q, k, v, scale):
+    rep = q.shape[1] // k.shape[1]
+    return attention_lse(q, repeat_kv(k, rep), repeat_kv(v, rep), scale, causal=True)
+
+
+PartialReduce = Callable[[torch.Tensor | None, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+GradReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class PromptResponseAttention(torch.autograd.Function):
+    """Exact attention of response queries over read-only prompt pages plus their own causal keys.
+
+    Forward merges the two parts by LSE. Backward returns dQ (from both parts) and dK/dV of the response
+    keys only: the pages are constants and get no gradient. ``reduce_partial`` combines the prompt part
+    across context-parallel ranks (identity on one rank) and ``reduce_dq`` sums the page dQ across them.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, pages, scale, reduce_partial, reduce_dq):
+        num_kv = k.shape[1]
+        out_p, lse_p = pages_attention(q, pages, scale, num_kv)
+        out_p, lse_p = reduce_partial(out_p, lse_p)
+        out_s, lse_s = _self_attention_lse(q, k, v, scale)
+        out, lse = merge_partials(out_p, lse_p, out_s, lse_s)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pages, ctx.scale, ctx.reduce_dq = pages, scale, reduce_dq
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        num_kv, rep = k.shape[1], q.shape[1] // k.shape[1]
+        dq = ctx.reduce_dq(pages_attention_dq(q, ctx.pages, out, lse, dout, ctx.scale, num_kv))
+        offset = 0  # queries and keys are the same tokens
+        dq_s, dk, dv = attention_grad_reference(
+            q, repeat_kv(k, rep), repeat_kv(v, rep), out, lse, dout, ctx.scale, causal=True, q_offset=offset
+        )
+        b, _, t, d = k.shape
+        dk = dk.view(b, num_kv, rep, t, d).sum(2)
+        dv = dv.view(b, num_kv, rep, t, v.shape[-1]).sum(2)
+        return (dq + dq_s).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _no_reduce_partial(out, lse):
+    return out, lse
+
+
+def _no_reduce_dq(dq):
+    return dq
+
+
+def prompt_response_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: PageIter,
+    scale: float,
+    reduce_partial: PartialReduce | None = None,
+    reduce_dq: GradReduce | None = None,
+) -> torch.Tensor:
+    """Attention output ``[B, Hq, T, D]`` (q's dtype) of ``q`` over ``pages`` then causally over ``k, v``.
+
+    Differentiable in ``q, k, v`` when autograd is on; the pages never get a gradient.
+    """
+    reduce_partial = reduce_partial or _no_reduce_partial
+    reduce_dq = reduce_dq or _no_reduce_dq
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return PromptResponseAttention.apply(q, k, v, pages, scale, reduce_partial, reduce_dq)
+    out_p, lse_p = reduce_partial(*pages_attention(q, pages, scale, k.shape[1]))
+    out_s, lse_s = _self_attention_lse(q, k, v, scale)
+    return merge_partials(out_p, lse_p, out_s, lse_s)[0].to(q.dtype)

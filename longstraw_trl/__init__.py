@@ -1,0 +1,32 @@
+"""LongStraw-TRL: GRPO post-training on million-token prompts for Hugging Face TRL.
+
+Capture the long prompt once (no autograd) into a model-native :class:`PromptState`, then generate,
+score and replay every response on top of that read-only state.
+"""
+
+from .engine import capture_prompt
+from .errors import LongStrawError, PromptTooLongError, UnsupportedModelError
+from .model_patches import patch_model, supported_model_types
+from .state import GDNState, KVPages, PromptState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GDNState",
+    "KVPages",
+    "LongStrawError",
+    "PromptState",
+    "PromptTooLongError",
+    "UnsupportedModelError",
+    "capture_prompt",
+    "patch_model",
+    "supported_model_types",
+]
+
+
+def __getattr__(name):  # the trainer pulls in TRL: import it only when asked for
+    if name in ("LongStrawGRPOTrainer", "LongStrawGRPOConfig"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'longstraw_trl' has no attribute {name!r}")

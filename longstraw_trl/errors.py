@@ -1,0 +1,13 @@
+"""Errors raised on bad input, with messages that say what to change."""
+
+
+class LongStrawError(ValueError):
+    """Base class of LongStraw-TRL's input errors."""
+
+
+class UnsupportedModelError(LongStrawError):
+    """The model's architecture (or one of its options) has no LongStraw patch."""
+
+
+class PromptTooLongError(LongStrawError):
+    """The prompt (plus completion) exceeds the model's position limit."""

@@ -1,0 +1,85 @@
+"""Model-family patches (one module per family) and :func:`patch_model`, the one entry point."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from longstraw_trl.errors import UnsupportedModelError
+
+from .base import FamilyPatch
+from .gqa import GQAPatch, apply_longstraw_to_gqa
+
+_PATCHES: list[FamilyPatch] = [GQAPatch()]
+
+PATCH_ATTR = "_longstraw_patch"
+
+
+def register_family(patch: FamilyPatch) -> None:
+    """Add a family patch (later registrations win for the same ``model_type``)."""
+    _PATCHES.insert(0, patch)
+
+
+def supported_model_types() -> list[str]:
+    return sorted({t for p in _PATCHES for t in p.model_types})
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft / accelerate / DDP wrapper."""
+    while True:
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            inner = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
+
+
+def find_patch(model: nn.Module) -> FamilyPatch:
+    base = unwrap_model(model)
+    config = getattr(base, "config", None)
+    model_type = getattr(config, "model_type", None)
+    for patch in _PATCHES:
+        if model_type in patch.model_types:
+            return patch
+    raise UnsupportedModelError(
+        f"model_type {model_type!r} ({type(base).__name__}) is not supported by LongStraw-TRL; "
+        f"supported model types: {', '.join(supported_model_types())}"
+    )
+
+
+def patch_model(model: nn.Module) -> nn.Module:
+    """Make ``model`` replayable from a captured prompt state. Idempotent; peft-wrapped models work.
+
+    The model keeps behaving exactly as before for ordinary calls (``forward``, ``generate``): the
+    LongStraw paths only run when the engine passes its context down.
+    Raises :class:`UnsupportedModelError` naming the supported model types otherwise.
+    """
+    from longstraw_trl.engine import install_attention_dispatch
+
+    base = unwrap_model(model)
+    patch = find_patch(base)
+    if getattr(base, PATCH_ATTR, None) is patch:
+        return model
+    if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
+        raise UnsupportedModelError(f"{type(base).__name__} has no LM head; pass a *ForCausalLM model")
+    patch.validate(base)
+    install_attention_dispatch()
+    patch.apply(base)
+    setattr(base, PATCH_ATTR, patch)
+    return model
+
+
+__all__ = [
+    "FamilyPatch",
+    "GQAPatch",
+    "UnsupportedModelError",
+    "apply_longstraw_to_gqa",
+    "find_patch",
+    "patch_model",
+    "register_family",
+    "supported_model_types",
+    "unwrap_model",
+]

@@ -1,0 +1,238 @@
+"""Engine on full-attention (GQA) families against the stock HF model (fp32, CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _models import GQA_CONFIGS, build
+from peft import LoraConfig, get_peft_model
+
+from longstraw_trl import (
+    LongStrawError,
+    PromptTooLongError,
+    UnsupportedModelError,
+    capture_prompt,
+    patch_model,
+)
+
+FAMILIES = list(GQA_CONFIGS)
+VOCAB = 97
+
+
+def stock_logprobs(model, prompt, completions):
+    """log p(completion token | prompt + prefix) from the stock model's full forward."""
+    p = prompt.numel()
+    full = torch.cat([prompt[None].expand(completions.shape[0], -1), completions], dim=1)
+    with torch.no_grad():
+        logits = model(full).logits.float()
+    return torch.log_softmax(logits[:, p - 1 : -1], -1).gather(-1, completions[..., None])[..., 0]
+
+
+def padded_completions(lengths, gen):
+    r = max(lengths)
+    ids = torch.randint(0, VOCAB, (len(lengths), r), generator=gen)
+    mask = torch.zeros(len(lengths), r, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    return ids * mask, mask  # pad id 0 after each row's end
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "prompt_len,chunk,page",
+    [(1, 8, 4), (5, 16, 4), (37, 8, 5), (64, 16, 16), (50, 64, 7)],
+    ids=["one-token", "shorter-than-chunk", "uneven", "aligned", "one-chunk-many-pages"],
+)
+def test_logprobs_match_stock_forward(family, prompt_len, chunk, page):
+    model = build(family)
+    gen = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
+    comps, mask = padded_completions([9, 4, 1], gen)
+    state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
+    got = state.logprobs(model, comps, mask)
+    # each row against its own unpadded stock forward
+    for i, n in enumerate(mask.sum(1).tolist()):
+        ref = stock_logprobs(model, prompt, comps[i : i + 1, :n])
+        assert (got[i : i + 1, :n] - ref).abs().max().item() <= 1e-4
+    assert state.num_tokens == prompt_len
+
+
+def response_only_reference(model, prompt, completion, weights):
+    """Grads of sum(weights * logp) with the prompt prefilled under no_grad into the stock cache and the
+    response run with autograd on a copy of that cache (token 0 scored from the no-grad last hidden)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.no_grad():
+        out = base.model(prompt[None], use_cache=True)
+    cache = copy.deepcopy(out.past_key_values)
+    h_last = out.last_hidden_state[:, -1:]
+    h = base.model(completion[None, :-1], past_key_values=cache, use_cache=True).last_hidden_state
+    logits = base.lm_head(torch.cat([h_last, h], dim=1)).float()
+    logp = torch.log_softmax(logits, -1).gather(-1, completion[None, :, None])[0, :, 0]
+    model.zero_grad()
+    (logp * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def engine_grads(model, state, completion, weights, **kwargs):
+    model.zero_grad()
+    logp = state.logprobs(model, completion[None], grad=True, **kwargs)[0]
+    (logp * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got, ref, tol=1e-4):
+    assert got.keys() == ref.keys() and ref
+    for name in ref:
+        rel = (got[name] - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)
+        assert rel <= tol, f"{name}: relative L2 {rel:.2e}"
+
+
+def _lora(model):
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        lora_dropout=0.0,
+        init_lora_weights=False,  # random B: the adapters change the outputs
+    )
+    return get_peft_model(model, cfg)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", ["full", "lora", "checkpoint_layers", "hf_gradient_checkpointing"])
+def test_grads_match_response_only_reference(family, variant):
+    model = build(family)
+    if variant == "lora":
+        model = _lora(model)
+    if variant == "hf_gradient_checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # HF checkpointing only runs in train mode, and drops caches there
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (29,), generator=gen)
+    completion = torch.randint(0, VOCAB, (11,), generator=gen)
+    weights = torch.randn(11, generator=gen)
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
+    got = engine_grads(model, state, completion, weights, checkpoint_layers=variant == "checkpoint_layers")
+    if variant == "hf_gradient_checkpointing":
+        model.gradient_checkpointing_disable()
+        model.eval()
+    ref = response_only_reference(model, prompt, completion, weights)
+    assert_grads_close(got, ref)
+    if variant == "lora":
+        assert all("lora_" in n for n in got)  # base weights are frozen
+
+
+def _snapshot(state):
+    tensors = [state.last_hidden]
+    for layer in state.layers.values():
+        for k, v in layer.pages.values():
+            tensors += [k, v]
+    return [t.clone() for t in tensors], tensors
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_state_bit_identical_after_replays_with_backward(family):
+    model = build(family)
+    gen = torch.Generator().manual_seed(2)
+    state = capture_prompt(model, torch.randint(0, VOCAB, (23,), generator=gen), chunk_size=8, page_size=4)
+    before, live = _snapshot(state)
+    comps, mask = padded_completions([7, 5, 3, 6], gen)
+    for i in range(comps.shape[0]):
+        n = int(mask[i].sum())
+        state.logprobs(model, comps[i : i + 1, :n], grad=True).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, live, strict=True))
+    assert state.num_tokens == 23
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_extend_equals_capturing_concatenation(family):
+    model = build(family)
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randint(0, VOCAB, (21,), generator=gen)
+    b = torch.randint(0, VOCAB, (13,), generator=gen)
+    comps, mask = padded_completions([6, 4], gen)
+    state_a = capture_prompt(model, a, chunk_size=8, page_size=8)
+    before, live = _snapshot(state_a)
+    extended = state_a.extend(model, b)
+    whole = capture_prompt(model, torch.cat([a, b]), chunk_size=8, page_size=8)
+    assert extended.num_tokens == whole.num_tokens == 34
+    diff = (extended.logprobs(model, comps, mask) - whole.logprobs(model, comps, mask)) * mask
+    assert diff.abs().max() <= 1e-5
+    # the original state still scores its own prompt, unchanged
+    assert all(torch.equal(x, y) for x, y in zip(before, live, strict=True))
+    ref = stock_logprobs(model, a, comps[:1, :6])
+    assert (state_a.logprobs(model, comps[:1, :6]) - ref).abs().max() <= 1e-4
+    # full pages are shared, not copied
+    shared = [
+        extended.layers[i].pages[0][0].data_ptr() == state_a.layers[i].pages[0][0].data_ptr()
+        for i in state_a.layers
+    ]
+    assert all(shared)
+
+
+def test_nbytes_follows_the_formula():
+    model = build("qwen3")
+    cfg = model.config
+    p = 37
+    state = capture_prompt(model, torch.randint(0, VOCAB, (p,)), chunk_size=16, page_size=10)
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert state.nbytes() == state.nbytes_by_kind()["kv"] == per_token * p
+    assert state.slack_bytes() == per_token * (40 - p)  # 4 pages of 10, 3 tokens unfilled
+
+
+def test_offload_cpu_gives_same_logprobs():
+    model = build("qwen3")
+    prompt = torch.randint(0, VOCAB, (19,))
+    comps = torch.randint(0, VOCAB, (2, 5))
+    a = capture_prompt(model, prompt, chunk_size=8, page_size=8)
+    b = capture_prompt(model, prompt, chunk_size=8, page_size=8, offload="cpu")
+    assert torch.equal(a.logprobs(model, comps), b.logprobs(model, comps))
+    with pytest.raises(ValueError, match="offload"):
+        capture_prompt(model, prompt, offload="disk")
+
+
+def test_patch_is_idempotent_and_leaves_stock_forward_alone():
+    model = build("qwen3")
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        before = model(ids).logits
+    assert patch_model(model) is model
+    assert patch_model(model) is model
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(before, after)
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = build("qwen3")
+    with pytest.raises(LongStrawError, match="empty"):
+        capture_prompt(model, torch.tensor([], dtype=torch.long))
+    with pytest.raises(LongStrawError, match="outside the vocabulary"):
+        capture_prompt(model, torch.tensor([1, 2, VOCAB]))
+    with pytest.raises(LongStrawError, match="outside the vocabulary"):
+        capture_prompt(model, torch.tensor([-1, 2]))
+    with pytest.raises(PromptTooLongError, match="max_position_embeddings is 512"):
+        capture_prompt(model, torch.zeros(513, dtype=torch.long))
+    with pytest.raises(LongStrawError, match="1-D"):
+        capture_prompt(model, torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(LongStrawError, match="integer"):
+        capture_prompt(model, torch.zeros(3))
+    state = capture_prompt(model, torch.zeros(500, dtype=torch.long), chunk_size=128, page_size=128)
+    with pytest.raises(PromptTooLongError):
+        state.logprobs(model, torch.zeros(1, 20, dtype=torch.long))
+    with pytest.raises(LongStrawError, match="right-padded"):
+        state.logprobs(model, torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0, 1, 1]]))
+
+
+def test_unsupported_model_names_supported_types():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="gpt2.*supported model types: .*qwen3"):
+        patch_model(model)
+    sliding = build("qwen2")
+    sliding.config.use_sliding_window = True
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        patch_model(sliding)
