@@ -73,7 +73,7 @@ class ReplayContext:
         self.mode = mode
         self.state = state
         self.cp = cp if cp is not None else _cp_for(state)
-        self.response_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.response_kv: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.extra: dict = {}  # family-specific per-call state (e.g. GDN decode states)
 
     def kv_layer(self, module: nn.Module, k: torch.Tensor, v: torch.Tensor) -> KVPages:
@@ -99,10 +99,7 @@ class ReplayContext:
         """``q [B, Hq, T, D]``, ``k, v [B, Hkv, T, D]`` -> attention output ``[B, T, Hq, D]``."""
         layer = self.kv_layer(module, k, v)
         if self.mode == "decode":
-            past = self.response_kv.get(module.layer_idx)
-            if past is not None:
-                k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-            self.response_kv[module.layer_idx] = (k, v)
+            k, v = self._append_response_kv(module.layer_idx, k, v)
         device = q.device
 
         def pages():
@@ -114,6 +111,20 @@ class ReplayContext:
         if self.mode == "capture":
             layer.append(k[0], v[0])
         return out.transpose(1, 2)
+
+    def _append_response_kv(self, idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Decode: keep the response's own K/V in a buffer sized for the whole generation."""
+        if idx not in self.response_kv:
+            cap = self.extra.get("capacity", k.shape[2])
+            buf_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            buf_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            self.response_kv[idx] = (buf_k, buf_v, 0)
+        buf_k, buf_v, n = self.response_kv[idx]
+        t = k.shape[2]
+        buf_k[:, :, n : n + t] = k
+        buf_v[:, :, n : n + t] = v
+        self.response_kv[idx] = (buf_k, buf_v, n + t)
+        return buf_k[:, :, : n + t], buf_v[:, :, : n + t]
 
 
 class _SingleRank:

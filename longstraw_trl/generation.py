@@ -1,0 +1,96 @@
+"""Shared-prefix sampling: G continuations decoded together on one read-only prompt state.
+
+Every decode step feeds the G newest tokens through the model at once; each attention layer reads the
+prompt pages once for all G rows (their queries are folded into one batch of rows) and its own
+response K/V from a per-call buffer. Logits processing uses transformers' own warpers in
+``generate``'s order (temperature, top-k, top-p, min-p), and draws with ``torch.multinomial``, so with
+the same seed the draws equal ``model.generate``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .engine import ReplayContext, check_positions, run_decoder
+from .errors import LongStrawError
+from .model_patches import unwrap_model
+from .state import PromptState
+
+
+def _warpers(temperature: float, top_k: int | None, top_p: float, min_p: float | None) -> LogitsProcessorList:
+    procs = LogitsProcessorList()
+    if temperature is not None and temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        procs.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p is not None and top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    if min_p is not None and min_p > 0.0:
+        procs.append(MinPLogitsWarper(min_p=min_p, min_tokens_to_keep=1))
+    return procs
+
+
+@torch.no_grad()
+def generate_from_state(
+    state: PromptState,
+    model,
+    num_generations: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    do_sample: bool = True,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample ``[G, <= max_new_tokens]`` completion ids continuing ``state``'s prompt.
+
+    Rows that emit an EOS token are padded with ``pad_token_id`` afterwards (default: the first EOS id);
+    decoding stops once every row has finished. ``do_sample=False`` is greedy.
+    """
+    state.check_not_empty()
+    if num_generations < 1 or max_new_tokens < 1:
+        raise LongStrawError("num_generations and max_new_tokens must be >= 1")
+    if do_sample and (temperature is None or temperature <= 0):
+        raise LongStrawError(f"temperature must be > 0 when sampling, got {temperature}")
+    check_positions(model, state.num_tokens + max_new_tokens, "prompt + max_new_tokens")
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    lm_head = unwrap_model(model).get_output_embeddings()
+    warp = _warpers(temperature, top_k, top_p, min_p) if do_sample else LogitsProcessorList()
+    g, device = num_generations, state.device
+    eos_t = torch.tensor(eos, device=device, dtype=torch.long)
+
+    ctx = ReplayContext("decode", state)
+    ctx.extra["capacity"] = max_new_tokens
+    hidden = state.last_hidden.expand(g, -1)
+    out = torch.full((g, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    done = torch.zeros(g, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        logits = lm_head(hidden).float()
+        scores = warp(out[:, :step], logits)
+        if do_sample:
+            probs = torch.softmax(scores, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        else:
+            nxt = scores.argmax(-1)
+        nxt = torch.where(done, pad_token_id, nxt)
+        out[:, step] = nxt
+        if eos:
+            done |= torch.isin(nxt, eos_t)
+        if bool(done.all()) or step + 1 == max_new_tokens:
+            return out[:, : step + 1]
+        hidden = run_decoder(model, nxt[:, None], state.num_tokens + step, ctx)[:, -1]
+    return out
