@@ -1,0 +1,798 @@
+"""TRL's GRPO policy loss, decomposed into one differentiable term per response.
+
+LongStraw computes the policy loss one response at a time: response `i` is replayed under autograd on top of the
+captured prompt state, its loss term is built here, `backward()` is called on it, and its graph is freed before
+the next response. For that to train exactly like TRL, this module returns, for every response `i` of a
+micro-batch of `B` completions, a scalar `loss_i` such that
+
+    sum_i loss_i == GRPOTrainer._compute_loss(model, inputs)            (same micro-batch, same inputs)
+
+up to float rounding of the final sum (the per-token math is the same sequence of torch ops as TRL's, on a
+`[1, R]` slice instead of `[B, R]`), and therefore `sum_i d loss_i / d per_token_logps` is TRL's gradient.
+`tests/test_loss_parity.py` checks value, gradient and logged metrics against TRL's real `_compute_loss`.
+
+What the value equals, and how gradient accumulation enters (TRL 1.16, transformers 5.23, accelerate)
+-----------------------------------------------------------------------------------------------------
+`Trainer.training_step` calls `GRPOTrainer.compute_loss`, which ignores the Trainer's `num_items_in_batch`
+argument and returns `_compute_loss(model, inputs)`. `GRPOTrainer.loss_is_scaled_for_ga = True`, so
+`training_step` does *not* divide by the number of accumulation steps; GRPO's `compute_loss` override also skips
+`Trainer.compute_loss`'s `average_tokens_across_devices` multiplication by `num_processes`; and the Trainer builds
+its `Accelerator` with `GradientAccumulationPlugin(num_steps=1)`, so `accelerator.backward(loss)` divides by 1
+(DeepSpeed gets `scale_wrt_gas=False`). Hence **the value backpropagated by `Trainer.training_step` is exactly
+the value `_compute_loss` returns** (with `n_gpu <= 1`), and that is what `sum_i loss_i` equals. Distributed
+data parallelism then *averages* gradients over processes.
+
+All gradient-accumulation scaling is inside `_compute_loss`, and depends on the loss type. With
+`ga = trainer.current_gradient_accumulation_steps` in train mode (the Trainer sets it to the number of
+micro-batches in the current accumulation window, which is smaller than `gradient_accumulation_steps` for the
+last, partial window of an epoch) and `ga = 1` in eval mode (`model.training == False`), `m` the loss mask
+(`completion_mask`, times `tool_mask` when present) and `l` the per-token loss:
+
+- `grpo`, `sapo`: `mean_b( sum_t l*m / max(sum_t m, 1) ) / ga`
+- `bnpo`:         `sum_bt l*m / max(sum_bt m, 1) / ga`                  (local token count of the micro-batch)
+- `dr_grpo`:      `sum_bt l*m / (B * max_completion_length) / ga`
+- `luspo`:        `mean_b( sum_t l*m ) / ga`
+- `dapo`, `cispo`, `vespo`: `sum_bt l*m / N`, with
+  `N = max(num_items_in_batch, 1) / num_processes * ga / steps_per_generation` in train mode and
+  `N = max(num_items_in_batch, 1) / num_processes` in eval mode. `num_items_in_batch` is the loss-mask token
+  count of the whole *generation batch* (all `steps_per_generation` micro-batches) gathered over all processes
+  (`_generate_and_score_completions`), so `N` is the mean per-process token count of one accumulation window.
+
+plus, when `entropy_coef != 0` (static entropy bonus), `- entropy_coef * sum_bt H*m / max(sum_bt m, 1) / ga`.
+`batch_loss_context` computes every one of these micro-batch-wide quantities once, from the masks.
+
+Supported
+---------
+- `loss_type`: `grpo`, `bnpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`, `vespo` (all of TRL 1.16's).
+- `importance_sampling_level`: `token` and `sequence` (per-sequence mean log-ratio over the mask).
+- `epsilon` / `epsilon_high` (asymmetric clipping; `epsilon_high` is CISPO's ε_max), `delta` (two-sided clipping),
+  `sapo_temperature_*`, `vespo_k_*` / `vespo_lambda_*`.
+- `beta != 0` with reference log-probs, with or without `use_bias_correction_kl`.
+- `old_per_token_logps` absent (on-policy: TRL then uses `per_token_logps.detach()`).
+- `off_policy_mask_threshold` (DeepSeek-V3.2 off-policy sequence mask; pass `sampling_logps_i` when the
+  sampler's log-probs exist, else the old log-probs are used, as in TRL).
+- vLLM importance-sampling correction (`use_vllm and vllm_importance_sampling_correction`): pass the
+  `importance_sampling_ratio` row that TRL computes in `_generate_and_score_completions` (token `[R]` or
+  sequence `[1]` level); it multiplies the per-token loss, or enters VESPO's gamma weights.
+- `tool_mask` / `env_mask`: pass `completion_mask * tool_mask` as the mask (TRL does the same).
+- Per-token advantages (`[R]` per response, TRL's `(B, T)` advantages for subclasses) besides the usual scalar.
+- Static entropy bonus (`entropy_coef != 0`, `use_adaptive_entropy=False`): pass the differentiable
+  per-token entropies of the response as `entropies_i`.
+- Train and eval mode (`training=` in `batch_loss_context`).
+
+Not supported (`NotImplementedError` from `GRPOLossSpec`)
+---------------------------------------------------------
+- `top_entropy_quantile < 1.0`: TRL masks tokens below an entropy quantile taken over *all* completions of all
+  processes, from the same differentiable forward; a response-at-a-time replay does not know it in advance.
+- `use_adaptive_entropy=True`: a stateful controller updated across micro-batches and processes.
+- A MoE router load-balancing loss (`router_aux_loss_coef != 0` on a model that returns router logits): it is a
+  non-linear function of the router statistics of the whole micro-batch (prompt tokens included), not a sum over
+  responses. Set `router_aux_loss_coef=0.0`. `GRPOLossSpec.from_args(args, model=model)` checks the model like
+  TRL does; without `model` only an explicit non-zero `args.router_aux_loss_coef` is rejected.
+
+Where the math lives
+--------------------
+TRL's per-token loss is inline in `GRPOTrainer._compute_loss`; `_per_token_terms` below replicates it line by
+line (same op order, same broadcasting, on a one-row batch). TRL's own static helpers are imported and reused:
+`GRPOTrainer.get_off_policy_mask`, `GRPOTrainer.get_gamma_weights` and `trl.trainer.utils.nanmin/nanmax`.
+
+Padding
+-------
+Per-token inputs of response `i` may be given at the padded length `R` of the micro-batch (exactly TRL's
+inputs) or truncated to any length `L >= ` the last loss-mask position of that row + 1 (padding tokens add zeros
+to every sum). One corner case depends on padding in TRL itself: VESPO with vLLM IS correction sums
+`log(importance_sampling_ratio)` over *all* positions, padding included; TRL's padded ratios are
+`exp(0) = 1` unless `vllm_importance_sampling_clip_min > 1` (truncate modes) or `clip_max < 1` (mask modes).
+Pass length-`R` rows if you need TRL's behaviour in that corner too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl import GRPOConfig
+from trl.trainer.grpo_trainer import GRPOTrainer
+from trl.trainer.utils import nanmax, nanmin
+
+__all__ = [
+    "LOSS_TYPES",
+    "CLIPPED_LOSS_TYPES",
+    "TOKEN_NORMALIZED_LOSS_TYPES",
+    "GRPOLossSpec",
+    "LossNormalizer",
+    "ResponseMetrics",
+    "aggregate_metrics",
+    "batch_loss",
+    "batch_loss_context",
+    "response_loss",
+]
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+"""Every `loss_type` of TRL 1.16's `GRPOTrainer._compute_loss`."""
+
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+"""Loss types using PPO-style clipped ratios (and logging `clip_ratio/*`)."""
+
+TOKEN_NORMALIZED_LOSS_TYPES = ("cispo", "dapo", "vespo")
+"""Loss types normalized by the global token count `num_items_in_batch` (no separate division by `ga`)."""
+
+_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+_GRPO_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING
+}
+
+
+@dataclass(frozen=True)
+class GRPOLossSpec:
+    """
+    Everything about the GRPO loss that does not depend on the data: the loss-related fields of a `GRPOConfig`,
+    resolved the way `GRPOTrainer.__init__` resolves them. Build it with [`GRPOLossSpec.from_args`].
+
+    Parameters:
+        loss_type (`str`, *optional*, defaults to `"dapo"`):
+            One of [`LOSS_TYPES`]; TRL's `GRPOConfig.loss_type`.
+        importance_sampling_level (`str`, *optional*, defaults to `"token"`):
+            `"token"` (one ratio per token) or `"sequence"` (GSPO: exp of the masked mean log-ratio per sequence).
+        beta (`float`, *optional*, defaults to `0.0`):
+            KL coefficient. When non-zero, reference log-probs must be passed for every response.
+        epsilon_low (`float`, *optional*, defaults to `0.2`):
+            Lower clipping range, TRL's `args.epsilon` (`trainer.epsilon_low`).
+        epsilon_high (`float`, *optional*, defaults to `0.2`):
+            Upper clipping range, `args.epsilon_high` or, when that is `None`, `args.epsilon`. For `cispo` it is
+            the cap ε_max of the (detached) importance weights.
+        delta (`float` or `None`, *optional*, defaults to `None`):
+            Upper bound of the unclipped ratio in two-sided clipping (INTELLECT-2). `None` disables it.
+        use_bias_correction_kl (`bool`, *optional*, defaults to `True`):
+            Multiply the per-token KL by the (differentiable) importance ratio.
+        sapo_temperature_pos (`float`, *optional*, defaults to `1.0`):
+            SAPO gate temperature for tokens with positive advantage.
+        sapo_temperature_neg (`float`, *optional*, defaults to `1.05`):
+            SAPO gate temperature for tokens with non-positive advantage.
+        vespo_k_pos (`float`, *optional*, defaults to `2.0`):
+            VESPO gamma-weight exponent for non-negative advantages.
+        vespo_lambda_pos (`float`, *optional*, defaults to `3.0`):
+            VESPO gamma-weight decay for non-negative advantages.
+        vespo_k_neg (`float`, *optional*, defaults to `3.0`):
+            VESPO gamma-weight exponent for negative advantages.
+        vespo_lambda_neg (`float`, *optional*, defaults to `2.0`):
+            VESPO gamma-weight decay for negative advantages.
+        off_policy_mask_threshold (`float` or `None`, *optional*, defaults to `None`):
+            DeepSeek-V3.2 off-policy sequence masking threshold on the mean per-token KL(sampler || policy) of a
+            sequence; `None` disables it.
+        vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
+            Whether TRL applies its vLLM importance-sampling correction, i.e. `args.use_vllm and
+            args.vllm_importance_sampling_correction`. When `True`, every response needs its
+            `importance_sampling_ratio` row.
+        max_completion_length (`int` or `None`, *optional*, defaults to `None`):
+            `args.max_completion_length`; the constant denominator of `dr_grpo` (required for it).
+        gradient_accumulation_steps (`int`, *optional*, defaults to `1`):
+            `args.gradient_accumulation_steps`; the default for `batch_loss_context(gradient_accumulation_steps=)`,
+            which should be given the Trainer's `current_gradient_accumulation_steps` instead.
+        steps_per_generation (`int`, *optional*, defaults to `1`):
+            `args.steps_per_generation` (resolved by `GRPOConfig.__post_init__`, defaulting to
+            `gradient_accumulation_steps`); divides the `dapo`/`cispo`/`vespo` normalizer in train mode.
+        entropy_coef (`float`, *optional*, defaults to `0.0`):
+            Static entropy bonus coefficient; when non-zero, every response needs its per-token `entropies_i`.
+        top_entropy_quantile (`float`, *optional*, defaults to `1.0`):
+            Only `1.0` is supported (see the module docstring).
+        use_adaptive_entropy (`bool`, *optional*, defaults to `False`):
+            Only `False` is supported (see the module docstring).
+        router_aux_loss_coef (`float`, *optional*, defaults to `0.0`):
+            Effective MoE load-balancing coefficient; only `0.0` is supported (see the module docstring).
+    """
+
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    use_bias_correction_kl: bool = True
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    vllm_importance_sampling_correction: bool = False
+    max_completion_length: int | None = None
+    gradient_accumulation_steps: int = 1
+    steps_per_generation: int = 1
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
+    use_adaptive_entropy: bool = False
+    router_aux_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"Unknown loss type: {self.loss_type!r}. Supported: {', '.join(LOSS_TYPES)}.")
+        if self.importance_sampling_level not in _IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"Unknown importance sampling level: {self.importance_sampling_level!r}. Possible values are "
+                "'token' and 'sequence'."
+            )
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' normalizes by `max_completion_length`, which is None.")
+        if self.top_entropy_quantile < 1.0:
+            raise NotImplementedError(
+                f"top_entropy_quantile={self.top_entropy_quantile} is not supported by the response-at-a-time loss: "
+                "TRL masks tokens below an entropy quantile over all completions of all processes, computed from "
+                "the same differentiable forward, which is not known before every response has been replayed. "
+                "Set top_entropy_quantile=1.0."
+            )
+        if self.use_adaptive_entropy:
+            raise NotImplementedError(
+                "use_adaptive_entropy=True is not supported by the response-at-a-time loss (its controller is "
+                "stateful across micro-batches and processes). Use a static entropy_coef instead."
+            )
+        if self.router_aux_loss_coef != 0.0:
+            raise NotImplementedError(
+                f"A MoE router load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef}) is not "
+                "supported: it depends non-linearly on the router statistics of the whole micro-batch, prompt "
+                "included, and is not a sum over responses. Set router_aux_loss_coef=0.0."
+            )
+
+    @property
+    def entropy_bonus_enabled(self) -> bool:
+        """TRL's `_entropy_bonus_enabled` (adaptive mode is rejected, so only the static coefficient counts)."""
+        return self.entropy_coef != 0.0
+
+    @classmethod
+    def from_args(cls, args: Any, *, model: Any = None) -> GRPOLossSpec:
+        """Resolve the loss fields of a `GRPOConfig` (or any object with the same attribute names) like
+        `GRPOTrainer.__init__` does. Attributes missing on `args` take `GRPOConfig`'s defaults.
+
+        Args:
+            args (`GRPOConfig`-like):
+                The training arguments. `steps_per_generation` falls back to `gradient_accumulation_steps` when it
+                is `None` (as `GRPOConfig.__post_init__` resolves it).
+            model (`PreTrainedModel`, *optional*):
+                The policy. When given, the effective MoE auxiliary-loss coefficient is resolved like TRL does
+                (`args.router_aux_loss_coef`, or the model config's own when that is `None`, counted only if the
+                config declares `output_router_logits`).
+        """
+
+        def get(name):
+            return getattr(args, name, _GRPO_DEFAULTS.get(name))
+
+        epsilon = get("epsilon")
+        epsilon_high = get("epsilon_high")
+        gradient_accumulation_steps = get("gradient_accumulation_steps") or 1
+        steps_per_generation = get("steps_per_generation") or gradient_accumulation_steps
+
+        coef = get("router_aux_loss_coef")
+        if model is not None:
+            text_config = model.config.get_text_config()
+            effective = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+            router_aux_loss_coef = effective if hasattr(text_config, "output_router_logits") else 0.0
+        else:
+            router_aux_loss_coef = coef or 0.0
+
+        return cls(
+            loss_type=get("loss_type"),
+            importance_sampling_level=get("importance_sampling_level"),
+            beta=get("beta"),
+            epsilon_low=epsilon,
+            epsilon_high=epsilon_high if epsilon_high is not None else epsilon,
+            delta=get("delta"),
+            use_bias_correction_kl=get("use_bias_correction_kl"),
+            sapo_temperature_pos=get("sapo_temperature_pos"),
+            sapo_temperature_neg=get("sapo_temperature_neg"),
+            vespo_k_pos=get("vespo_k_pos"),
+            vespo_lambda_pos=get("vespo_lambda_pos"),
+            vespo_k_neg=get("vespo_k_neg"),
+            vespo_lambda_neg=get("vespo_lambda_neg"),
+            off_policy_mask_threshold=get("off_policy_mask_threshold"),
+            vllm_importance_sampling_correction=bool(
+                get("use_vllm") and get("vllm_importance_sampling_correction")
+            ),
+            max_completion_length=get("max_completion_length"),
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            steps_per_generation=steps_per_generation,
+            entropy_coef=get("entropy_coef"),
+            top_entropy_quantile=get("top_entropy_quantile"),
+            use_adaptive_entropy=get("use_adaptive_entropy"),
+            router_aux_loss_coef=router_aux_loss_coef,
+        )
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """
+    Everything a response's loss term needs from the whole micro-batch, computed once from its loss mask by
+    [`batch_loss_context`]. Treat it as read-only.
+
+    Parameters:
+        spec (`GRPOLossSpec`):
+            The loss specification this context was built for.
+        mask (`torch.Tensor` of shape `(B, R)`):
+            The micro-batch loss mask (`completion_mask`, times `tool_mask` if any), as given.
+        num_responses (`int`):
+            `B`, the number of completions in the micro-batch (TRL's `per_token_loss.size(0)`).
+        lengths (`tuple[int, ...]`):
+            Per response, the last loss-mask position + 1: the shortest length at which its per-token inputs may
+            be passed.
+        local_num_tokens (`torch.Tensor`, scalar):
+            `mask.sum().clamp(min=1.0)`: the `bnpo` and entropy-bonus denominator.
+        ga_normalizer (`int` or `float`):
+            `current_gradient_accumulation_steps` in train mode, `1.0` in eval mode.
+        token_normalizer (`torch.Tensor` or `None`):
+            The `dapo`/`cispo`/`vespo` denominator `N` (see the module docstring); `None` for other loss types.
+        training (`bool`):
+            Train mode (`model.training` in TRL).
+    """
+
+    spec: GRPOLossSpec
+    mask: torch.Tensor
+    num_responses: int
+    lengths: tuple[int, ...]
+    local_num_tokens: torch.Tensor
+    ga_normalizer: int | float
+    token_normalizer: torch.Tensor | None
+    training: bool
+
+
+def batch_loss_context(
+    spec: GRPOLossSpec,
+    completion_mask: torch.Tensor,
+    *,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    num_processes: int = 1,
+    gradient_accumulation_steps: int | None = None,
+    training: bool = True,
+) -> LossNormalizer:
+    """Compute the micro-batch-wide normalizers of TRL's GRPO loss from the loss mask.
+
+    Args:
+        spec (`GRPOLossSpec`):
+            The loss specification.
+        completion_mask (`torch.Tensor` of shape `(B, R)`):
+            The loss mask of the micro-batch: TRL's `completion_mask`, times `tool_mask` when present.
+        num_items_in_batch (`torch.Tensor` or `int`, *optional*):
+            TRL's `inputs["num_items_in_batch"]`: the loss-mask token count of the whole generation batch, summed
+            over all processes. Required for `dapo`, `cispo` and `vespo`.
+        num_processes (`int`, *optional*, defaults to `1`):
+            `accelerator.num_processes`.
+        gradient_accumulation_steps (`int`, *optional*):
+            The Trainer's `current_gradient_accumulation_steps` (micro-batches in the current accumulation
+            window). Defaults to `spec.gradient_accumulation_steps`. Ignored in eval mode.
+        training (`bool`, *optional*, defaults to `True`):
+            TRL's `mode == "train"` (`model.training`). In eval mode nothing is scaled for accumulation.
+
+    Returns:
+        [`LossNormalizer`]
+    """
+    if completion_mask.dim() != 2:
+        raise ValueError(f"completion_mask must be (B, R), got shape {tuple(completion_mask.shape)}.")
+    mask = completion_mask
+    num_responses = mask.size(0)
+    ga = (
+        spec.gradient_accumulation_steps
+        if gradient_accumulation_steps is None
+        else gradient_accumulation_steps
+    )
+    ga_normalizer = ga if training else 1.0  # TRL: no accumulation in eval
+
+    # One host sync per micro-batch: the valid length of every row (for truncated per-token inputs).
+    positions = torch.arange(1, mask.size(1) + 1, device=mask.device)
+    lengths = tuple(int(v) for v in (positions * (mask != 0)).amax(dim=1).tolist()) if mask.numel() else ()
+
+    token_normalizer = None
+    if spec.loss_type in TOKEN_NORMALIZED_LOSS_TYPES:
+        if num_items_in_batch is None:
+            raise ValueError(
+                f"loss_type={spec.loss_type!r} is normalized by `num_items_in_batch` (the loss-mask token count of "
+                "the generation batch over all processes); pass it to batch_loss_context."
+            )
+        if not isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = torch.tensor(num_items_in_batch, device=mask.device)
+        # Same ops as TRL's `_compute_loss`.
+        token_normalizer = num_items_in_batch.clamp(min=1.0) / num_processes
+        if training:
+            token_normalizer = token_normalizer * ga / spec.steps_per_generation
+
+    return LossNormalizer(
+        spec=spec,
+        mask=mask,
+        num_responses=num_responses,
+        lengths=lengths,
+        local_num_tokens=mask.sum().clamp(min=1.0),
+        ga_normalizer=ga_normalizer,
+        token_normalizer=token_normalizer,
+        training=training,
+    )
+
+
+@dataclass
+class ResponseMetrics:
+    """
+    One response's share of the metrics TRL logs from `_compute_loss`. Combine the responses of a micro-batch with
+    [`aggregate_metrics`].
+
+    Parameters:
+        sums (`dict[str, torch.Tensor]`):
+            Numerators of TRL's `global_masked_mean` metrics (`kl`, `entropy`, `clip_ratio/low_mean`, ...).
+        counts (`dict[str, torch.Tensor]`):
+            Their denominators (masked token count, or 1 per sequence for sequence-level quantities).
+        seq_values (`dict[str, torch.Tensor]`):
+            Per-sequence values (shape `[1]`) that TRL reduces with `nanmin` / `nanmax` over the micro-batch
+            (`clip_ratio/low_min`, `clip_ratio/high_max`). NaN for a response without loss tokens, as in TRL.
+        policy_loss (`torch.Tensor`):
+            This response's share of TRL's `policy_loss` metric (the loss before the entropy bonus, and for
+            `grpo`/`bnpo`/`dr_grpo`/`sapo`/`luspo` before the division by `ga`). TRL logs it only when the entropy
+            bonus is enabled.
+    """
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    seq_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    policy_loss: torch.Tensor | None = None
+
+
+def _as_row(
+    x: torch.Tensor | float | None, length: int, name: str, device, dtype=None
+) -> torch.Tensor | None:
+    """Shape a per-response input as TRL's one-row batch slice: `[1, length]` (per token) or `[1, 1]`."""
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        x = torch.tensor(x, device=device, dtype=dtype if dtype is not None else torch.get_default_dtype())
+    x = x.reshape(1, -1)
+    if x.size(1) == 1 or x.size(1) == length:
+        return x
+    if x.size(1) > length:
+        return x[:, :length]
+    raise ValueError(f"{name} has {x.size(1)} positions, fewer than the {length} of per_token_logps_i.")
+
+
+def _per_token_terms(
+    spec, per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, mask, **extra
+):
+    """TRL 1.16 `GRPOTrainer._compute_loss`, from `get_off_policy_mask` to the KL term, on a one-row batch.
+
+    Replicated line by line (TRL's code is inline); every tensor is `[1, L]` or `[1, 1]` exactly like a row of
+    TRL's `[B, T]` / `[B, 1]` tensors, so broadcasting and op order are TRL's. Returns the per-token loss and the
+    intermediate tensors TRL logs metrics from.
+    """
+    sampling_per_token_logps = extra.get("sampling_per_token_logps")
+    importance_sampling_ratio = extra.get("importance_sampling_ratio")
+
+    old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+
+    if spec.off_policy_mask_threshold is not None:
+        if sampling_per_token_logps is None:
+            sampling_per_token_logps = old_per_token_logps
+        off_policy_mask = GRPOTrainer.get_off_policy_mask(
+            advantages=advantages,
+            per_token_logps=per_token_logps,
+            sampling_per_token_logps=sampling_per_token_logps,
+            mask=mask,
+            off_policy_threshold=spec.off_policy_mask_threshold,
+        )
+
+    log_ratio = per_token_logps - old_per_token_logps
+    if spec.importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    else:  # "sequence"
+        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
+
+    coef_1 = torch.exp(log_importance_weights)
+
+    per_token_kl = None
+    if spec.beta != 0.0:
+        per_token_kl = (
+            torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+        )
+        if spec.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    phi_seq = None
+    if spec.loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=spec.epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    elif spec.loss_type in CLIPPED_LOSS_TYPES:
+        coef_2 = torch.clamp(coef_1, 1 - spec.epsilon_low, 1 + spec.epsilon_high)
+        if spec.delta is not None:  # two-sided clipping; TRL's clip metrics then see the clamped coef_1
+            coef_1 = torch.clamp(coef_1, max=spec.delta)
+        per_token_loss1 = coef_1 * advantages
+        per_token_loss2 = coef_2 * advantages
+        per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    elif spec.loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg)
+        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+        per_token_loss = -soft_coef_1 * advantages
+    else:  # "vespo"
+        phi_seq = GRPOTrainer.get_gamma_weights(
+            advantages=advantages,
+            log_ratio_per_token=log_ratio,
+            mask=mask,
+            importance_sampling_ratio=importance_sampling_ratio,
+            k_pos=spec.vespo_k_pos,
+            lambda_pos=spec.vespo_lambda_pos,
+            k_neg=spec.vespo_k_neg,
+            lambda_neg=spec.vespo_lambda_neg,
+        )
+        per_token_loss = -phi_seq * advantages * per_token_logps
+
+    if spec.off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+
+    if spec.vllm_importance_sampling_correction and spec.loss_type != "vespo":
+        per_token_loss = per_token_loss * importance_sampling_ratio
+
+    if spec.beta != 0.0:
+        per_token_loss = per_token_loss + spec.beta * per_token_kl
+
+    return per_token_loss, coef_1, per_token_kl, phi_seq
+
+
+def _masked_metric(
+    metrics: ResponseMetrics, name: str, x: torch.Tensor, mask: torch.Tensor, per_seq: bool
+) -> None:
+    """One row's share of TRL's `global_masked_mean(x)`.
+
+    TRL branches on `x.shape[1] == 1`; a row here may be truncated, so the caller says whether TRL's `[B, *]`
+    tensor has one column (`per_seq`).
+    """
+    x = x.detach()
+    if per_seq:  # TRL: `x.sum()` over one value per sequence, counted once per sequence
+        metrics.sums[name] = x.sum()
+        metrics.counts[name] = torch.tensor(float(x.shape[0]), device=x.device)
+    else:
+        metrics.sums[name] = (x * mask).sum()
+        metrics.counts[name] = mask.sum().float()
+
+
+def _seq_metric(
+    metrics: ResponseMetrics, name: str, x: torch.Tensor, mask: torch.Tensor, per_seq: bool
+) -> None:
+    """One row of TRL's `masked_seq_mean(x)` (NaN for a row without loss tokens, as in TRL)."""
+    x = x.detach()
+    metrics.seq_values[name] = x.squeeze(1) if per_seq else (x * mask).sum(-1) / mask.sum(-1)
+
+
+def response_loss(
+    spec: GRPOLossSpec,
+    ctx: LossNormalizer,
+    i: int,
+    per_token_logps_i: torch.Tensor,
+    old_logps_i: torch.Tensor | None,
+    ref_logps_i: torch.Tensor | None,
+    advantage_i: torch.Tensor | float,
+    mask_i: torch.Tensor | None = None,
+    *,
+    sampling_logps_i: torch.Tensor | None = None,
+    importance_sampling_ratio_i: torch.Tensor | None = None,
+    entropies_i: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ResponseMetrics]:
+    """The loss term of response `i`: summed over the micro-batch, TRL's `_compute_loss` value.
+
+    Differentiable in `per_token_logps_i` (and `entropies_i` when the entropy bonus is on); everything else is
+    treated as data. Per-token inputs are `[R]` (the micro-batch's padded length) or `[L]` with
+    `ctx.lengths[i] <= L <= R`; all of them must have the same length.
+
+    Args:
+        spec (`GRPOLossSpec`):
+            The loss specification (must be the one `ctx` was built with).
+        ctx (`LossNormalizer`):
+            From [`batch_loss_context`] for this micro-batch.
+        i (`int`):
+            Row of the response in the micro-batch.
+        per_token_logps_i (`torch.Tensor` of shape `[L]`):
+            Current-policy log-probs of the response tokens, with autograd.
+        old_logps_i (`torch.Tensor` of shape `[L]`, *optional*):
+            TRL's `old_per_token_logps` row; `None` when TRL has none (then `per_token_logps_i.detach()`).
+        ref_logps_i (`torch.Tensor` of shape `[L]`, *optional*):
+            Reference-model log-probs; required when `spec.beta != 0`.
+        advantage_i (`torch.Tensor` or `float`):
+            The response's advantage (scalar), or per-token advantages `[L]`.
+        mask_i (`torch.Tensor` of shape `[L]`, *optional*):
+            The response's loss-mask row; defaults to `ctx.mask[i]` (must equal it when given).
+        sampling_logps_i (`torch.Tensor` of shape `[L]`, *optional*):
+            Sampler log-probs (TRL's `sampling_per_token_logps`), used by the off-policy mask when given.
+        importance_sampling_ratio_i (`torch.Tensor` of shape `[L]` or `[1]`, *optional*):
+            TRL's vLLM `importance_sampling_ratio` row; required when `spec.vllm_importance_sampling_correction`.
+        entropies_i (`torch.Tensor` of shape `[L]`, *optional*):
+            Per-token entropies of the policy; required when `spec.entropy_coef != 0` (then differentiable),
+            otherwise only used for the `entropy` metric.
+
+    Returns:
+        `tuple[torch.Tensor, ResponseMetrics]`: the scalar loss term and the response's metric shares.
+    """
+    if ctx.spec != spec:
+        raise ValueError("ctx was built by batch_loss_context for a different GRPOLossSpec.")
+    if per_token_logps_i.dim() != 1:
+        per_token_logps_i = per_token_logps_i.reshape(-1)
+    length = per_token_logps_i.size(0)
+    if not ctx.lengths[i] <= length <= ctx.mask.size(1):
+        raise ValueError(
+            f"per_token_logps_i of response {i} has {length} positions; it needs between {ctx.lengths[i]} (its last "
+            f"loss token + 1) and {ctx.mask.size(1)} (the padded length)."
+        )
+    if spec.beta != 0.0 and ref_logps_i is None:
+        raise ValueError("beta != 0 needs the reference log-probs (ref_logps_i).")
+    if spec.vllm_importance_sampling_correction and importance_sampling_ratio_i is None:
+        raise ValueError("vLLM importance-sampling correction is on: pass importance_sampling_ratio_i.")
+    if spec.entropy_bonus_enabled and entropies_i is None:
+        raise ValueError("entropy_coef != 0 needs the per-token entropies of the response (entropies_i).")
+
+    device = per_token_logps_i.device
+    logps = per_token_logps_i.reshape(1, -1)
+    mask = _as_row(ctx.mask[i] if mask_i is None else mask_i, length, "mask_i", device)
+    if mask.size(1) != length:
+        raise ValueError(f"mask_i has {mask.size(1)} positions, per_token_logps_i has {length}.")
+    advantages = _as_row(advantage_i, length, "advantage_i", device, dtype=logps.dtype)
+    old = _as_row(old_logps_i, length, "old_logps_i", device)
+    ref = _as_row(ref_logps_i, length, "ref_logps_i", device)
+    sampling = _as_row(sampling_logps_i, length, "sampling_logps_i", device)
+    is_ratio = _as_row(importance_sampling_ratio_i, length, "importance_sampling_ratio_i", device)
+    entropies = _as_row(entropies_i, length, "entropies_i", device)
+
+    per_token_loss, coef_1, per_token_kl, phi_seq = _per_token_terms(
+        spec,
+        logps,
+        old,
+        ref,
+        advantages,
+        mask,
+        sampling_per_token_logps=sampling,
+        importance_sampling_ratio=is_ratio if spec.vllm_importance_sampling_correction else None,
+    )
+
+    # TRL's aggregation, restricted to row i (see the module docstring for the micro-batch formulas).
+    masked_sum = (per_token_loss * mask).sum(-1)  # [1]
+    if spec.loss_type in ("grpo", "sapo"):
+        policy = (masked_sum / mask.sum(-1).clamp(min=1.0)).sum() / ctx.num_responses
+        loss = policy / ctx.ga_normalizer
+    elif spec.loss_type == "bnpo":
+        policy = masked_sum.sum() / ctx.local_num_tokens
+        loss = policy / ctx.ga_normalizer
+    elif spec.loss_type == "dr_grpo":
+        policy = masked_sum.sum() / (ctx.num_responses * spec.max_completion_length)
+        loss = policy / ctx.ga_normalizer
+    elif spec.loss_type in TOKEN_NORMALIZED_LOSS_TYPES:
+        loss = policy = masked_sum.sum() / ctx.token_normalizer
+    else:  # "luspo"
+        policy = masked_sum.sum() / ctx.num_responses
+        loss = policy / ctx.ga_normalizer
+
+    if spec.entropy_bonus_enabled:
+        # TRL: `(entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor`
+        entropy_loss = (entropies * mask).sum() / ctx.local_num_tokens / ctx.ga_normalizer
+        loss = loss - spec.entropy_coef * entropy_loss
+
+    # TRL's metric helpers treat a `[B, 1]` tensor as one value per sequence. Which tensors have one column in TRL
+    # (a truncated row cannot tell by its shape): all of them when the padded length R is 1; otherwise, with one
+    # advantage per sequence, `phi_seq` and, at sequence level, the clip indicators. (A per-token advantage is
+    # recognised by having more than one element.)
+    one_column = ctx.mask.size(1) == 1
+    per_token_advantages = isinstance(advantage_i, torch.Tensor) and advantage_i.numel() > 1
+    clip_per_seq = one_column or (spec.importance_sampling_level == "sequence" and not per_token_advantages)
+
+    metrics = ResponseMetrics(policy_loss=policy.detach())
+    if per_token_kl is not None:
+        _masked_metric(metrics, "kl", per_token_kl, mask, one_column)
+    if entropies is not None:
+        _masked_metric(metrics, "entropy", entropies, mask, one_column)
+    if spec.loss_type in CLIPPED_LOSS_TYPES:
+        is_low_clipped = (coef_1 < 1 - spec.epsilon_low) & (advantages < 0)
+        is_high_clipped = (coef_1 > 1 + spec.epsilon_high) & (advantages > 0)
+        is_region_clipped = is_low_clipped | is_high_clipped
+        _masked_metric(metrics, "clip_ratio/low_mean", is_low_clipped.float(), mask, clip_per_seq)
+        _masked_metric(metrics, "clip_ratio/high_mean", is_high_clipped.float(), mask, clip_per_seq)
+        _masked_metric(metrics, "clip_ratio/region_mean", is_region_clipped.float(), mask, clip_per_seq)
+        _seq_metric(metrics, "clip_ratio/low_min", is_low_clipped.float(), mask, clip_per_seq)
+        _seq_metric(metrics, "clip_ratio/high_max", is_high_clipped.float(), mask, clip_per_seq)
+    elif spec.loss_type == "cispo":
+        is_cispo_clipped = (coef_1 > spec.epsilon_high) & (advantages > 0)
+        _masked_metric(metrics, "cispo_clip_ratio", is_cispo_clipped.float(), mask, clip_per_seq)
+    elif spec.loss_type == "vespo":
+        _masked_metric(metrics, "vespo/phi_seq_mean", phi_seq, mask, one_column or not per_token_advantages)
+
+    return loss, metrics
+
+
+def aggregate_metrics(
+    spec: GRPOLossSpec,
+    metrics: Sequence[ResponseMetrics],
+    *,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Combine the responses of one micro-batch into the values TRL's `_compute_loss` appends to `_metrics[mode]`.
+
+    Args:
+        spec (`GRPOLossSpec`):
+            The loss specification.
+        metrics (`Sequence[ResponseMetrics]`):
+            The metrics of every response of the micro-batch (from [`response_loss`]).
+        reduce_sum (`Callable`, *optional*):
+            Cross-process sum, e.g. `lambda t: accelerator.reduce(t, reduction="sum")`. Identity by default.
+        gather (`Callable`, *optional*):
+            Cross-process gather, e.g. `accelerator.gather`. Identity by default.
+
+    Returns:
+        `dict[str, float]`: keyed by TRL's metric names (`policy_loss` only when the entropy bonus is on,
+        `kl` only when `beta != 0`, `entropy` only when entropies were passed, then the loss type's clip metrics).
+        TRL also logs `entropy_coef` (a trainer-level value) and `aux_loss` (unsupported); those are not here.
+    """
+    reduce_sum = reduce_sum or (lambda t: t)
+    gather = gather or (lambda t: t)
+    if not metrics:
+        return {}
+    out: dict[str, float] = {}
+    if spec.entropy_bonus_enabled:
+        policy_loss = torch.stack([m.policy_loss for m in metrics]).sum()
+        out["policy_loss"] = gather(policy_loss).nanmean().item()
+    names = list(metrics[0].sums)
+    for m in metrics[1:]:
+        if list(m.sums) != names:
+            raise ValueError(
+                "Responses of one micro-batch report different metrics (entropies given for some only?)."
+            )
+    for name in names:
+        local_sum = torch.stack([m.sums[name] for m in metrics]).sum()
+        local_count = torch.stack([m.counts[name] for m in metrics]).sum()
+        totals = reduce_sum(torch.stack([local_sum, local_count.to(local_sum.dtype)]))
+        out[name] = (totals[0] / totals[1].clamp(min=1.0)).item()
+    for name in metrics[0].seq_values:
+        values = gather(torch.cat([m.seq_values[name] for m in metrics]))
+        out[name] = (nanmin(values) if name.endswith("_min") else nanmax(values)).item()
+    return out
+
+
+def batch_loss(
+    spec: GRPOLossSpec,
+    ctx: LossNormalizer,
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor | None,
+    ref_per_token_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    *,
+    sampling_per_token_logps: torch.Tensor | None = None,
+    importance_sampling_ratio: torch.Tensor | None = None,
+    entropies: torch.Tensor | None = None,
+    backward: bool = False,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sum [`response_loss`] over the rows of `[B, R]` tensors (TRL's `inputs` layout) and aggregate the metrics.
+
+    A convenience for tests and non-streaming callers. With `backward=True` each response's term is
+    back-propagated immediately (as the streaming trainer does) and the returned loss is detached.
+
+    Returns:
+        `tuple[torch.Tensor, dict[str, float]]`: the summed loss (TRL's `_compute_loss` value) and the metrics of
+        [`aggregate_metrics`].
+    """
+
+    def row(x, b):
+        return None if x is None else x[b]
+
+    total = None
+    all_metrics = []
+    for b in range(ctx.num_responses):
+        term, metrics = response_loss(
+            spec,
+            ctx,
+            b,
+            per_token_logps[b],
+            row(old_per_token_logps, b),
+            row(ref_per_token_logps, b),
+            advantages[b],
+            sampling_logps_i=row(sampling_per_token_logps, b),
+            importance_sampling_ratio_i=row(importance_sampling_ratio, b),
+            entropies_i=row(entropies, b),
+        )
+        if backward:
+            term.backward()
+            term = term.detach()
+        total = term if total is None else total + term
+        all_metrics.append(metrics)
+    return total, aggregate_metrics(spec, all_metrics, reduce_sum=reduce_sum, gather=gather)

@@ -1,0 +1,185 @@
+"""Shared helpers for tests that need a real TRL `GRPOTrainer` (CPU, no downloads).
+
+- `tiny_model_dir()`: a tiny random-init Qwen3 causal LM + the toy tokenizer, saved once per process to a temp dir
+  (TRL builds its reference model from the policy's `name_or_path` when `beta != 0`, so the model must exist on
+  disk).
+- `make_tiny_grpo_trainer(loss_type=..., beta=..., **grpo_kwargs)`: a real `GRPOTrainer` on that model (~60 ms).
+- `random_grpo_inputs(...)`: TRL-shaped `inputs` for `GRPOTrainer._compute_loss` with completions of different
+  lengths, plus the log-probs/entropies to feed it.
+- `patch_per_token_logps(trainer, logps, entropies)`: make `_compute_loss` see exactly these tensors.
+- `trl_compute_loss(trainer, inputs, logps, entropies)`: run TRL's real `_compute_loss`, backprop, and return the
+  value, the gradients and the metrics it logged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import warnings
+from functools import lru_cache
+from typing import Any
+
+import torch
+import transformers
+from datasets import Dataset
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from longstraw_trl.toy_tokenizer import build_toy_tokenizer
+
+TINY_VOCAB = 64
+
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+
+def tiny_qwen3_config(vocab_size: int = TINY_VOCAB) -> Qwen3Config:
+    """A 2-layer, hidden-32 Qwen3 config whose special token ids match the toy tokenizer."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+
+
+@lru_cache(maxsize=1)
+def tiny_model_dir() -> str:
+    """Directory holding a saved tiny random-init Qwen3 model and the toy tokenizer (created once per process)."""
+    path = tempfile.mkdtemp(prefix="longstraw_tiny_qwen3_")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(tiny_qwen3_config()).save_pretrained(path)
+    build_toy_tokenizer(TINY_VOCAB).save_pretrained(path)
+    return path
+
+
+def _constant_reward(completions, **kwargs):
+    return [0.0 for _ in completions]
+
+
+def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kwargs: Any) -> GRPOTrainer:
+    """A real `GRPOTrainer` on the tiny model, built on CPU without any download or logging integration.
+
+    Defaults (each overridable through `grpo_kwargs`): `per_device_train_batch_size=4`, `num_generations=4`,
+    `gradient_accumulation_steps=2`, `max_completion_length=16`, `report_to="none"`, `use_cpu=True`,
+    `activation_checkpointing=False`, `save_strategy="no"`. The model is in eval mode after construction (as TRL
+    leaves it); call `trainer.model.train()` for train-mode loss scaling, and set
+    `trainer.current_gradient_accumulation_steps` (normally set by the Trainer's training loop).
+    """
+    path = tiny_model_dir()
+    kwargs = dict(
+        output_dir=tempfile.mkdtemp(prefix="longstraw_grpo_"),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=16,
+        activation_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        loss_type=loss_type,
+        beta=beta,
+    )
+    kwargs.update(grpo_kwargs)
+    atexit.register(shutil.rmtree, kwargs["output_dir"], ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = GRPOConfig(**kwargs)
+        model = Qwen3ForCausalLM.from_pretrained(path)
+        tokenizer = build_toy_tokenizer(TINY_VOCAB)
+        dataset = Dataset.from_dict({"prompt": ["hello world", "the cat sat", "on the mat", "long straw"]})
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=_constant_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    return trainer
+
+
+def random_grpo_inputs(
+    lengths: list[int],
+    *,
+    seed: int = 0,
+    max_len: int | None = None,
+    prompt_len: int = 3,
+    beta: float = 0.0,
+    with_old: bool = True,
+    num_items_in_batch: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """TRL-shaped `_compute_loss` inputs for completions of the given lengths (right-padded to `max_len`).
+
+    Returns `(inputs, per_token_logps, entropies)`. Log-probs are random but plausible (negative), with the current
+    policy and the reference drawn around the old policy so that ratios fall on both sides of the clip range.
+    Advantages alternate in sign. `num_items_in_batch` defaults to the local token count times 2 plus 3 (a
+    generation batch larger than the micro-batch, as in TRL).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    max_len = max_len or max(max(lengths), 1)
+    completion_mask = (torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]).int()
+    old = -torch.rand(batch, max_len, generator=gen, dtype=dtype) * 3 - 0.05
+    logps = old + 0.35 * torch.randn(batch, max_len, generator=gen, dtype=dtype)
+    logps = logps.clamp(max=-1e-3)
+    entropies = torch.rand(batch, max_len, generator=gen, dtype=dtype) * 2
+    advantages = torch.randn(batch, generator=gen, dtype=dtype).abs() + 0.1
+    advantages[1::2] *= -1
+    if num_items_in_batch is None:
+        num_items_in_batch = int(completion_mask.sum()) * 2 + 3
+    inputs = {
+        "prompt_ids": torch.randint(4, TINY_VOCAB, (batch, prompt_len), generator=gen),
+        "prompt_mask": torch.ones(batch, prompt_len, dtype=torch.long),
+        "completion_ids": torch.randint(4, TINY_VOCAB, (batch, max_len), generator=gen) * completion_mask,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": torch.tensor(num_items_in_batch),
+    }
+    if with_old:
+        inputs["old_per_token_logps"] = old
+    if beta != 0.0:
+        inputs["ref_per_token_logps"] = old + 0.25 * torch.randn(batch, max_len, generator=gen, dtype=dtype)
+    return inputs, logps, entropies
+
+
+def patch_per_token_logps(
+    trainer: GRPOTrainer, logps: torch.Tensor, entropies: torch.Tensor | None = None
+) -> None:
+    """Make the trainer's `_get_per_token_logps_and_entropies` return exactly `(logps, entropies, None)`."""
+
+    def fake(*args, **kwargs):
+        return logps, entropies, None
+
+    trainer._get_per_token_logps_and_entropies = fake
+
+
+def trl_compute_loss(
+    trainer: GRPOTrainer, inputs: dict[str, torch.Tensor], logps: torch.Tensor, entropies: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """Run TRL's real `_compute_loss` on `inputs` with the given log-probs/entropies and back-propagate.
+
+    Returns `(loss, grad_logps, grad_entropies, metrics)`: the detached loss, the gradients w.r.t. the log-probs
+    and entropies, and the last value of every metric `_compute_loss` appended to `trainer._metrics[mode]`.
+    """
+    mode = "train" if trainer.model.training else "eval"
+    logps_leaf = logps.detach().clone().requires_grad_()
+    entropies_leaf = entropies.detach().clone().requires_grad_()
+    patch_per_token_logps(trainer, logps_leaf, entropies_leaf)
+    trainer._metrics[mode].clear()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    metrics = {name: values[-1] for name, values in trainer._metrics[mode].items() if values}
+    return loss.detach(), logps_leaf.grad, entropies_leaf.grad, metrics
