@@ -305,7 +305,11 @@ def _self_attention_lse(q, k, v, scale):
     return attention_lse(q, repeat_kv(k, rep), repeat_kv(v, rep), scale, causal=True)
 
 
-PartialReduce = Callable[[torch.Tensor | None, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+# (out, lse, q) -> (out, lse): combines the prompt part over context-parallel ranks; q gives the shape
+# when this rank holds no pages.
+PartialReduce = Callable[
+    [torch.Tensor | None, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]
+]
 GradReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -321,7 +325,7 @@ class PromptResponseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, pages, scale, reduce_partial, reduce_dq):
         num_kv = k.shape[1]
         out_p, lse_p = pages_attention(q, pages, scale, num_kv)
-        out_p, lse_p = reduce_partial(out_p, lse_p)
+        out_p, lse_p = reduce_partial(out_p, lse_p, q)
         out_s, lse_s = _self_attention_lse(q, k, v, scale)
         out, lse = merge_partials(out_p, lse_p, out_s, lse_s)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -342,7 +346,7 @@ class PromptResponseAttention(torch.autograd.Function):
         return (dq + dq_s).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _no_reduce_partial(out, lse):
+def _no_reduce_partial(out, lse, q):
     return out, lse
 
 
@@ -367,6 +371,6 @@ def prompt_response_attention(
     reduce_dq = reduce_dq or _no_reduce_dq
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return PromptResponseAttention.apply(q, k, v, pages, scale, reduce_partial, reduce_dq)
-    out_p, lse_p = reduce_partial(*pages_attention(q, pages, scale, k.shape[1]))
+    out_p, lse_p = reduce_partial(*pages_attention(q, pages, scale, k.shape[1]), q)
     out_s, lse_s = _self_attention_lse(q, k, v, scale)
     return merge_partials(out_p, lse_p, out_s, lse_s)[0].to(q.dtype)
