@@ -90,9 +90,12 @@ def attention_lse_reference(
             qi = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
             kj = torch.arange(start, start + kb.shape[-2], device=q.device)[None, :]
             s = s.masked_fill(kj > qi, float("-inf"))
-        lse_b = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - torch.where(torch.isinf(lse_b), 0.0, lse_b).unsqueeze(-1))
-        out_b = torch.matmul(p, vb.float())
+        m = s.amax(-1)
+        m = torch.where(torch.isinf(m), 0.0, m)  # rows with every key masked: p = 0, lse = -inf
+        p = torch.exp(s - m.unsqueeze(-1))
+        total = p.sum(-1)
+        lse_b = m + torch.log(total)
+        out_b = torch.matmul(p, vb.float()) / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
         out, lse = merge_partials(out, lse, out_b, lse_b)
     if out is None:  # no keys at all
         shape = q.shape[:-1]

@@ -1,0 +1,173 @@
+"""Engine on a real-dimension model slice: capture P tokens, replay G responses with backward.
+
+Presets (``longstraw_trl.presets``): ``qwen3-8b`` (hidden 4096, 32 q / 8 kv heads of 128, intermediate
+12288, vocab 151936) and ``qwen3.6-27b`` (hidden 5120, 24 q / 4 kv heads of 256, GDN 16 key / 48 value
+heads of 128, intermediate 17408, vocab 248320; 3 GDN layers then 1 full attention), with fewer layers
+(``--layers``, default 4), random weights, bf16, full fine-tuning (every parameter gets a gradient).
+Reports peak memory, state bytes by kind, capture seconds against the attention floor (causal SDPA rate
+measured in the same run), replay seconds per response, and the peak for each G (it must not grow with
+G: one response's graph at a time).
+
+    python bench/engine_slice.py --preset qwen3-8b --prompt 1048576 --groups 2 8
+    python bench/engine_slice.py --preset qwen3.6-27b --prompt 1048576 2097152 --groups 8
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import GiB, Timer, peak_gib, print_table, reset_peak, sdpa_causal_tflops, write_result
+from transformers import AutoModelForCausalLM
+
+from longstraw_trl import capture_prompt
+from longstraw_trl.presets import preset_config
+
+
+def slice_config(preset: str, layers: int, max_positions: int, tiny: bool = False):
+    if tiny:  # a dry run of the script itself on CPU: same layer pattern, tiny widths
+        return preset_config(
+            preset,
+            layers,
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            max_position_embeddings=max_positions,
+        )
+    return preset_config(preset, layers, max_position_embeddings=max_positions)
+
+
+def check_small(model, vocab: int, device: str) -> float:
+    """bf16 log-probs against the stock model's own forward at a small size (sanity on this device)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    prompt = torch.randint(0, vocab, (4096,), device=device, generator=g)
+    comp = torch.randint(0, vocab, (2, 256), device=device, generator=g)
+    state = capture_prompt(model, prompt, chunk_size=1024, page_size=1536)
+    got = state.logprobs(model, comp)
+    with torch.no_grad():
+        full = torch.cat([prompt[None].expand(2, -1), comp], 1)
+        logits = model(full).logits[:, 4095:-1].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, comp[..., None])[..., 0]
+    return (got - ref).abs().max().item()
+
+
+def full_attention_layers(config) -> int:
+    types = getattr(config, "layer_types", None)
+    return sum(t == "full_attention" for t in types) if types else config.num_hidden_layers
+
+
+def run_prompt(model, config, args, prompt_len: int, dev: str, rate: float) -> dict:
+    prompt = torch.randint(0, config.vocab_size, (prompt_len,), device=dev)
+    reset_peak()
+    with Timer() as t_cap:
+        state = capture_prompt(model, prompt, chunk_size=args.chunk, page_size=args.page, progress=False)
+    capture_peak = peak_gib()
+    heads, hd = config.num_attention_heads, config.head_dim
+    attn_flops = 4 * heads * hd * prompt_len**2 / 2 * full_attention_layers(config)
+    replays = []
+    for g in args.groups:
+        reset_peak()
+        times = []
+        for _ in range(g):
+            comp = torch.randint(0, config.vocab_size, (1, args.response), device=dev)
+            with Timer() as t:
+                logp = state.logprobs(model, comp, grad=True)
+                (-logp.mean()).backward()
+            times.append(t.seconds)
+        replays.append(
+            {
+                "G": g,
+                "replay_s_per_response": sum(times[1:]) / (len(times) - 1) if g > 1 else times[0],
+                "replay_s_first": times[0],
+                "replay_peak_gib": peak_gib(),
+            }
+        )
+    result = {
+        "prompt_tokens": prompt_len,
+        "state_bytes": state.nbytes(),
+        "state_bytes_by_kind": state.nbytes_by_kind(),
+        "state_slack_bytes": state.slack_bytes(),
+        "capture_s": t_cap.seconds,
+        "capture_peak_gib": capture_peak,
+        "capture_attention_floor_s": attn_flops / (rate * 1e12),
+        "capture_over_floor": t_cap.seconds / (attn_flops / (rate * 1e12)),
+        "replays": replays,
+    }
+    del state
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-8b", choices=["qwen3-8b", "qwen3.6-27b"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompt", type=int, nargs="+", default=[1 << 20])
+    ap.add_argument("--response", type=int, default=2048)
+    ap.add_argument("--groups", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--chunk", type=int, default=16384)
+    ap.add_argument("--page", type=int, default=16384)
+    ap.add_argument("--tiny", action="store_true", help="dry run on CPU with tiny dimensions")
+    args = ap.parse_args()
+    dev = "cpu" if args.tiny else "cuda"
+
+    torch.manual_seed(0)
+    config = slice_config(
+        args.preset, args.layers, max(max(args.prompt) + args.response, 4352) + 16, args.tiny
+    )
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.train()
+    weights_gib = torch.cuda.memory_allocated() / GiB if not args.tiny else 0.0
+    small_diff = check_small(model, config.vocab_size, dev)
+    heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    rate = sdpa_causal_tflops(heads, kv, hd) if not args.tiny else float("nan")
+
+    results = [run_prompt(model, config, args, p, dev, rate) for p in args.prompt]
+    payload = {
+        "model": f"{args.preset} layer dimensions, {args.layers} layers "
+        f"({full_attention_layers(config)} full attention), random init, bf16, full fine-tuning",
+        "layers": args.layers,
+        "response_tokens": args.response,
+        "chunk_size": args.chunk,
+        "page_size": args.page,
+        "weights_gib": weights_gib,
+        "small_check_max_abs_logprob_diff_bf16": small_diff,
+        "sdpa_causal_tflops_measured": rate,
+        "results": results,
+    }
+    path = write_result(f"engine_{args.preset}_{args.layers}L", payload)
+    print(
+        f"{args.preset} x{args.layers} layers: weights {weights_gib:.2f} GiB; SDPA causal {rate:.0f} TFLOP/s"
+    )
+    print(f"small bf16 check vs stock forward: max |dlogp| = {small_diff:.3g}")
+    rows = []
+    for r in results:
+        for rep in r["replays"]:
+            rows.append(
+                {
+                    "P": r["prompt_tokens"],
+                    "state GiB": f"{r['state_bytes'] / GiB:.2f}",
+                    "by kind MiB": " ".join(
+                        f"{k}={v / 2**20:.0f}" for k, v in r["state_bytes_by_kind"].items()
+                    ),
+                    "capture s": f"{r['capture_s']:.1f}",
+                    "floor s": f"{r['capture_attention_floor_s']:.1f}",
+                    "cap peak GiB": f"{r['capture_peak_gib']:.1f}",
+                    "G": rep["G"],
+                    "replay s/resp": f"{rep['replay_s_per_response']:.2f}",
+                    "replay peak GiB": f"{rep['replay_peak_gib']:.1f}",
+                }
+            )
+    print_table(rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
