@@ -1,0 +1,81 @@
+"""Depthwise causal conv1d that continues from a constant conv state (Gated DeltaNet's short conv).
+
+HF's Qwen3.5 runs the conv on ``mixed_qkv`` laid out ``[B, C, T]`` with ``weight = conv1d.weight.squeeze(1)``
+``[C, kernel_size]``, computes in the weight's dtype and casts the result back to the input's dtype. Its
+cached path (``causal_conv1d_update``) writes the cache with ``copy_``; this one never writes its inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_conv1d_with_state"]
+
+_ACTIVATIONS = {
+    None: None,
+    "identity": None,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def causal_conv1d_with_state(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    state_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv of ``x`` given the inputs that preceded it.
+
+    Args:
+        x: ``[B, C, T]`` (any ``T >= 0``).
+        weight: ``[C, kernel_size]`` (or ``[C, 1, kernel_size]`` as stored by ``nn.Conv1d``).
+        bias: ``[C]`` or None.
+        conv_state: ``[B, C, W]``, the last ``W`` pre-conv inputs before ``x`` (newest last), or None
+            (zeros: the start of the sequence). Only its last ``kernel_size - 1`` columns are read; a
+            narrower state is treated as zero-padded on the left. A constant: detached, never written.
+        activation: ``"silu"`` (HF's ``hidden_act`` for Qwen3.5), ``"swish"``, ``"identity"`` or None.
+        state_len: width of the returned state; default ``kernel_size - 1`` (HF's cache keeps
+            ``kernel_size``).
+    Returns:
+        ``(y [B, C, T] in x.dtype, new_conv_state [B, C, state_len] in x.dtype)``: ``new_conv_state`` is a
+        fresh detached tensor holding the last ``state_len`` inputs of ``concat(conv_state, x)``, ready to
+        pass as ``conv_state`` to the next chunk.
+    """
+    if activation not in _ACTIVATIONS:
+        raise ValueError(
+            f"unsupported activation {activation!r}; use one of {sorted(map(str, _ACTIVATIONS))}"
+        )
+    if weight.dim() == 3:
+        weight = weight.squeeze(1)
+    Bsz, C, T = x.shape
+    if weight.shape[0] != C:
+        raise ValueError(f"weight has {weight.shape[0]} channels, x has {C}")
+    ksize = weight.shape[-1]
+    hist = ksize - 1
+    L = hist if state_len is None else int(state_len)
+
+    if conv_state is None:
+        prev = x.new_zeros(Bsz, C, max(hist, L))
+    else:
+        if conv_state.shape[:2] != (Bsz, C):
+            raise ValueError(f"conv_state must be [B, C, W] = [{Bsz}, {C}, W]; got {tuple(conv_state.shape)}")
+        prev = conv_state.detach().to(device=x.device, dtype=x.dtype)
+        need = max(hist, L) - prev.shape[-1]
+        if need > 0:
+            prev = F.pad(prev, (need, 0))
+    full = torch.cat([prev, x], dim=-1)  # [B, C, W' + T], W' >= kernel_size - 1
+
+    new_state = full[..., full.shape[-1] - L :].detach().clone() if L > 0 else x.new_zeros(Bsz, C, 0)
+    if T == 0:
+        return x.new_zeros(Bsz, C, 0), new_state
+
+    window = full[..., full.shape[-1] - (hist + T) :].to(weight.dtype)
+    y = F.conv1d(window, weight.unsqueeze(1), bias, padding=0, groups=C)  # exactly T outputs
+    act = _ACTIVATIONS[activation]
+    if act is not None:
+        y = act(y)
+    return y.to(x.dtype), new_state
