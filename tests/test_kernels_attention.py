@@ -101,6 +101,9 @@ def test_flash_path_matches_math_on_cuda(dtype):
     args = [x.detach().float().requires_grad_() for x in (q, k, v)]
     ref = full_softmax_reference(args[0], kp.float(), vp.float(), args[1], args[2], d**-0.5)
     ref_grads = torch.autograd.grad(ref, args, dout.float())
-    assert ((out.float() - ref).norm() / ref.norm()) <= 1e-2
-    for g, r in zip(grads, ref_grads, strict=True):
-        assert ((g.float() - r).norm() / r.norm()) <= 1e-2
+    errors = [
+        ((a.float() - b).norm() / b.norm()).item()
+        for a, b in zip((out, *grads), (ref, *ref_grads), strict=False)
+    ]
+    print(f"{dtype} relative errors out/dq/dk/dv: {errors}")
+    assert max(errors) <= 1e-2, errors
