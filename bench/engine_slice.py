@@ -133,6 +133,7 @@ def main() -> None:
     payload = {
         "model": f"{args.preset} layer dimensions, {args.layers} layers "
         f"({full_attention_layers(config)} full attention), random init, bf16, full fine-tuning",
+        "preset": args.preset,
         "layers": args.layers,
         "response_tokens": args.response,
         "chunk_size": args.chunk,

@@ -5,7 +5,7 @@ Benchmarks build these with fewer layers (``num_hidden_layers=...``) and random 
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
+from transformers import GlmMoeDsaConfig, PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
 
 PRESETS = {
     # Qwen3-8B: 36 layers of full GQA attention.
@@ -39,6 +39,10 @@ PRESETS = {
         tie_word_embeddings=False,
     ),
 }
+# GLM-5 class (glm_moe_dsa): MLA (q_lora 2048, kv_lora 512, rope 64), DSA indexer 32 x 128, 256 experts
+# top-8 + 1 shared, 78 layers. transformers' defaults for this config are these dimensions. Planner only:
+# the engine has no glm_moe_dsa patch yet.
+PRESETS["glm-5"] = dict(cls=GlmMoeDsaConfig)
 
 
 def preset_config(name: str, num_hidden_layers: int | None = None, **overrides) -> PretrainedConfig:
@@ -50,7 +54,7 @@ def preset_config(name: str, num_hidden_layers: int | None = None, **overrides) 
         raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     spec = dict(PRESETS[name])
     cls = spec.pop("cls")
-    layers = num_hidden_layers or spec["num_hidden_layers"]
+    layers = num_hidden_layers or spec.get("num_hidden_layers") or cls().num_hidden_layers
     spec["num_hidden_layers"] = layers
     if cls is Qwen3_5TextConfig:
         spec["layer_types"] = [

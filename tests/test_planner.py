@@ -1,0 +1,77 @@
+"""`longstraw plan` against peaks measured on the H200 (bench/results/engine_*.json)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longstraw_trl.planner import GiB, plan_memory, state_bytes
+from longstraw_trl.presets import preset_config
+
+RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("engine_*.json"))
+
+
+def _arg(command: str, flag: str, default=None):
+    words = shlex.split(command)
+    return words[words.index(flag) + 1] if flag in words else default
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[p.stem for p in RESULTS])
+def test_plan_reproduces_measured_peaks(path):
+    data = json.loads(path.read_text())
+    preset = data.get("preset") or _arg(data["command"], "--preset", "qwen3-8b")
+    config = preset_config(preset, data["layers"])
+    for result in data["results"]:
+        p = result["prompt_tokens"]
+        plan = plan_memory(
+            config,
+            p,
+            response_tokens=data["response_tokens"],
+            optimizer="none",  # the benchmark runs backward without an optimizer
+            capture_chunk_size=data["chunk_size"],
+            page_size=data["page_size"],
+        )
+        # the state is a formula: exact
+        assert plan.state_by_kind == result["state_bytes_by_kind"]
+        measured_capture = result["capture_peak_gib"]
+        assert abs(plan.capture_peak / GiB - measured_capture) <= 0.10 * measured_capture, (
+            plan.capture_peak / GiB,
+            measured_capture,
+        )
+        for rep in result["replays"]:
+            measured = rep["replay_peak_gib"]
+            assert abs(plan.replay_peak / GiB - measured) <= 0.10 * measured, (
+                plan.replay_peak / GiB,
+                measured,
+            )
+
+
+def test_state_formula_and_cp_split():
+    config = preset_config("qwen3.6-27b")
+    one = state_bytes(config, 2_097_152)
+    assert one["kv"] == 2 * 16 * 4 * 256 * 2 * 2_097_152  # 128 GiB, DESIGN.md
+    eight = state_bytes(config, 2_097_152, cp_size=8)
+    assert eight["kv"] == one["kv"] // 8 and eight["gdn"] == one["gdn"]
+
+
+def test_cli_plan_runs_and_says_whether_it_fits():
+    out = subprocess.run(
+        [sys.executable, "-m", "longstraw_trl", "plan", "qwen3-8b", "--layers", "2", "--prompt", "65536"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "state[kv]" in out.stdout and "FITS" in out.stdout
+    big = subprocess.run(
+        [sys.executable, "-m", "longstraw_trl", "plan", "qwen3-8b", "--prompt", "4194304", "--gpu", "80"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert big.returncode == 1 and "DOES NOT FIT" in big.stdout
