@@ -129,7 +129,7 @@ def main() -> None:
     heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     rate = sdpa_causal_tflops(heads, kv, hd) if not args.tiny else float("nan")
 
-    results = [run_prompt(model, config, args, p, dev, rate) for p in args.prompt]
+    results = []
     payload = {
         "model": f"{args.preset} layer dimensions, {args.layers} layers "
         f"({full_attention_layers(config)} full attention), random init, bf16, full fine-tuning",
@@ -143,7 +143,9 @@ def main() -> None:
         "sdpa_causal_tflops_measured": rate,
         "results": results,
     }
-    path = write_result(f"engine_{args.preset}_{args.layers}L", payload)
+    for p in args.prompt:  # written after each P, so a run cut short keeps what it measured
+        results.append(run_prompt(model, config, args, p, dev, rate))
+        path = write_result(f"engine_{args.preset}_{args.layers}L", payload)
     print(
         f"{args.preset} x{args.layers} layers: weights {weights_gib:.2f} GiB; SDPA causal {rate:.0f} TFLOP/s"
     )

@@ -8,8 +8,15 @@ from longstraw_trl.errors import UnsupportedModelError
 
 from .base import FamilyPatch
 from .gqa import GQAPatch, apply_longstraw_to_gqa
+from .qwen3_5 import (
+    GatedDeltaNetHybridPatch,
+    Qwen3_5Patch,
+    apply_longstraw_to_qwen3_5,
+    apply_longstraw_to_qwen3_5_moe,
+)
+from .qwen3_next import Qwen3NextPatch, apply_longstraw_to_qwen3_next
 
-_PATCHES: list[FamilyPatch] = [GQAPatch()]
+_PATCHES: list[FamilyPatch] = [GQAPatch(), Qwen3_5Patch(), Qwen3NextPatch()]
 
 PATCH_ATTR = "_longstraw_patch"
 
@@ -75,8 +82,14 @@ def patch_model(model: nn.Module) -> nn.Module:
 __all__ = [
     "FamilyPatch",
     "GQAPatch",
+    "GatedDeltaNetHybridPatch",
+    "Qwen3NextPatch",
+    "Qwen3_5Patch",
     "UnsupportedModelError",
     "apply_longstraw_to_gqa",
+    "apply_longstraw_to_qwen3_5",
+    "apply_longstraw_to_qwen3_5_moe",
+    "apply_longstraw_to_qwen3_next",
     "find_patch",
     "patch_model",
     "register_family",

@@ -38,3 +38,110 @@ def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
     config = GQA_CONFIGS[family]()
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.float().eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gated DeltaNet hybrids (Qwen3.5 / Qwen3.6, Qwen3.5-MoE, Qwen3-Next): two GDN layers around one
+# gated full-attention layer, grouped value heads (2 key heads serve 4 value heads), partial rotary.
+# ----------------------------------------------------------------------------------------------------
+HYBRID_COMMON = dict(
+    COMMON,
+    num_hidden_layers=3,
+    head_dim=32,  # partial_rotary_factor 0.25 -> 8 rotary dims, 4 frequencies
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+HYBRID_MOE = dict(
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+)
+# mrope as in the released checkpoints, scaled down: sections sum to the 4 rotary frequencies
+MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[2, 1, 1])
+MROPE_INTERLEAVED = dict(MROPE, mrope_interleaved=True)
+TINY_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
+
+
+def _qwen3_5_text():
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**HYBRID_COMMON, rope_parameters=MROPE_INTERLEAVED)
+
+
+def _qwen3_5_vl():
+    from transformers import Qwen3_5Config
+
+    text = dict(HYBRID_COMMON, rope_parameters=MROPE)
+    return Qwen3_5Config(text_config=text, vision_config=TINY_VISION, tie_word_embeddings=False)
+
+
+def _qwen3_5_moe_text():
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**HYBRID_COMMON, **HYBRID_MOE, rope_parameters=MROPE_INTERLEAVED)
+
+
+def _qwen3_5_moe_vl():
+    from transformers import Qwen3_5MoeConfig
+
+    text = dict(HYBRID_COMMON, **HYBRID_MOE, rope_parameters=MROPE)
+    return Qwen3_5MoeConfig(text_config=text, vision_config=TINY_VISION, tie_word_embeddings=False)
+
+
+def _qwen3_next():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(**HYBRID_COMMON, **HYBRID_MOE, decoder_sparse_step=1, norm_topk_prob=True)
+
+
+HYBRID_CONFIGS = {
+    "qwen3_5": _qwen3_5_text,
+    "qwen3_5_vl": _qwen3_5_vl,  # Qwen3_5ForConditionalGeneration, text-only inputs
+    "qwen3_5_moe": _qwen3_5_moe_text,
+    "qwen3_5_moe_vl": _qwen3_5_moe_vl,
+    "qwen3_next": _qwen3_next,
+}
+
+
+def _conditional_generation(family: str):
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
+    return {
+        "qwen3_5_vl": Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe_vl": Qwen3_5MoeForConditionalGeneration,
+    }.get(family)
+
+
+def build_hybrid(family: str, seed: int = 0, attn_implementation: str = "eager"):
+    torch.manual_seed(seed)
+    config = HYBRID_CONFIGS[family]()
+    cls = _conditional_generation(family)
+    if cls is not None:
+        model = cls._from_config(config, attn_implementation=attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    _moderate_gdn_decay(model)
+    return model.float().eval()
+
+
+@torch.no_grad()
+def _moderate_gdn_decay(model):
+    """HF initialises the GDN decay rate ``A`` uniformly in (0.01, 16): most heads then forget within a token
+    or two and the gradients of ``A_log`` / ``dt_bias`` are ~1e-5 of the others, all cancellation, so their
+    fp32 relative error means nothing. Draw ``A`` in (0.1, 2) instead: every head carries state across
+    chunks (which is what the tests are about) and every gradient is well conditioned."""
+    gen = torch.Generator().manual_seed(1234)
+    for name, param in model.named_parameters():
+        if name.endswith("linear_attn.A_log"):
+            param.copy_(torch.empty(param.shape).uniform_(0.1, 2.0, generator=gen).log())

@@ -1,0 +1,291 @@
+"""Qwen3.5 / Qwen3.6 hybrids: ``qwen3_5`` and ``qwen3_5_moe`` (text model and the language model of
+``*ForConditionalGeneration``), Gated DeltaNet layers interleaved with gated full attention.
+
+This module also holds the Gated DeltaNet (GDN) replay shared by every HF family built on the same layer
+(``qwen3_next`` subclasses :class:`GatedDeltaNetHybridPatch` and only changes the input projections).
+
+Full-attention layers need nothing here: HF's ``Qwen3_5Attention`` keeps its own projections, q/k norms,
+partial rotary and output gate, and calls the attention interface, which the engine dispatches to the
+prompt pages when its context is passed down.
+
+GDN layers: the decoder layer forwards its extra keywords to ``linear_attn``, so :meth:`apply` wraps the
+GDN class's ``forward`` once (class level, like HF's own checkpointing wrapper, so accelerate hooks,
+``deepcopy`` and peft keep working). Without the engine's keyword the stock forward runs untouched. With
+it, :func:`gdn_forward` reuses the module's own submodules (projections, conv weight, gated RMSNorm,
+``out_proj``: LoRA on them applies) and replaces only the state handling and the kernels:
+
+- ``capture``: the chunk continues from ``state.layers[i]`` (a :class:`GDNState`, fixed size) and a new
+  ``GDNState`` replaces it (tensors are never written in place, so forks and earlier states stay valid);
+- ``replay``: the prompt state, expanded to the batch, is a read-only constant (no gradient reaches it);
+- ``decode``: per-sequence states live in ``ctx.extra[("gdn", i)]``, started from the prompt state and
+  rebound after every call; the prompt state is not touched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longstraw_trl.errors import LongStrawError, UnsupportedModelError
+from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
+from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule
+from longstraw_trl.state import GDNState
+
+from .base import FamilyPatch
+
+GDN_KIND = GDNState.kind
+LINEAR, FULL = "linear_attention", "full_attention"
+_CONV_ACTIVATIONS = ("silu", "swish")
+# RoPE variants whose frequencies depend on the largest position *in the call*: a chunked capture would
+# not reproduce a full forward.
+_CALL_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+# (mixed_qkv [B, T, 2 * key_dim + value_dim], z [B, T, Hv, Dv], b [B, T, Hv], a [B, T, Hv])
+Projection = Callable[
+    [nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gated DeltaNet replay (shared by every family with HF's Qwen3.5 / Qwen3-Next GDN layer)
+# ----------------------------------------------------------------------------------------------------
+def _prompt_gdn_state(ctx, idx: int) -> GDNState | None:
+    layer = ctx.state.layers.get(idx)
+    if layer is not None and not isinstance(layer, GDNState):
+        raise LongStrawError(
+            f"layer {idx} is a Gated DeltaNet layer but the state holds {type(layer).__name__} there: "
+            "the state belongs to another model"
+        )
+    if layer is None and ctx.mode != "capture":
+        raise LongStrawError(f"layer {idx} has no captured GDN state: the state belongs to another model")
+    return layer
+
+
+def _expand(t: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    if t is None or t.shape[0] == batch:
+        return t
+    if t.shape[0] != 1:
+        raise LongStrawError(f"a GDN state of batch {t.shape[0]} cannot serve a batch of {batch}")
+    return t.expand(batch, *t.shape[1:])
+
+
+def _initial_state(ctx, idx: int, batch: int) -> GDNState:
+    """The state the call starts from (never written: the kernels treat it as a constant)."""
+    if ctx.mode == "decode":
+        running = ctx.extra.get((GDN_KIND, idx))
+        if running is not None:
+            if running.recurrent.shape[0] != batch:
+                raise LongStrawError(
+                    f"decode batch changed from {running.recurrent.shape[0]} to {batch} within one context"
+                )
+            return running
+    prompt = _prompt_gdn_state(ctx, idx)
+    if prompt is None:  # first capture chunk: the start of the sequence
+        return GDNState()
+    return GDNState(_expand(prompt.conv, batch), _expand(prompt.recurrent, batch))
+
+
+def _store_state(ctx, idx: int, new: GDNState) -> None:
+    if ctx.mode == "capture":
+        ctx.state.layers[idx] = new  # a new object: forks sharing the old one are unaffected
+    elif ctx.mode == "decode":
+        ctx.extra[(GDN_KIND, idx)] = new
+    elif ctx.mode != "replay":
+        raise LongStrawError(f"unknown LongStraw mode {ctx.mode!r}")
+
+
+def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Projection) -> torch.Tensor:
+    """HF's ``*GatedDeltaNet.forward`` continuing from (and, per ``ctx.mode``, producing) a GDN state.
+
+    Same math, dtypes and submodules as the stock layer; only the conv / recurrent state handling and
+    the kernel calls differ (:func:`causal_conv1d_with_state`, :func:`gated_delta_rule`).
+    """
+    idx = module.layer_idx
+    batch, seq_len, _ = hidden_states.shape
+    mixed_qkv, z, b, a = project(module, hidden_states)
+    start = _initial_state(ctx, idx, batch)
+
+    conv_out, conv_state = causal_conv1d_with_state(
+        mixed_qkv.transpose(1, 2),
+        module.conv1d.weight,
+        module.conv1d.bias,
+        conv_state=start.conv,
+        activation=module.activation,
+    )
+    query, key, value = torch.split(
+        conv_out.transpose(1, 2), [module.key_dim, module.key_dim, module.value_dim], dim=-1
+    )
+    query = query.reshape(batch, seq_len, -1, module.head_k_dim)
+    key = key.reshape(batch, seq_len, -1, module.head_k_dim)
+    value = value.reshape(batch, seq_len, -1, module.head_v_dim)
+
+    beta = b.sigmoid()
+    # as HF: in fp32, so that an fp16 A_log cannot overflow
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+
+    keep = ctx.mode != "replay"
+    core, recurrent = gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        initial_state=start.recurrent,
+        output_final_state=keep,
+        use_qk_l2norm_in_kernel=True,
+    )
+    if keep:
+        _store_state(ctx, idx, GDNState(conv_state, recurrent))
+
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(batch, seq_len, -1))
+
+
+def _with_accelerate_hooks(fn: Callable) -> Callable:
+    """Fire ``conv1d``'s accelerate hooks around ``fn`` as HF's forward does (its weight is read directly)."""
+    try:
+        from transformers.integrations.accelerate import force_accelerate_hooks
+    except ImportError:  # pragma: no cover - older transformers
+        return fn
+    return force_accelerate_hooks("conv1d")(fn)
+
+
+def install_gdn_forward(cls: type[nn.Module], project: Projection, ctx_kwarg: str) -> None:
+    """Wrap ``cls.forward`` (idempotent): with ``ctx_kwarg`` run :func:`gdn_forward`, else the stock code."""
+    stock = cls.forward
+    if getattr(stock, "_longstraw_gdn", False):
+        return
+
+    @_with_accelerate_hooks
+    def replay(self, hidden_states, ctx, cache_params=None, attention_mask=None):
+        if cache_params is not None:
+            raise LongStrawError("a LongStraw call cannot also use an HF cache (cache_params)")
+        if attention_mask is not None:
+            raise LongStrawError("a LongStraw call takes no attention_mask: rows are right-padded instead")
+        return gdn_forward(self, hidden_states, ctx, project)
+
+    @functools.wraps(stock)
+    def forward(self, hidden_states, *args, **kwargs):
+        ctx = kwargs.pop(ctx_kwarg, None)
+        if ctx is None:
+            return stock(self, hidden_states, *args, **kwargs)
+        if args:
+            raise LongStrawError(f"{cls.__name__}: pass cache_params / attention_mask by keyword")
+        return replay(
+            self,
+            hidden_states,
+            ctx,
+            cache_params=kwargs.get("cache_params"),
+            attention_mask=kwargs.get("attention_mask"),
+        )
+
+    forward._longstraw_gdn = True
+    forward._longstraw_stock = stock
+    cls.forward = forward
+
+
+# ----------------------------------------------------------------------------------------------------
+# Family patches
+# ----------------------------------------------------------------------------------------------------
+class GatedDeltaNetHybridPatch(FamilyPatch):
+    """Decoder stacks mixing HF's Gated DeltaNet layers (``linear_attn``) with full attention."""
+
+    gdn_attr = "linear_attn"
+
+    def project(self, module: nn.Module, hidden_states: torch.Tensor):
+        """The family's input projections: see :data:`Projection`."""
+        raise NotImplementedError
+
+    def layer_kind(self, config, layer_idx: int) -> str:
+        return GDN_KIND if config.layer_types[layer_idx] == LINEAR else "kv"
+
+    def gdn_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [
+            getattr(layer, self.gdn_attr)
+            for layer in self.decoder(model).layers
+            if getattr(layer, self.gdn_attr, None) is not None
+        ]
+
+    def validate(self, model: nn.Module) -> None:
+        config = self.text_config(model)
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        other = sorted(set(layer_types) - {LINEAR, FULL})
+        if other:
+            raise self.unsupported(f"layer types {other} (only {LINEAR!r} and {FULL!r} are)")
+        if getattr(config, "attention_dropout", 0.0):
+            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type") in _CALL_DEPENDENT_ROPE:
+            raise self.unsupported(
+                f"rope_type={rope['rope_type']!r} (its frequencies depend on the length of each call, so a "
+                "chunked capture cannot reproduce a full forward)"
+            )
+        if LINEAR in layer_types:
+            act = getattr(config, "hidden_act", None)
+            if act not in _CONV_ACTIVATIONS:
+                raise self.unsupported(f"hidden_act={act!r} for the Gated DeltaNet conv (only silu is)")
+            hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+            if hv % hk:
+                raise self.unsupported(
+                    f"linear_num_value_heads={hv} not a multiple of linear_num_key_heads={hk}"
+                )
+        for module in self.gdn_modules(model):
+            if not hasattr(module, "conv1d") or not hasattr(module, "A_log"):
+                raise self.unsupported(f"a Gated DeltaNet layer of type {type(module).__name__}")
+
+    def apply(self, model: nn.Module) -> None:
+        from longstraw_trl.engine import CTX_KWARG
+
+        for cls in {type(m) for m in self.gdn_modules(model)}:
+            install_gdn_forward(cls, self.project, CTX_KWARG)
+
+
+class Qwen3_5Patch(GatedDeltaNetHybridPatch):
+    """``qwen3_5`` / ``qwen3_5_moe``: ``*ForCausalLM`` and the language model of ``*ForConditionalGeneration``.
+
+    Text only: image / video inputs are not captured (their tokens would be embedded as plain text).
+    """
+
+    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+    def decoder(self, model: nn.Module) -> nn.Module:
+        inner = model.model
+        return getattr(inner, "language_model", inner)  # ForConditionalGeneration -> its text model
+
+    def position_ids(self, start: int, length: int, batch: int, device: torch.device) -> torch.Tensor:
+        """The three mrope rows (temporal, height, width) the rotary embedding takes; equal for text."""
+        pos = torch.arange(start, start + length, device=device)
+        return pos.view(1, 1, length).expand(3, batch, length)
+
+    def project(self, module: nn.Module, hidden_states: torch.Tensor):
+        batch, seq_len, _ = hidden_states.shape
+        mixed_qkv = module.in_proj_qkv(hidden_states)
+        z = module.in_proj_z(hidden_states).reshape(batch, seq_len, -1, module.head_v_dim)
+        return mixed_qkv, z, module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
+
+
+def apply_family_patch(model: nn.Module, patch_type: type[FamilyPatch]) -> nn.Module:
+    """:func:`patch_model` for an ``apply_longstraw_to_<family>`` entry point: the model must be that family."""
+    from . import find_patch, patch_model, unwrap_model
+
+    if not isinstance(find_patch(model), patch_type):
+        base = unwrap_model(model)
+        raise UnsupportedModelError(
+            f"{type(base).__name__} (model_type {base.config.model_type!r}) is not one of "
+            f"{', '.join(patch_type.model_types)}; patch_model(model) picks the right family"
+        )
+    return patch_model(model)
+
+
+def apply_longstraw_to_qwen3_5(model: nn.Module) -> nn.Module:
+    """Patch a Qwen3.5 / Qwen3.6 model (``qwen3_5``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, Qwen3_5Patch)
+
+
+def apply_longstraw_to_qwen3_5_moe(model: nn.Module) -> nn.Module:
+    """Patch a Qwen3.5-MoE model (``qwen3_5_moe``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, Qwen3_5Patch)

@@ -1,0 +1,435 @@
+"""Engine on Gated DeltaNet hybrids (Qwen3.5 / Qwen3.6, Qwen3.5-MoE, Qwen3-Next) against the stock HF model.
+
+fp32 on CPU. Every family has two GDN layers around one gated full-attention layer (``tests/_models.py``).
+``qwen3_5_vl`` / ``qwen3_5_moe_vl`` are ``*ForConditionalGeneration`` models fed text only: the engine runs
+their language model, the references run the whole stock model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _models import HYBRID_CONFIGS, build_hybrid
+from peft import LoraConfig, get_peft_model
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from longstraw_trl import (
+    GDNState,
+    KVPages,
+    LongStrawError,
+    UnsupportedModelError,
+    capture_prompt,
+    patch_model,
+)
+from longstraw_trl.engine import ReplayContext, run_decoder
+from longstraw_trl.model_patches import (
+    Qwen3_5Patch,
+    Qwen3NextPatch,
+    apply_longstraw_to_qwen3_5,
+    apply_longstraw_to_qwen3_5_moe,
+    apply_longstraw_to_qwen3_next,
+    find_patch,
+)
+
+FAMILIES = list(HYBRID_CONFIGS)
+CORE = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next"]  # one of each HF code path
+VOCAB = 97
+
+
+# ----------------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------------
+def stock_logprobs(model, prompt, completions):
+    """log p(completion token | prompt + prefix) from the stock model's full forward."""
+    p = prompt.numel()
+    full = torch.cat([prompt[None].expand(completions.shape[0], -1), completions], dim=1)
+    with torch.no_grad():
+        logits = model(full).logits.float()
+    return torch.log_softmax(logits[:, p - 1 : -1], -1).gather(-1, completions[..., None])[..., 0]
+
+
+def padded_completions(lengths, gen):
+    r = max(lengths)
+    ids = torch.randint(0, VOCAB, (len(lengths), r), generator=gen)
+    mask = torch.zeros(len(lengths), r, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    return ids * mask, mask  # pad id 0 after each row's end
+
+
+class _RebindingLinearAttention:
+    """Test-only shim for HF's GDN cache layers: rebind the states instead of ``copy_`` into them.
+
+    The stock layer writes the new recurrent state into the tensor the delta rule saved for backward,
+    which fails with "modified by an inplace operation". Same values, no in-place write.
+    """
+
+    def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
+        assert self.has_previous_state[state_idx] and not self.record_past, "shim only continues a prefill"
+        full = torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
+        self.conv_states[state_idx] = full[..., -self.conv_kernel_size[state_idx] :]
+        return full
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+
+def rebinding_copy(cache):
+    cache = copy.deepcopy(cache)
+    shimmed = 0
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            cls = type(layer)
+            methods = {k: v for k, v in vars(_RebindingLinearAttention).items() if k.startswith("update_")}
+            layer.__class__ = type(f"Rebinding{cls.__name__}", (cls,), methods)
+            shimmed += 1
+    assert shimmed >= 2
+    return cache
+
+
+def response_only_reference(model, prompt, completion, weights):
+    """Grads of sum(weights * logp): prompt prefilled under no_grad into the stock cache, the response run
+    with autograd on a (rebinding) copy of that cache, token 0 scored from the no-grad last hidden."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.no_grad():
+        out = base.model(prompt[None], use_cache=True)
+    cache = rebinding_copy(out.past_key_values)
+    h_last = out.last_hidden_state[:, -1:]
+    h = base.model(completion[None, :-1], past_key_values=cache, use_cache=True).last_hidden_state
+    logits = base.lm_head(torch.cat([h_last, h], dim=1)).float()
+    logp = torch.log_softmax(logits, -1).gather(-1, completion[None, :, None])[0, :, 0]
+    model.zero_grad()
+    (logp * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def engine_grads(model, state, completion, weights, **kwargs):
+    model.zero_grad()
+    logp = state.logprobs(model, completion[None], grad=True, **kwargs)[0]
+    (logp * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got, ref, tol=1e-4):
+    assert got.keys() == ref.keys() and ref
+    for name in ref:
+        rel = (got[name] - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)
+        assert rel <= tol, f"{name}: relative L2 {rel:.2e}"
+
+
+LORA_TARGETS = [
+    *("q_proj", "k_proj", "v_proj", "o_proj"),  # gated full attention
+    *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj"),  # GDN
+    *("gate_proj", "up_proj", "down_proj"),  # MLP / shared expert
+]
+
+
+def _lora(model):
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=LORA_TARGETS,
+        lora_dropout=0.0,
+        init_lora_weights=False,  # random B: the adapters change the outputs
+    )
+    return get_peft_model(model, cfg)
+
+
+def _snapshot(state):
+    tensors = [state.last_hidden]
+    for layer in state.layers.values():
+        if isinstance(layer, KVPages):
+            for k, v in layer.pages.values():
+                tensors += [k, v]
+        else:
+            tensors += [layer.conv, layer.recurrent]
+    return [t.clone() for t in tensors], tensors
+
+
+def _unchanged(snapshot) -> bool:
+    before, live = snapshot
+    return all(torch.equal(a, b) for a, b in zip(before, live, strict=True))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Log-probs
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "prompt_len,chunk,page",
+    [(1, 8, 4), (5, 16, 4), (37, 8, 5), (7, 2, 3), (130, 70, 32)],
+    ids=["one-token", "shorter-than-chunk", "uneven", "chunk-shorter-than-conv", "crosses-kernel-chunks"],
+)
+def test_logprobs_match_stock_forward(family, prompt_len, chunk, page):
+    model = build_hybrid(family)
+    gen = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
+    comps, mask = padded_completions([9, 4, 1], gen)
+    state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
+    got = state.logprobs(model, comps, mask)
+    # each row against its own unpadded stock forward
+    for i, n in enumerate(mask.sum(1).tolist()):
+        ref = stock_logprobs(model, prompt, comps[i : i + 1, :n])
+        assert (got[i : i + 1, :n] - ref).abs().max().item() <= 1e-4
+    assert state.num_tokens == prompt_len
+    kinds = {i: type(layer) for i, layer in state.layers.items()}
+    assert kinds == {0: GDNState, 1: KVPages, 2: GDNState}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradients
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", CORE)
+@pytest.mark.parametrize("variant", ["full", "lora", "checkpoint_layers", "hf_gradient_checkpointing"])
+def test_grads_match_response_only_reference(family, variant):
+    model = build_hybrid(family)
+    if variant == "lora":
+        model = _lora(model)
+    if variant == "hf_gradient_checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # HF checkpointing only runs in train mode, and drops caches there
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (29,), generator=gen)
+    completion = torch.randint(0, VOCAB, (11,), generator=gen)
+    weights = torch.randn(11, generator=gen)
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
+    got = engine_grads(model, state, completion, weights, checkpoint_layers=variant == "checkpoint_layers")
+    if variant == "hf_gradient_checkpointing":
+        model.gradient_checkpointing_disable()
+        model.eval()
+    ref = response_only_reference(model, prompt, completion, weights)
+    assert_grads_close(got, ref)
+    if variant == "lora":
+        assert all("lora_" in n for n in got)  # base weights are frozen
+        assert any("linear_attn" in n for n in got) and any("self_attn" in n for n in got)
+    else:
+        gdn = {n.rsplit(".", 1)[-1] for n in got if "linear_attn" in n}
+        assert {"A_log", "dt_bias", "weight"} <= gdn  # conv, norm, projections and the decay all learn
+
+
+# ----------------------------------------------------------------------------------------------------
+# State: read-only, extend, size
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_state_bit_identical_after_replays_with_backward(family):
+    model = build_hybrid(family)
+    gen = torch.Generator().manual_seed(2)
+    state = capture_prompt(model, torch.randint(0, VOCAB, (23,), generator=gen), chunk_size=8, page_size=4)
+    snap = _snapshot(state)
+    comps, mask = padded_completions([7, 5, 3, 6], gen)
+    for i in range(comps.shape[0]):
+        n = int(mask[i].sum())
+        state.logprobs(model, comps[i : i + 1, :n], grad=True).sum().backward()
+    state.logprobs(model, comps, mask)  # and a graph-free batch
+    assert _unchanged(snap)
+    assert state.num_tokens == 23
+    assert all(not t.requires_grad for t in snap[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_vl", "qwen3_next"])
+def test_extend_equals_capturing_concatenation(family):
+    model = build_hybrid(family)
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randint(0, VOCAB, (21,), generator=gen)
+    b = torch.randint(0, VOCAB, (13,), generator=gen)
+    comps, mask = padded_completions([6, 4], gen)
+    state_a = capture_prompt(model, a, chunk_size=8, page_size=8)
+    snap = _snapshot(state_a)
+    extended = state_a.extend(model, b)
+    whole = capture_prompt(model, torch.cat([a, b]), chunk_size=8, page_size=8)
+    assert extended.num_tokens == whole.num_tokens == 34
+    diff = (extended.logprobs(model, comps, mask) - whole.logprobs(model, comps, mask)) * mask
+    assert diff.abs().max() <= 1e-5
+    for i, layer in whole.layers.items():
+        if isinstance(layer, GDNState):
+            ext = extended.layers[i]
+            assert torch.allclose(ext.recurrent, layer.recurrent, atol=1e-6)
+            assert torch.allclose(ext.conv, layer.conv, atol=1e-6)
+            assert ext.recurrent is not state_a.layers[i].recurrent  # replaced, not written into
+    # the original state still scores its own prompt, unchanged
+    assert _unchanged(snap)
+    ref = stock_logprobs(model, a, comps[:1, :6])
+    assert (state_a.logprobs(model, comps[:1, :6]) - ref).abs().max() <= 1e-4
+    # full K/V pages are shared, not copied
+    kv = [i for i, layer in state_a.layers.items() if isinstance(layer, KVPages)]
+    assert kv and all(
+        extended.layers[i].pages[0][0].data_ptr() == state_a.layers[i].pages[0][0].data_ptr() for i in kv
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_nbytes_by_kind_gdn_is_independent_of_prompt_length(family):
+    model = build_hybrid(family)
+    cfg = model.config.get_text_config()
+    sizes = {}
+    for p in (5, 61):
+        state = capture_prompt(model, torch.randint(0, VOCAB, (p,)), chunk_size=16, page_size=10)
+        sizes[p] = state.nbytes_by_kind()
+        assert set(sizes[p]) == {"kv", "gdn"}
+        assert state.nbytes() == sizes[p]["kv"] + sizes[p]["gdn"]
+    n_full = cfg.layer_types.count("full_attention")
+    n_gdn = cfg.layer_types.count("linear_attention")
+    kv_per_token = 2 * n_full * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert sizes[5]["kv"] == 5 * kv_per_token and sizes[61]["kv"] == 61 * kv_per_token
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    conv_dim += cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    per_layer = conv_dim * (cfg.linear_conv_kernel_dim - 1) * 4  # conv: last kernel - 1 inputs
+    per_layer += cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    assert sizes[5]["gdn"] == sizes[61]["gdn"] == n_gdn * per_layer
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode mode (generation): token by token equals a replay of the same tokens
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", CORE)
+def test_decode_token_by_token_equals_replay(family):
+    model = build_hybrid(family)
+    gen = torch.Generator().manual_seed(4)
+    state = capture_prompt(model, torch.randint(0, VOCAB, (19,), generator=gen), chunk_size=8, page_size=8)
+    snap = _snapshot(state)
+    tokens = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    with torch.no_grad():
+        ctx = ReplayContext("decode", state)
+        ctx.extra["capacity"] = 6  # the engine's response K/V buffer, as generation sets it
+        steps = [run_decoder(model, tokens[:, i : i + 1], state.num_tokens + i, ctx) for i in range(6)]
+        decoded = torch.cat(steps, dim=1)
+        replayed = run_decoder(model, tokens, state.num_tokens, ReplayContext("replay", state))
+    assert (decoded - replayed).abs().max().item() <= 1e-5
+    gdn = [i for i, layer in state.layers.items() if isinstance(layer, GDNState)]
+    assert sorted(k[1] for k in ctx.extra if k[0] == "gdn") == gdn
+    assert all(ctx.extra[("gdn", i)].recurrent.shape[0] == 2 for i in gdn)
+    assert _unchanged(snap)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_decode_logits_match_stock(family):
+    model = build_hybrid(family)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, VOCAB, (17,), generator=gen)
+    tokens = torch.randint(0, VOCAB, (2, 4), generator=gen)
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=8)
+    ctx = ReplayContext("decode", state)
+    ctx.extra["capacity"] = 4
+    with torch.no_grad():
+        for i in range(4):
+            h = run_decoder(model, tokens[:, i : i + 1], state.num_tokens + i, ctx)
+        got = torch.log_softmax(model.get_output_embeddings()(h[:, -1]).float(), -1)
+        full = torch.cat([prompt[None].expand(2, -1), tokens], dim=1)
+        ref = torch.log_softmax(model(full).logits[:, -1].float(), -1)
+    assert (got - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_vl", "qwen3_next"])
+@pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(do_sample=True, temperature=0.9, top_k=20)])
+def test_generate_matches_stock_generate(family, sampling):
+    """Shared-prefix generation on GDN states draws the same tokens as ``model.generate`` (same seed)."""
+    model = build_hybrid(family)
+    prompt = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(6))
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=5)
+    snap = _snapshot(state)
+    torch.manual_seed(5)
+    ids = state.generate(model, 3, 8, eos_token_id=7, pad_token_id=96, **sampling)
+    inp = prompt[None].expand(3, -1)
+    torch.manual_seed(5)
+    ref = model.generate(
+        inp,
+        attention_mask=torch.ones_like(inp),
+        max_new_tokens=8,
+        eos_token_id=7,
+        pad_token_id=96,
+        **sampling,
+    )[:, 21:]
+    assert torch.equal(ids, ref)
+    assert _unchanged(snap)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Patching
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", CORE)
+def test_patch_is_idempotent_and_leaves_stock_forward_alone(family):
+    model = build_hybrid(family)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        before = model(ids).logits
+        out = model(ids[:, :9], use_cache=True)  # cached path: prefill then single-token steps
+        step = model(ids[:, 9:10], past_key_values=out.past_key_values, use_cache=True).logits
+    assert patch_model(model) is model
+    assert patch_model(model) is model
+    gdn_cls = type(find_patch(model).gdn_modules(model)[0])
+    wrapped = gdn_cls.forward
+    patch_model(build_hybrid(family))  # a second model of the same class
+    assert gdn_cls.forward is wrapped and wrapped._longstraw_gdn
+    with torch.no_grad():
+        after = model(ids).logits
+        out = model(ids[:, :9], use_cache=True)
+        step_after = model(ids[:, 9:10], past_key_values=out.past_key_values, use_cache=True).logits
+    assert torch.equal(before, after)
+    assert torch.equal(step, step_after)
+
+
+def test_entry_points_and_registration():
+    from longstraw_trl import supported_model_types
+
+    assert {"qwen3_5", "qwen3_5_moe", "qwen3_next"} <= set(supported_model_types())
+    assert isinstance(find_patch(build_hybrid("qwen3_5_vl")), Qwen3_5Patch)
+    assert isinstance(find_patch(build_hybrid("qwen3_next")), Qwen3NextPatch)
+    for family, entry in [
+        ("qwen3_5", apply_longstraw_to_qwen3_5),
+        ("qwen3_5_vl", apply_longstraw_to_qwen3_5),
+        ("qwen3_5_moe", apply_longstraw_to_qwen3_5_moe),
+        ("qwen3_next", apply_longstraw_to_qwen3_next),
+    ]:
+        model = build_hybrid(family)
+        assert entry(model) is model
+    with pytest.raises(UnsupportedModelError, match="model_type 'qwen3_5_text'.* not one of qwen3_next"):
+        apply_longstraw_to_qwen3_next(build_hybrid("qwen3_5"))
+
+
+def test_vl_decoder_is_the_language_model_and_positions_are_mrope_rows():
+    model = build_hybrid("qwen3_5_vl")
+    patch = find_patch(model)
+    assert patch.decoder(model) is model.model.language_model
+    pos = patch.position_ids(7, 3, 2, torch.device("cpu"))
+    assert pos.shape == (3, 2, 3) and (pos == torch.arange(7, 10)).all()
+
+
+def test_state_of_another_model_is_rejected():
+    hybrid = build_hybrid("qwen3_5")
+    other = build_hybrid("qwen3_next")
+    state = capture_prompt(hybrid, torch.randint(0, VOCAB, (9,)), chunk_size=8, page_size=8)
+    swapped = state.fork()
+    swapped.layers[0], swapped.layers[1] = swapped.layers[1], swapped.layers[0]
+    with pytest.raises(LongStrawError, match="another model"):
+        swapped.logprobs(other, torch.randint(0, VOCAB, (1, 4)))
+    empty_gdn = state.fork()
+    del empty_gdn.layers[2]
+    with pytest.raises(LongStrawError, match="no captured GDN state"):
+        empty_gdn.logprobs(hybrid, torch.randint(0, VOCAB, (1, 4)))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(attention_dropout=0.1), "attention_dropout"),
+        (
+            dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
+            "rope_type='dynamic'",
+        ),
+        (
+            dict(layer_types=["linear_attention", "sliding_attention", "linear_attention"]),
+            "sliding_attention",
+        ),
+    ],
+    ids=["conv-activation", "attention-dropout", "dynamic-rope", "layer-type"],
+)
+def test_unsupported_options_raise(change, match):
+    model = build_hybrid("qwen3_5")
+    for key, value in change.items():
+        setattr(model.config, key, value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        patch_model(model)
