@@ -121,6 +121,10 @@ class ReplayContext:
             self.response_kv[idx] = (buf_k, buf_v, 0)
         buf_k, buf_v, n = self.response_kv[idx]
         t = k.shape[2]
+        if n + t > buf_k.shape[2]:  # past the announced capacity: grow (amortised doubling)
+            cap = max(2 * buf_k.shape[2], n + t)
+            grow = lambda b: torch.cat([b[:, :, :n], b.new_empty(*b.shape[:2], cap - n, b.shape[3])], 2)  # noqa: E731
+            buf_k, buf_v = grow(buf_k), grow(buf_v)
         buf_k[:, :, n : n + t] = k
         buf_v[:, :, n : n + t] = v
         self.response_kv[idx] = (buf_k, buf_v, n + t)

@@ -142,7 +142,9 @@ def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
         hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
         conv_dim = 2 * hk * dk + hv * dv
         # projections + conv in/out + gate z + norm; the chunked delta rule keeps ~6x its fp32 inputs
-        mixer = (2 * h + 3 * conv_dim + 3 * hv * dv) * b + 6 * conv_dim * 4
+        # (q and k repeated to the value heads) and one [Hv, K, V] fp32 state per 64-token chunk
+        rule = 6 * (2 * hv * dk + hv * dv) * 4 + hv * dk * dv * 4 // 64
+        mixer = (2 * h + 3 * conv_dim + 3 * hv * dv) * b + rule
     else:
         head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim

@@ -50,3 +50,17 @@ def test_generate_rejects_bad_arguments():
         state.generate(model, 2, 4, temperature=0.0)
     with pytest.raises(LongStrawError, match=">= 1"):
         state.generate(model, 0, 4)
+
+
+def test_decode_past_announced_capacity_grows_the_buffer():
+    from longstraw_trl.engine import ReplayContext, run_decoder
+
+    model = build("qwen3")
+    state = capture_prompt(model, torch.randint(0, 97, (11,)))
+    toks = torch.randint(0, 97, (2, 5))
+    with torch.no_grad():
+        full = run_decoder(model, toks, 11, ReplayContext("replay", state))
+        ctx = ReplayContext("decode", state)
+        ctx.extra["capacity"] = 2  # too small on purpose
+        steps = [run_decoder(model, toks[:, i : i + 1], 11 + i, ctx)[:, -1] for i in range(5)]
+    assert (torch.stack(steps, 1) - full).abs().max() <= 1e-5

@@ -17,8 +17,8 @@ def full_softmax_reference(q, kp, vp, k, v, scale):
     vals = torch.cat([vp.expand(b, -1, -1, -1), v], dim=2).repeat_interleave(rep, dim=1)
     s = q @ keys.transpose(-1, -2) * scale
     t, p = q.shape[2], kp.shape[2]
-    mask = torch.ones(t, p + t, dtype=torch.bool)
-    mask[:, p:] = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    mask = torch.ones(t, p + t, dtype=torch.bool, device=q.device)
+    mask[:, p:] = torch.tril(torch.ones(t, t, dtype=torch.bool, device=q.device))
     s = s.masked_fill(~mask, float("-inf"))
     return torch.softmax(s, -1) @ vals
 
