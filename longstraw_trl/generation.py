@@ -86,6 +86,11 @@ def generate_from_state(
             nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
         else:
             nxt = scores.argmax(-1)
+        if state.cp_group is not None:
+            # every CP rank must decode the same tokens (their logits can differ in the last bits)
+            torch.distributed.broadcast(
+                nxt, src=torch.distributed.get_global_rank(state.cp_group, 0), group=state.cp_group
+            )
         nxt = torch.where(done, pad_token_id, nxt)
         out[:, step] = nxt
         if eos:
