@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from _models import GQA_CONFIGS, build
+from _state import snapshot, unchanged
 from peft import LoraConfig, get_peft_model
 
 from longstraw_trl import (
@@ -124,25 +125,17 @@ def test_grads_match_response_only_reference(family, variant):
         assert all("lora_" in n for n in got)  # base weights are frozen
 
 
-def _snapshot(state):
-    tensors = [state.last_hidden]
-    for layer in state.layers.values():
-        for k, v in layer.pages.values():
-            tensors += [k, v]
-    return [t.clone() for t in tensors], tensors
-
-
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_state_bit_identical_after_replays_with_backward(family):
     model = build(family)
     gen = torch.Generator().manual_seed(2)
     state = capture_prompt(model, torch.randint(0, VOCAB, (23,), generator=gen), chunk_size=8, page_size=4)
-    before, live = _snapshot(state)
+    snap = snapshot(state)
     comps, mask = padded_completions([7, 5, 3, 6], gen)
     for i in range(comps.shape[0]):
         n = int(mask[i].sum())
         state.logprobs(model, comps[i : i + 1, :n], grad=True).sum().backward()
-    assert all(torch.equal(a, b) for a, b in zip(before, live, strict=True))
+    assert unchanged(snap)
     assert state.num_tokens == 23
 
 
@@ -154,14 +147,14 @@ def test_extend_equals_capturing_concatenation(family):
     b = torch.randint(0, VOCAB, (13,), generator=gen)
     comps, mask = padded_completions([6, 4], gen)
     state_a = capture_prompt(model, a, chunk_size=8, page_size=8)
-    before, live = _snapshot(state_a)
+    snap = snapshot(state_a)
     extended = state_a.extend(model, b)
     whole = capture_prompt(model, torch.cat([a, b]), chunk_size=8, page_size=8)
     assert extended.num_tokens == whole.num_tokens == 34
     diff = (extended.logprobs(model, comps, mask) - whole.logprobs(model, comps, mask)) * mask
     assert diff.abs().max() <= 1e-5
     # the original state still scores its own prompt, unchanged
-    assert all(torch.equal(x, y) for x, y in zip(before, live, strict=True))
+    assert unchanged(snap)
     ref = stock_logprobs(model, a, comps[:1, :6])
     assert (state_a.logprobs(model, comps[:1, :6]) - ref).abs().max() <= 1e-4
     # full pages are shared, not copied

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from _models import HYBRID_CONFIGS, build_hybrid
+from _state import snapshot, unchanged
 from peft import LoraConfig, get_peft_model
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -138,22 +139,6 @@ def _lora(model):
     return get_peft_model(model, cfg)
 
 
-def _snapshot(state):
-    tensors = [state.last_hidden]
-    for layer in state.layers.values():
-        if isinstance(layer, KVPages):
-            for k, v in layer.pages.values():
-                tensors += [k, v]
-        else:
-            tensors += [layer.conv, layer.recurrent]
-    return [t.clone() for t in tensors], tensors
-
-
-def _unchanged(snapshot) -> bool:
-    before, live = snapshot
-    return all(torch.equal(a, b) for a, b in zip(before, live, strict=True))
-
-
 # ----------------------------------------------------------------------------------------------------
 # Log-probs
 # ----------------------------------------------------------------------------------------------------
@@ -218,13 +203,13 @@ def test_state_bit_identical_after_replays_with_backward(family):
     model = build_hybrid(family)
     gen = torch.Generator().manual_seed(2)
     state = capture_prompt(model, torch.randint(0, VOCAB, (23,), generator=gen), chunk_size=8, page_size=4)
-    snap = _snapshot(state)
+    snap = snapshot(state)
     comps, mask = padded_completions([7, 5, 3, 6], gen)
     for i in range(comps.shape[0]):
         n = int(mask[i].sum())
         state.logprobs(model, comps[i : i + 1, :n], grad=True).sum().backward()
     state.logprobs(model, comps, mask)  # and a graph-free batch
-    assert _unchanged(snap)
+    assert unchanged(snap)
     assert state.num_tokens == 23
     assert all(not t.requires_grad for t in snap[1])
 
@@ -237,7 +222,7 @@ def test_extend_equals_capturing_concatenation(family):
     b = torch.randint(0, VOCAB, (13,), generator=gen)
     comps, mask = padded_completions([6, 4], gen)
     state_a = capture_prompt(model, a, chunk_size=8, page_size=8)
-    snap = _snapshot(state_a)
+    snap = snapshot(state_a)
     extended = state_a.extend(model, b)
     whole = capture_prompt(model, torch.cat([a, b]), chunk_size=8, page_size=8)
     assert extended.num_tokens == whole.num_tokens == 34
@@ -250,7 +235,7 @@ def test_extend_equals_capturing_concatenation(family):
             assert torch.allclose(ext.conv, layer.conv, atol=1e-6)
             assert ext.recurrent is not state_a.layers[i].recurrent  # replaced, not written into
     # the original state still scores its own prompt, unchanged
-    assert _unchanged(snap)
+    assert unchanged(snap)
     ref = stock_logprobs(model, a, comps[:1, :6])
     assert (state_a.logprobs(model, comps[:1, :6]) - ref).abs().max() <= 1e-4
     # full K/V pages are shared, not copied
@@ -289,7 +274,7 @@ def test_decode_token_by_token_equals_replay(family):
     model = build_hybrid(family)
     gen = torch.Generator().manual_seed(4)
     state = capture_prompt(model, torch.randint(0, VOCAB, (19,), generator=gen), chunk_size=8, page_size=8)
-    snap = _snapshot(state)
+    snap = snapshot(state)
     tokens = torch.randint(0, VOCAB, (2, 6), generator=gen)
     with torch.no_grad():
         ctx = ReplayContext("decode", state)
@@ -301,7 +286,7 @@ def test_decode_token_by_token_equals_replay(family):
     gdn = [i for i, layer in state.layers.items() if isinstance(layer, GDNState)]
     assert sorted(k[1] for k in ctx.extra if k[0] == "gdn") == gdn
     assert all(ctx.extra[("gdn", i)].recurrent.shape[0] == 2 for i in gdn)
-    assert _unchanged(snap)
+    assert unchanged(snap)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -329,7 +314,7 @@ def test_generate_matches_stock_generate(family, sampling):
     model = build_hybrid(family)
     prompt = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(6))
     state = capture_prompt(model, prompt, chunk_size=8, page_size=5)
-    snap = _snapshot(state)
+    snap = snapshot(state)
     torch.manual_seed(5)
     ids = state.generate(model, 3, 8, eos_token_id=7, pad_token_id=96, **sampling)
     inp = prompt[None].expand(3, -1)
@@ -343,7 +328,7 @@ def test_generate_matches_stock_generate(family, sampling):
         **sampling,
     )[:, 21:]
     assert torch.equal(ids, ref)
-    assert _unchanged(snap)
+    assert unchanged(snap)
 
 
 # ----------------------------------------------------------------------------------------------------
