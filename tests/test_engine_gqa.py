@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from _models import GQA_CONFIGS, build
+from _reference import (
+    VOCAB,
+    assert_grads_close,
+    engine_grads,
+    padded_completions,
+    response_only_reference,
+    stock_logprobs,
+    with_lora,
+)
 from _state import snapshot, unchanged
-from peft import LoraConfig, get_peft_model
 
 from longstraw_trl import (
     LongStrawError,
@@ -19,25 +25,7 @@ from longstraw_trl import (
 )
 
 FAMILIES = list(GQA_CONFIGS)
-VOCAB = 97
-
-
-def stock_logprobs(model, prompt, completions):
-    """log p(completion token | prompt + prefix) from the stock model's full forward."""
-    p = prompt.numel()
-    full = torch.cat([prompt[None].expand(completions.shape[0], -1), completions], dim=1)
-    with torch.no_grad():
-        logits = model(full).logits.float()
-    return torch.log_softmax(logits[:, p - 1 : -1], -1).gather(-1, completions[..., None])[..., 0]
-
-
-def padded_completions(lengths, gen):
-    r = max(lengths)
-    ids = torch.randint(0, VOCAB, (len(lengths), r), generator=gen)
-    mask = torch.zeros(len(lengths), r, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-    return ids * mask, mask  # pad id 0 after each row's end
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -60,53 +48,12 @@ def test_logprobs_match_stock_forward(family, prompt_len, chunk, page):
     assert state.num_tokens == prompt_len
 
 
-def response_only_reference(model, prompt, completion, weights):
-    """Grads of sum(weights * logp) with the prompt prefilled under no_grad into the stock cache and the
-    response run with autograd on a copy of that cache (token 0 scored from the no-grad last hidden)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with torch.no_grad():
-        out = base.model(prompt[None], use_cache=True)
-    cache = copy.deepcopy(out.past_key_values)
-    h_last = out.last_hidden_state[:, -1:]
-    h = base.model(completion[None, :-1], past_key_values=cache, use_cache=True).last_hidden_state
-    logits = base.lm_head(torch.cat([h_last, h], dim=1)).float()
-    logp = torch.log_softmax(logits, -1).gather(-1, completion[None, :, None])[0, :, 0]
-    model.zero_grad()
-    (logp * weights).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def engine_grads(model, state, completion, weights, **kwargs):
-    model.zero_grad()
-    logp = state.logprobs(model, completion[None], grad=True, **kwargs)[0]
-    (logp * weights).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_grads_close(got, ref, tol=1e-4):
-    assert got.keys() == ref.keys() and ref
-    for name in ref:
-        rel = (got[name] - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)
-        assert rel <= tol, f"{name}: relative L2 {rel:.2e}"
-
-
-def _lora(model):
-    cfg = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        lora_dropout=0.0,
-        init_lora_weights=False,  # random B: the adapters change the outputs
-    )
-    return get_peft_model(model, cfg)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("variant", ["full", "lora", "checkpoint_layers", "hf_gradient_checkpointing"])
 def test_grads_match_response_only_reference(family, variant):
     model = build(family)
     if variant == "lora":
-        model = _lora(model)
+        model = with_lora(model, LORA_TARGETS)
     if variant == "hf_gradient_checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpointing only runs in train mode, and drops caches there

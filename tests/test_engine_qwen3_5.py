@@ -7,14 +7,19 @@ their language model, the references run the whole stock model.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from _models import HYBRID_CONFIGS, build_hybrid
+from _reference import (
+    VOCAB,
+    assert_grads_close,
+    engine_grads,
+    padded_completions,
+    response_only_reference,
+    stock_logprobs,
+    with_lora,
+)
 from _state import snapshot, unchanged
-from peft import LoraConfig, get_peft_model
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from longstraw_trl import (
     GDNState,
@@ -36,107 +41,16 @@ from longstraw_trl.model_patches import (
 
 FAMILIES = list(HYBRID_CONFIGS)
 CORE = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next"]  # one of each HF code path
-VOCAB = 97
 
 
 # ----------------------------------------------------------------------------------------------------
 # References
 # ----------------------------------------------------------------------------------------------------
-def stock_logprobs(model, prompt, completions):
-    """log p(completion token | prompt + prefix) from the stock model's full forward."""
-    p = prompt.numel()
-    full = torch.cat([prompt[None].expand(completions.shape[0], -1), completions], dim=1)
-    with torch.no_grad():
-        logits = model(full).logits.float()
-    return torch.log_softmax(logits[:, p - 1 : -1], -1).gather(-1, completions[..., None])[..., 0]
-
-
-def padded_completions(lengths, gen):
-    r = max(lengths)
-    ids = torch.randint(0, VOCAB, (len(lengths), r), generator=gen)
-    mask = torch.zeros(len(lengths), r, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-    return ids * mask, mask  # pad id 0 after each row's end
-
-
-class _RebindingLinearAttention:
-    """Test-only shim for HF's GDN cache layers: rebind the states instead of ``copy_`` into them.
-
-    The stock layer writes the new recurrent state into the tensor the delta rule saved for backward,
-    which fails with "modified by an inplace operation". Same values, no in-place write.
-    """
-
-    def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
-        assert self.has_previous_state[state_idx] and not self.record_past, "shim only continues a prefill"
-        full = torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
-        self.conv_states[state_idx] = full[..., -self.conv_kernel_size[state_idx] :]
-        return full
-
-    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
-        self.recurrent_states[state_idx] = recurrent_states
-        return recurrent_states
-
-
-def rebinding_copy(cache):
-    cache = copy.deepcopy(cache)
-    shimmed = 0
-    for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            cls = type(layer)
-            methods = {k: v for k, v in vars(_RebindingLinearAttention).items() if k.startswith("update_")}
-            layer.__class__ = type(f"Rebinding{cls.__name__}", (cls,), methods)
-            shimmed += 1
-    assert shimmed >= 2
-    return cache
-
-
-def response_only_reference(model, prompt, completion, weights):
-    """Grads of sum(weights * logp): prompt prefilled under no_grad into the stock cache, the response run
-    with autograd on a (rebinding) copy of that cache, token 0 scored from the no-grad last hidden."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with torch.no_grad():
-        out = base.model(prompt[None], use_cache=True)
-    cache = rebinding_copy(out.past_key_values)
-    h_last = out.last_hidden_state[:, -1:]
-    h = base.model(completion[None, :-1], past_key_values=cache, use_cache=True).last_hidden_state
-    logits = base.lm_head(torch.cat([h_last, h], dim=1)).float()
-    logp = torch.log_softmax(logits, -1).gather(-1, completion[None, :, None])[0, :, 0]
-    model.zero_grad()
-    (logp * weights).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def engine_grads(model, state, completion, weights, **kwargs):
-    model.zero_grad()
-    logp = state.logprobs(model, completion[None], grad=True, **kwargs)[0]
-    (logp * weights).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_grads_close(got, ref, tol=1e-4):
-    assert got.keys() == ref.keys() and ref
-    for name in ref:
-        rel = (got[name] - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)
-        assert rel <= tol, f"{name}: relative L2 {rel:.2e}"
-
-
 LORA_TARGETS = [
     *("q_proj", "k_proj", "v_proj", "o_proj"),  # gated full attention
     *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj"),  # GDN
     *("gate_proj", "up_proj", "down_proj"),  # MLP / shared expert
 ]
-
-
-def _lora(model):
-    cfg = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        target_modules=LORA_TARGETS,
-        lora_dropout=0.0,
-        init_lora_weights=False,  # random B: the adapters change the outputs
-    )
-    return get_peft_model(model, cfg)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -172,7 +86,7 @@ def test_logprobs_match_stock_forward(family, prompt_len, chunk, page):
 def test_grads_match_response_only_reference(family, variant):
     model = build_hybrid(family)
     if variant == "lora":
-        model = _lora(model)
+        model = with_lora(model, LORA_TARGETS)
     if variant == "hf_gradient_checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpointing only runs in train mode, and drops caches there

@@ -1,0 +1,100 @@
+"""References every engine test compares against: the stock HF model, never the engine itself."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+VOCAB = 97
+
+
+def stock_logprobs(model, prompt, completions):
+    """log p(completion token | prompt + prefix) from the stock model's full forward."""
+    p = prompt.numel()
+    full = torch.cat([prompt[None].expand(completions.shape[0], -1), completions], dim=1)
+    with torch.no_grad():
+        logits = model(full).logits.float()
+    return torch.log_softmax(logits[:, p - 1 : -1], -1).gather(-1, completions[..., None])[..., 0]
+
+
+def padded_completions(lengths, gen):
+    r = max(lengths)
+    ids = torch.randint(0, VOCAB, (len(lengths), r), generator=gen)
+    mask = torch.zeros(len(lengths), r, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    return ids * mask, mask  # pad id 0 after each row's end
+
+
+class _RebindingLinearAttention:
+    """Test-only shim for HF's GDN cache layers: rebind the states instead of ``copy_`` into them.
+
+    The stock layer writes the new recurrent state into the tensor the delta rule saved for backward,
+    which fails with "modified by an inplace operation". Same values, no in-place write.
+    """
+
+    def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
+        assert self.has_previous_state[state_idx] and not self.record_past, "shim only continues a prefill"
+        full = torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
+        self.conv_states[state_idx] = full[..., -self.conv_kernel_size[state_idx] :]
+        return full
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+
+def rebinding_copy(cache):
+    """A copy of a stock cache whose GDN layers (if any) rebind their states instead of writing in place."""
+    cache = copy.deepcopy(cache)
+    shimmed = 0
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            cls = type(layer)
+            methods = {k: v for k, v in vars(_RebindingLinearAttention).items() if k.startswith("update_")}
+            layer.__class__ = type(f"Rebinding{cls.__name__}", (cls,), methods)
+            shimmed += 1
+    return cache
+
+
+def response_only_reference(model, prompt, completion, weights):
+    """Grads of sum(weights * logp): prompt prefilled under no_grad into the stock cache, the response run
+    with autograd on a (rebinding) copy of that cache, token 0 scored from the no-grad last hidden.
+
+    This is DESIGN.md's response-only reference: it uses only the stock HF model and its own cache."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.no_grad():
+        out = base.model(prompt[None], use_cache=True)
+    cache = rebinding_copy(out.past_key_values)
+    h_last = out.last_hidden_state[:, -1:]
+    h = base.model(completion[None, :-1], past_key_values=cache, use_cache=True).last_hidden_state
+    logits = base.lm_head(torch.cat([h_last, h], dim=1)).float()
+    logp = torch.log_softmax(logits, -1).gather(-1, completion[None, :, None])[0, :, 0]
+    model.zero_grad()
+    (logp * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def engine_grads(model, state, completion, weights, **kwargs):
+    model.zero_grad()
+    logp = state.logprobs(model, completion[None], grad=True, **kwargs)[0]
+    (logp * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got, ref, tol=1e-4):
+    assert got.keys() == ref.keys() and ref
+    for name in ref:
+        rel = (got[name] - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)
+        assert rel <= tol, f"{name}: relative L2 {rel:.2e}"
+
+
+def with_lora(model, targets):
+    """peft LoRA with random B (``init_lora_weights=False``), so the adapters change the outputs."""
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0, init_lora_weights=False
+    )
+    return get_peft_model(model, cfg)
