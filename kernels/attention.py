@@ -313,7 +313,8 @@ def _self_attention_lse(q, k, v, scale):
 PartialReduce = Callable[
     [torch.Tensor | None, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]
 ]
-GradReduce = Callable[[torch.Tensor], torch.Tensor]
+# (dq of this rank's pages, dq of the replicated response part) -> the full dQ, identical on every rank
+GradReduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PromptResponseAttention(torch.autograd.Function):
@@ -321,7 +322,8 @@ class PromptResponseAttention(torch.autograd.Function):
 
     Forward merges the two parts by LSE. Backward returns dQ (from both parts) and dK/dV of the response
     keys only: the pages are constants and get no gradient. ``reduce_partial`` combines the prompt part
-    across context-parallel ranks (identity on one rank) and ``reduce_dq`` sums the page dQ across them.
+    across context-parallel ranks (identity on one rank) and ``reduce_dq`` sums the page dQ across them
+    and adds the response part's.
     """
 
     @staticmethod
@@ -339,22 +341,23 @@ class PromptResponseAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         num_kv, rep = k.shape[1], q.shape[1] // k.shape[1]
-        dq = ctx.reduce_dq(pages_attention_dq(q, ctx.pages, out, lse, dout, ctx.scale, num_kv))
+        dq_pages = pages_attention_dq(q, ctx.pages, out, lse, dout, ctx.scale, num_kv)
         dq_s, dk, dv = attention_grads(
             q, repeat_kv(k, rep), repeat_kv(v, rep), out, lse, dout, ctx.scale, causal=True
         )
+        dq = ctx.reduce_dq(dq_pages, dq_s)
         b, _, t, d = k.shape
         dk = dk.view(b, num_kv, rep, t, d).sum(2)
         dv = dv.view(b, num_kv, rep, t, v.shape[-1]).sum(2)
-        return (dq + dq_s).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def _no_reduce_partial(out, lse, q):
     return out, lse
 
 
-def _no_reduce_dq(dq):
-    return dq
+def _no_reduce_dq(dq_pages, dq_self):
+    return dq_pages + dq_self
 
 
 def prompt_response_attention(

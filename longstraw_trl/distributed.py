@@ -41,8 +41,14 @@ class ContextParallel:
             merged_out, merged_lse = merge_partials(merged_out, merged_lse, o, s)
         return merged_out, merged_lse
 
-    def reduce_dq(self, dq: torch.Tensor) -> torch.Tensor:
-        dq = dq.contiguous()
+    def reduce_dq(self, dq_pages: torch.Tensor, dq_self: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's page dQ plus the response part's dQ, bit-identical on every rank.
+
+        The response part is computed redundantly on every rank, and GPU attention backward kernels
+        accumulate dQ with atomics, so ranks can differ in the last bits: only the first rank's copy
+        enters the all-reduce, whose result is the same on all ranks.
+        """
+        dq = dq_pages + dq_self if self.rank == 0 else dq_pages.contiguous()
         dist.all_reduce(dq, group=self.group)
         return dq
 

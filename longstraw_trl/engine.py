@@ -139,8 +139,8 @@ class _SingleRank:
         return out, lse
 
     @staticmethod
-    def reduce_dq(dq):
-        return dq
+    def reduce_dq(dq_pages, dq_self):
+        return dq_pages + dq_self
 
 
 def _cp_for(state: PromptState):
