@@ -183,3 +183,88 @@ def trl_compute_loss(
     loss.backward()
     metrics = {name: values[-1] for name, values in trainer._metrics[mode].items() if values}
     return loss.detach(), logps_leaf.grad, entropies_leaf.grad, metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# LongStrawGRPOTrainer helpers (tests/test_trainer*.py)
+# ----------------------------------------------------------------------------------------------------------------------
+def make_tiny_longstraw_trainer(loss_type: str = "dapo", beta: float = 0.0, **kwargs: Any):
+    """A `LongStrawGRPOTrainer` on the same tiny model, with `make_tiny_grpo_trainer`'s defaults.
+
+    Extra keywords go to `LongStrawGRPOConfig`, except `train_dataset`, `reward_funcs`, `model` and `peft_config`.
+    """
+    from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
+
+    path = tiny_model_dir()
+    dataset = kwargs.pop("train_dataset", None)
+    if dataset is None:
+        dataset = Dataset.from_dict({"prompt": ["hello world", "the cat sat", "on the mat", "long straw"]})
+    reward_funcs = kwargs.pop("reward_funcs", _constant_reward)
+    model = kwargs.pop("model", None)
+    peft_config = kwargs.pop("peft_config", None)
+    config = dict(
+        output_dir=tempfile.mkdtemp(prefix="longstraw_trainer_"),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=16,
+        activation_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        loss_type=loss_type,
+        beta=beta,
+    )
+    config.update(kwargs)
+    atexit.register(shutil.rmtree, config["output_dir"], ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = LongStrawGRPOConfig(**config)
+        if model is None:
+            model = Qwen3ForCausalLM.from_pretrained(path)
+        trainer = LongStrawGRPOTrainer(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=dataset,
+            processing_class=build_toy_tokenizer(TINY_VOCAB),
+            peft_config=peft_config,
+        )
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    return trainer
+
+
+def patch_response_only_logps(trainer: GRPOTrainer, prompt_ids: torch.Tensor) -> None:
+    """Make TRL's `_get_per_token_logps_and_entropies` compute the *response-only* log-probs on the stock model.
+
+    The reference of DESIGN.md: the prompt is prefilled into the stock HF cache under `no_grad`, then each completion
+    row is run with autograd on a copy of that cache (its token 0 is scored from the no-grad last prompt hidden state).
+    Every row shares `prompt_ids` (one group). TRL's `_compute_loss` then runs unchanged on these log-probs.
+    """
+    import copy
+
+    def response_only(
+        model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kw
+    ):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        completions = input_ids[:, -logits_to_keep:]
+        with torch.no_grad():
+            out = base.model(prompt_ids[None], use_cache=True)
+        h_last = out.last_hidden_state[:, -1:]
+        logps, entropies = [], []
+        for i in range(completions.size(0)):
+            row = completions[i : i + 1]
+            h = h_last
+            if row.size(1) > 1:
+                cache = copy.deepcopy(out.past_key_values)
+                rest = base.model(row[:, :-1], past_key_values=cache, use_cache=True).last_hidden_state
+                h = torch.cat([h_last, rest], dim=1)
+            logp = torch.log_softmax(base.lm_head(h).float() / trainer.temperature, dim=-1)
+            logps.append(logp.gather(-1, row[..., None])[..., 0])
+            entropies.append(-(logp.exp() * logp).sum(-1))
+        return torch.cat(logps), torch.cat(entropies), None
+
+    trainer._get_per_token_logps_and_entropies = response_only

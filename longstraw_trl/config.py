@@ -1,0 +1,177 @@
+"""`LongStrawGRPOConfig`: TRL's `GRPOConfig` plus the prompt-state and refresh options of LongStraw-TRL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .errors import LongStrawError
+
+REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
+OFFLOAD_CHOICES = (None, "cpu")
+
+
+def check_whole_groups(batch_size: int, num_generations: int, batch_name: str, generations_name: str) -> None:
+    """Raise unless a micro-batch of `batch_size` completions holds whole groups of `num_generations`."""
+    if num_generations and batch_size % num_generations != 0:
+        lower = max(num_generations * (batch_size // num_generations), num_generations)
+        raise LongStrawError(
+            f"LongStrawGRPOTrainer computes the loss of one prompt group at a time, so every micro-batch must hold "
+            f"whole groups: {batch_name}={batch_size} is not a multiple of {generations_name}={num_generations}. "
+            f"Set {batch_name} to a multiple of {num_generations} (e.g. {lower} or {lower + num_generations}), "
+            f"or set {generations_name} to a divisor of {batch_size}; use gradient_accumulation_steps to grow the "
+            "effective batch."
+        )
+
+
+@dataclass
+class LongStrawGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`LongStrawGRPOTrainer`]: every field of TRL's [`~trl.GRPOConfig`] plus the options below.
+
+    The trainer captures each prompt once (no autograd, in chunks) into a read-only prompt state, samples the
+    `num_generations` completions of its group from that state, and computes the policy loss one response at a time
+    on top of it. Every micro-batch must therefore hold whole groups: `per_device_train_batch_size` (and
+    `per_device_eval_batch_size` when evaluating) must be a multiple of `num_generations` (`num_generations_eval`).
+
+    Parameters:
+        > Prompt state
+
+        capture_chunk_size (`int`, *optional*, defaults to `8192`):
+            Prompt tokens per prefill step of the capture. Peak activation memory of the capture grows with the chunk,
+            never with the prompt length.
+        page_size (`int`, *optional*, defaults to `16384`):
+            Tokens per K/V page of the full-attention layers (pages are allocated one at a time as the prompt is
+            captured and are never copied).
+        offload_prompt_state (`str` or `None`, *optional*, defaults to `None`):
+            Where the K/V pages live: `None` keeps them on the model's device; `"cpu"` keeps them in pinned host memory
+            and streams them to the device page by page during generation and replays.
+        replay_checkpoint_layers (`bool`, *optional*, defaults to `False`):
+            Recompute every decoder layer of a response replay in backward instead of storing its activations (only
+            where TRL's own gradient checkpointing, on by default, does not already checkpoint the layer).
+
+        > Refresh of stale prompt states
+
+        refresh_policy (`str`, *optional*, defaults to `"recapture"`):
+            What to do with a captured prompt state once an optimizer step has made it stale (it was computed with
+            older weights) and it is needed again, either by a later optimizer step on the same generation batch
+            (`num_iterations > 1`, or `steps_per_generation > gradient_accumulation_steps`) or because the same prompt
+            recurs in a later generation batch:
+
+            - `"recapture"`: always re-prefill the prompt with the current weights (on-policy; the gradient is exactly
+              the response-only gradient of TRL's loss);
+            - `"reuse"`: keep using the state for up to `refresh_interval` optimizer steps after its capture, then
+              re-prefill;
+            - `"adaptive"`: like `"reuse"`, but every `refresh_probe_period`-th stale use re-prefills and measures the
+              drift, the mean absolute difference of a probe response's token log-probs between the stale and the
+              fresh state; above `refresh_drift_threshold` the interval is halved, otherwise it grows by one (up to
+              `refresh_max_interval`).
+        refresh_interval (`int`, *optional*, defaults to `1`):
+            For `"reuse"`: how many optimizer steps after its capture a state may still be used. For `"adaptive"`: the
+            starting interval. `0` makes both behave like `"recapture"`.
+        refresh_drift_threshold (`float`, *optional*, defaults to `0.02`):
+            For `"adaptive"`: the mean absolute log-prob difference (nats per response token) above which the interval
+            is narrowed.
+        refresh_probe_period (`int`, *optional*, defaults to `4`):
+            For `"adaptive"`: measure the drift on every k-th stale use of a state.
+        refresh_max_interval (`int`, *optional*, defaults to `16`):
+            For `"adaptive"`: upper bound of the interval.
+    """
+
+    capture_chunk_size: int = field(
+        default=8192,
+        metadata={
+            "help": "Prompt tokens per prefill step of the capture. Peak activation memory of the capture grows with "
+            "the chunk, never with the prompt length."
+        },
+    )
+    page_size: int = field(
+        default=16384,
+        metadata={"help": "Tokens per K/V page of the full-attention layers of the captured prompt state."},
+    )
+    offload_prompt_state: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where the K/V pages of the prompt state live: None (the model's device) or 'cpu' (pinned host "
+            "memory, streamed to the device page by page).",
+            "choices": ["cpu"],
+        },
+    )
+    replay_checkpoint_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "Recompute every decoder layer of a response replay in backward instead of storing its "
+            "activations (where TRL's gradient checkpointing does not already checkpoint it)."
+        },
+    )
+    refresh_policy: str = field(
+        default="recapture",
+        metadata={
+            "help": "What to do with a prompt state made stale by an optimizer step: 'recapture' (always re-prefill), "
+            "'reuse' (keep it for up to `refresh_interval` optimizer steps) or 'adaptive' (measure the log-prob "
+            "drift every `refresh_probe_period` stale uses and adapt the interval against "
+            "`refresh_drift_threshold`).",
+            "choices": list(REFRESH_POLICIES),
+        },
+    )
+    refresh_interval: int = field(
+        default=1,
+        metadata={
+            "help": "'reuse': optimizer steps after its capture during which a state may still be used; 'adaptive': "
+            "the starting interval. 0 means always re-prefill."
+        },
+    )
+    refresh_drift_threshold: float = field(
+        default=0.02,
+        metadata={
+            "help": "'adaptive': mean absolute token log-prob difference (nats) between a stale and a fresh state "
+            "above which the reuse interval is halved (otherwise it grows by one)."
+        },
+    )
+    refresh_probe_period: int = field(
+        default=4,
+        metadata={"help": "'adaptive': measure the drift on every k-th stale use of a prompt state."},
+    )
+    refresh_max_interval: int = field(
+        default=16,
+        metadata={"help": "'adaptive': upper bound of the reuse interval."},
+    )
+
+    def __post_init__(self):
+        # Before GRPOConfig's own checks: say what a micro-batch needs, not only what the generation batch needs.
+        check_whole_groups(
+            self.per_device_train_batch_size,
+            self.num_generations,
+            "per_device_train_batch_size",
+            "num_generations",
+        )
+        super().__post_init__()
+        if self.offload_prompt_state in ("none", "None", ""):
+            self.offload_prompt_state = None
+        if self.offload_prompt_state not in OFFLOAD_CHOICES:
+            raise LongStrawError(
+                f"offload_prompt_state must be None or 'cpu', got {self.offload_prompt_state!r}."
+            )
+        if self.capture_chunk_size <= 0 or self.page_size <= 0:
+            raise LongStrawError(
+                f"capture_chunk_size and page_size must be positive, got {self.capture_chunk_size} and "
+                f"{self.page_size}."
+            )
+        if self.refresh_policy not in REFRESH_POLICIES:
+            raise LongStrawError(
+                f"refresh_policy must be one of {', '.join(REFRESH_POLICIES)}, got {self.refresh_policy!r}."
+            )
+        if self.refresh_interval < 0 or self.refresh_max_interval < 0:
+            raise LongStrawError("refresh_interval and refresh_max_interval must be >= 0.")
+        if self.refresh_probe_period < 1:
+            raise LongStrawError(f"refresh_probe_period must be >= 1, got {self.refresh_probe_period}.")
+        if self.refresh_drift_threshold < 0:
+            raise LongStrawError(f"refresh_drift_threshold must be >= 0, got {self.refresh_drift_threshold}.")
+        if self.do_eval and self.eval_strategy != "no":
+            check_whole_groups(
+                self.per_device_eval_batch_size,
+                self.num_generations_eval or self.num_generations,
+                "per_device_eval_batch_size",
+                "num_generations_eval" if self.num_generations_eval else "num_generations",
+            )

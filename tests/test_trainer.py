@@ -1,0 +1,342 @@
+"""`LongStrawGRPOTrainer` end to end on a tiny model (CPU): generation, references, refresh, checkpoints, bad input.
+
+Loss/gradient parity with TRL is in `test_trainer_parity.py`, learning in `test_trainer_learning.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+from _trl_helpers import TINY_VOCAB, make_tiny_grpo_trainer, make_tiny_longstraw_trainer, tiny_model_dir
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import MistralConfig, MistralForCausalLM, Qwen3ForCausalLM
+from trl import GRPOConfig
+
+from longstraw_trl import LongStrawError, LongStrawGRPOConfig, UnsupportedModelError, capture_prompt
+from longstraw_trl.refresh import RefreshPolicy
+from longstraw_trl.toy_tokenizer import build_toy_tokenizer
+from longstraw_trl.trainer import (
+    REFRESH_STATE_FILE,
+    LongStrawGRPOTrainer,
+    NonFiniteLossError,
+    RewardFunctionError,
+)
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog. " * 2, "a long straw: 1234567890 " * 3]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops are ~100x slower with 2 intra-op threads on the 2-core CI VM (thread wake-ups)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _digit_reward(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+def _dataset(n=8, prompts=PROMPTS):
+    return Dataset.from_dict({"prompt": [prompts[i % len(prompts)] for i in range(n)]})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------------------------------
+SAMPLING = dict(temperature=0.9, top_k=20, top_p=0.95, max_completion_length=10)
+
+
+def test_completions_equal_state_generate_and_stock_trl():
+    """With one seed: the trainer's completions are `state.generate`'s draws, and stock GRPOTrainer's too."""
+    ours = make_tiny_longstraw_trainer(**SAMPLING)
+    stock = make_tiny_grpo_trainer(**SAMPLING)
+    rows = [{"prompt": PROMPTS[1]}] * 4
+    for trainer in (ours, stock):
+        trainer.model.train()
+    torch.manual_seed(3)
+    out = ours._generate_and_score_completions(rows)
+    torch.manual_seed(3)
+    ref = stock._generate_and_score_completions(rows)
+    assert torch.equal(out["completion_ids"], ref["completion_ids"])
+    assert torch.equal(out["completion_mask"], ref["completion_mask"])
+
+    prompt = torch.tensor(ours.processing_class(PROMPTS[1])["input_ids"])
+    key, captured = out["longstraw_prompts"][0]
+    assert torch.equal(captured, prompt)
+    state = capture_prompt(ours.model, prompt)
+    torch.manual_seed(3)
+    raw = state.generate(
+        ours.model,
+        4,
+        SAMPLING["max_completion_length"],
+        temperature=0.9,
+        top_k=20,
+        top_p=0.95,
+        eos_token_id=ours.eos_token_ids,
+        pad_token_id=ours.processing_class.pad_token_id,
+    )
+    mask = out["completion_mask"].bool()
+    width = mask.size(1)
+    assert torch.equal(raw[:, :width][mask], out["completion_ids"][mask])
+    # the prompt state replaces TRL's (B, P) prompt tensors
+    assert "prompt_ids" not in out and ours._states[key].state is not None
+
+
+def test_conversational_prompts_use_the_chat_template():
+    messages = [{"role": "user", "content": "where is the needle?"}]
+    ours = make_tiny_longstraw_trainer(train_dataset=Dataset.from_dict({"prompt": [messages] * 4}))
+    ours.model.train()
+    out = ours._generate_and_score_completions([{"prompt": messages}] * 4)
+    expected = ours.processing_class.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = out["longstraw_prompts"][0][1]
+    assert ours.processing_class.decode(ids) == expected == "user: where is the needle?\nassistant: "
+
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+
+
+@pytest.mark.parametrize("how", ["peft_config", "peft_model"])
+def test_peft_reference_has_its_own_capture(how):
+    """beta != 0 with LoRA, as TRL does it: a `peft_config` trains a new adapter and the reference is the base model
+    (adapters disabled); a `PeftModel` keeps its adapter and the reference is TRL's frozen "ref" copy of it. Either way
+    the reference has its own capture, and old / reference log-probs equal the stock HF forward of that model."""
+    if how == "peft_config":
+        ours = make_tiny_longstraw_trainer(peft_config=LoraConfig(**LORA), beta=0.04, num_iterations=2, **SAMPLING)
+    else:
+        model = get_peft_model(Qwen3ForCausalLM.from_pretrained(tiny_model_dir()), LoraConfig(**LORA))
+        ours = make_tiny_longstraw_trainer(model=model, beta=0.04, num_iterations=2, **SAMPLING)
+        assert "ref" in ours.model.peft_config
+    assert ours.ref_model is None
+    with torch.no_grad():  # as if the policy adapter had been trained
+        for name, param in ours.model.named_parameters():
+            if "lora_B.default" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    ours.model.train()
+    torch.manual_seed(0)
+    # num_iterations=2: TRL computes old log-probs too (gradient_accumulation_steps % generate_every != 0)
+    out = ours._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4)
+    prompt = out["longstraw_prompts"][0][1]
+    ids, mask = out["completion_ids"], out["completion_mask"]
+    full = torch.cat([prompt[None].expand(ids.size(0), -1), ids], dim=1)
+
+    def stock_logps():
+        with torch.no_grad():
+            logits = ours.model(full).logits.float() / SAMPLING["temperature"]
+        logp = torch.log_softmax(logits[:, prompt.numel() - 1 : -1], -1)
+        return logp.gather(-1, ids[..., None])[..., 0] * mask
+
+    policy = stock_logps()
+    if how == "peft_config":
+        with ours.model.disable_adapter():
+            reference = stock_logps()
+    else:
+        ours.model.set_adapter("ref")
+        reference = stock_logps()
+        ours.model.set_adapter("default")
+    assert (policy - reference).abs().max() > 1e-2  # the adapters matter
+    assert (out["old_per_token_logps"] - policy).abs().max() <= 1e-4
+    assert (out["ref_per_token_logps"] - reference).abs().max() <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training loop: metrics, refresh policy, checkpoints
+# ----------------------------------------------------------------------------------------------------------------------
+def _train(max_steps=2, **kwargs):
+    kwargs.setdefault("reward_funcs", _digit_reward)
+    kwargs.setdefault("train_dataset", _dataset())
+    trainer = make_tiny_longstraw_trainer(
+        max_steps=max_steps, learning_rate=kwargs.pop("learning_rate", 1e-2), seed=0, **kwargs
+    )
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_train_logs_trl_and_longstraw_metrics_with_gradient_checkpointing():
+    """TRL's default gradient checkpointing on; TRL's metrics plus ours reach `log()`."""
+    trainer, logs = _train(max_steps=2, activation_checkpointing=True, gradient_accumulation_steps=1)
+    assert unwrap_checkpointing(trainer)
+    first = logs[0]
+    for name in ("reward", "reward_std", "completions/mean_length", "entropy", "clip_ratio/region_mean", "loss"):
+        assert name in first and math.isfinite(first[name]), name
+    for name in (
+        "longstraw/prompt_tokens",
+        "longstraw/state_bytes/kv",
+        "longstraw/live_state_bytes",
+        "longstraw/peak_memory_gib",
+        "longstraw/capture_seconds",
+        "longstraw/generation_seconds",
+        "longstraw/generation_tokens_per_second",
+        "longstraw/replay_seconds",
+        "longstraw/replay_tokens_per_second",
+        "longstraw/refresh/fresh",
+        "longstraw/refresh/interval",
+    ):
+        assert name in first, name
+    assert first["longstraw/prompt_tokens"] == pytest.approx(sum(len(p) for p in PROMPTS) / 2, abs=len(PROMPTS[1]))
+    assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in logs)
+    assert not trainer._states  # freed after training
+
+
+def unwrap_checkpointing(trainer):
+    return any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
+
+
+@pytest.mark.parametrize("policy", ["recapture", "reuse", "adaptive"])
+def test_refresh_policy_on_num_iterations(policy, caplog):
+    """num_iterations=2: the second optimizer step reuses the generation batch, whose states are then stale."""
+    caplog.set_level(logging.INFO, logger="longstraw_trl")
+    trainer, logs = _train(
+        max_steps=2,
+        gradient_accumulation_steps=1,
+        num_iterations=2,
+        refresh_policy=policy,
+        refresh_interval=1,
+        refresh_probe_period=1,
+        train_dataset=_dataset(4, PROMPTS[:1]),
+    )
+    first, second = logs
+    assert first["longstraw/refresh/capture"] == 1 and first["longstraw/refresh/fresh"] == 1
+    expected = {"recapture": "recapture", "reuse": "reuse", "adaptive": "probe"}[policy]
+    assert second[f"longstraw/refresh/{expected}"] == 1
+    assert second["longstraw/refresh/state_age"] == 1
+    assert any("LongStraw refresh" in r.getMessage() and expected in r.getMessage() for r in caplog.records)
+    if policy == "adaptive":
+        assert "longstraw/refresh/drift" in second and second["longstraw/refresh/drift"] > 0
+        assert trainer.refresh_policy.interval in (0, 2)  # narrowed or widened from 1
+
+
+def test_refresh_policy_unit():
+    reuse = RefreshPolicy("reuse", interval=2)
+    assert [reuse.decide(a).action for a in (0, 1, 2, 3)] == ["fresh", "reuse", "reuse", "recapture"]
+    assert [RefreshPolicy("recapture").decide(a).action for a in (0, 1)] == ["fresh", "recapture"]
+    adaptive = RefreshPolicy("adaptive", interval=2, drift_threshold=0.1, probe_period=2, max_interval=3)
+    assert [adaptive.decide(1).action for _ in range(4)] == ["reuse", "probe", "reuse", "probe"]
+    assert adaptive.record_drift(0.01) == 3 and adaptive.record_drift(0.01) == 3  # widen, capped
+    assert adaptive.record_drift(0.5) == 1 and adaptive.record_drift(0.5) == 0  # narrow
+    assert adaptive.decide(1).action == "recapture"
+    restored = RefreshPolicy("adaptive", interval=2, drift_threshold=0.1, probe_period=2, max_interval=3)
+    restored.load_state_dict(adaptive.state_dict())
+    assert restored.state_dict() == adaptive.state_dict()
+
+
+def test_checkpoint_resume_gives_the_same_next_loss(tmp_path):
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        save_strategy="steps",
+        save_steps=2,
+        gradient_accumulation_steps=1,
+        refresh_policy="adaptive",
+    )
+    _, logs = _train(max_steps=3, **kwargs)
+    checkpoint = tmp_path / "checkpoint-2"
+    assert (checkpoint / REFRESH_STATE_FILE).exists()
+    resumed = make_tiny_longstraw_trainer(
+        max_steps=3,
+        learning_rate=1e-2,
+        seed=0,
+        reward_funcs=_digit_reward,
+        train_dataset=_dataset(),
+        **kwargs,
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    resumed_logs = [h for h in resumed.state.log_history if "loss" in h]
+    assert [h["step"] for h in resumed_logs] == [1, 2, 3]  # steps 1-2 come from the checkpoint's trainer state
+    assert resumed_logs[:2] == logs[:2]
+    assert resumed_logs[2]["reward"] == logs[2]["reward"]  # same completions
+    assert resumed_logs[2]["loss"] == pytest.approx(logs[2]["loss"], abs=1e-6)
+    assert resumed_logs[2]["grad_norm"] == pytest.approx(logs[2]["grad_norm"], rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------------------------------
+def test_micro_batch_splitting_a_group_is_refused(tmp_path):
+    with pytest.raises(LongStrawError, match=r"per_device_train_batch_size=6.*num_generations=4"):
+        LongStrawGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=4, use_cpu=True)
+
+
+def test_missing_prompt_column_is_refused():
+    dataset = Dataset.from_dict({"text": ["a", "b"], "answer": ["1", "2"]})
+    with pytest.raises(LongStrawError, match=r"no 'prompt' column \(columns: text, answer\)"):
+        make_tiny_longstraw_trainer(train_dataset=dataset)
+
+
+def test_unsupported_model_is_refused():
+    config = MistralConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with pytest.raises(UnsupportedModelError, match=r"'mistral'.*supported model types: .*qwen3"):
+        make_tiny_longstraw_trainer(model=MistralForCausalLM(config))
+
+
+def test_reward_function_that_raises_is_named():
+    def broken_needle_reward(completions, **kwargs):
+        raise KeyError("answer")
+
+    with pytest.raises(RewardFunctionError, match=r"reward function 'broken_needle_reward' raised KeyError"):
+        _train(max_steps=1, reward_funcs=broken_needle_reward)
+
+
+def test_nan_loss_stops_training_naming_step_and_group():
+    trainer = make_tiny_longstraw_trainer(
+        max_steps=2, beta=0.04, reward_funcs=_digit_reward, train_dataset=_dataset(), gradient_accumulation_steps=1
+    )
+    with torch.no_grad():  # a corrupt reference checkpoint
+        trainer.ref_model.get_output_embeddings().weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteLossError, match=r"global step 1 .*group 0 .*the reference log-probs"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    "kwargs,trainer_kwargs,match",
+    [
+        (dict(use_vllm=True), {}, "use_vllm=True"),
+        (dict(repetition_penalty=1.1), {}, "repetition_penalty=1.1"),
+        (dict(generation_kwargs={"num_beams": 2}), {}, r"generation_kwargs \['num_beams'\]"),
+        (dict(entropy_coef=0.01), {}, "entropy_coef=0.01"),
+        ({}, dict(tools=[len]), "tools"),
+        ({}, dict(environment_factory=object), "environment_factory"),
+        ({}, dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
+    ],
+    ids=["vllm", "repetition_penalty", "generation_kwargs", "entropy_bonus", "tools", "environment", "rollout"],
+)
+def test_unsupported_options_are_refused(kwargs, trainer_kwargs, match, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = LongStrawGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4, **kwargs
+        )
+        with pytest.raises(LongStrawError, match=match):
+            LongStrawGRPOTrainer(
+                model=Qwen3ForCausalLM.from_pretrained(tiny_model_dir()),
+                reward_funcs=_digit_reward,
+                args=args,
+                train_dataset=_dataset(),
+                processing_class=build_toy_tokenizer(TINY_VOCAB),
+                **trainer_kwargs,
+            )
+
+
+def test_loss_options_it_cannot_stream_are_refused(tmp_path):
+    with pytest.raises(NotImplementedError, match="top_entropy_quantile"):
+        make_tiny_longstraw_trainer(top_entropy_quantile=0.5)
+    with pytest.raises(TypeError, match="LongStrawGRPOConfig"):
+        LongStrawGRPOTrainer(
+            model=Qwen3ForCausalLM.from_pretrained(tiny_model_dir()),
+            reward_funcs=_digit_reward,
+            args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4),
+            train_dataset=_dataset(),
+            processing_class=build_toy_tokenizer(TINY_VOCAB),
+        )

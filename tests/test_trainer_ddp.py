@@ -1,0 +1,95 @@
+"""`LongStrawGRPOTrainer` under DDP (2 processes, gloo, CPU).
+
+The response replays call the decoder layers directly, so under DDP they run inside a call of the DDP-wrapped model
+(`longstraw_replay=` keyword): DDP then reduces gradients exactly as after an ordinary forward. Checked here on two
+micro-batches of one optimizer step (the first under `accelerator.no_sync`, as the Trainer runs it):
+- the synchronised gradient equals the average over ranks of the local (unsynchronised) gradients;
+- DDP all-reduces once per optimizer step: only the last response's backward of the last micro-batch synchronises.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _trl_helpers import make_tiny_longstraw_trainer, random_grpo_inputs
+
+from longstraw_trl.trainer import _prompt_key
+
+LENGTHS = [6, 2, 5, 1]
+
+
+def _inputs(rank: int, micro: int):
+    """One group per rank and micro-batch, with its own prompt and completions."""
+    inputs, _, _ = random_grpo_inputs(LENGTHS, seed=10 * rank + micro, beta=0.04, prompt_len=12 + rank)
+    prompt = inputs.pop("prompt_ids")[0]
+    inputs.pop("prompt_mask")
+    inputs["longstraw_prompts"] = [(_prompt_key(prompt), prompt)]
+    inputs["num_items_in_batch"] = torch.tensor(40)  # the same global count on every rank, as TRL gathers it
+    return inputs
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(1)
+    trainer = make_tiny_longstraw_trainer(beta=0.04, loss_type="grpo", ddp_timeout=60)
+    assert trainer.accelerator.num_processes == world
+    model = trainer.model
+    ddp = trainer.accelerator.prepare_model(model)
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    calls = []
+
+    def counting_allreduce(state, bucket):
+        calls.append(bucket.index())
+        tensor = bucket.buffer().div_(world)
+        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    ddp.register_comm_hook(None, counting_allreduce)
+    model.train()
+    micro_batches = [_inputs(rank, 0), _inputs(rank, 1)]
+
+    # local gradients: the unwrapped model, no reduction
+    model.zero_grad()
+    for inputs in micro_batches:
+        trainer._streamed_loss(model, inputs, backward=True)
+    local = _grads(model)
+    expected = local.clone()
+    dist.all_reduce(expected)
+    expected /= world
+
+    # through DDP, as the Trainer runs one optimizer step of two micro-batches
+    model.zero_grad()
+    state = trainer.accelerator.gradient_state
+    state._set_sync_gradients(False)
+    with trainer.accelerator.no_sync(ddp):
+        trainer._streamed_loss(ddp, micro_batches[0], backward=True)
+    assert not calls  # nothing reduced during the first micro-batch
+    state._set_sync_gradients(True)
+    trainer._streamed_loss(ddp, micro_batches[1], backward=True)
+    synced = _grads(model)
+
+    assert (local - expected).abs().max() > 1e-6  # the ranks really had different gradients
+    torch.testing.assert_close(synced, expected, atol=1e-6, rtol=1e-5)
+    assert len(calls) == len(set(calls)) >= 1  # each bucket reduced once: a single synchronising backward
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2])
+def test_ddp_reduces_once_per_optimizer_step_and_averages(world):
+    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
