@@ -31,6 +31,11 @@ whether to re-capture or reuse them (`refresh_policy`).
 Micro-batch layout: a micro-batch holds whole groups (`per_device_train_batch_size` a multiple of `num_generations`).
 TRL shuffles the rows of a generation batch before splitting it into micro-batches; here the *groups* are shuffled.
 
+A cost inherited from reusing TRL's `_generate_and_score_completions`: while it scores a generation batch of `B`
+completions it still builds its `(B, P)` prompt tensors and `(B, P + R)` sequence tensors (int64, about `32·B·P`
+bytes on the device, e.g. 1 GiB for B = 8 and P = 4M; no model runs on them). The trainer drops the prompt tensors
+from the batch it buffers; each group keeps its prompt ids once, on the CPU, to re-capture it.
+
 Refused at construction (each with a message saying what to change): `tools`, `environment_factory`, `rollout_func`,
 `use_vllm`, `use_transformers_continuous_batching`, `repetition_penalty != 1`, generation kwargs the shared-prefix
 sampler cannot honour, `entropy_coef != 0`, `top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router
@@ -82,6 +87,7 @@ REPLAY_KWARG = "longstraw_replay"
 """Keyword the trainer passes through the wrapped model's `forward` (DDP) to run a response replay there."""
 
 REFRESH_STATE_FILE = "longstraw_refresh.json"
+_NULL_CONTEXT = contextlib.nullcontext()
 
 # Generation kwargs (TRL's `generation_kwargs` dict, `args.generation_kwargs` merged in) the sampler honours.
 _HONOURED_GENERATION_KWARGS = {
@@ -857,14 +863,17 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         advantages = inputs["advantages"]
         device = completion_ids.device
 
-        distributed = backward and self.accelerator.num_processes > 1
-        with_tokens = [i for i in range(num_rows) if ctx.lengths[i] > 0]
-        # The one backward that synchronises gradients under DDP: the longest response, run last.
-        sync_row = max(with_tokens, key=lambda i: ctx.lengths[i]) if with_tokens else None
-        if distributed and sync_row is None:
-            sync_row = (
-                0  # nothing to learn on this rank, but DDP needs its all-reduce: a zero-weighted replay
-            )
+        # Under DDP, one backward per micro-batch synchronises gradients (DDP really reduces only in the last
+        # micro-batch of an optimizer step: the Trainer runs the others under `no_sync`): that of the longest response,
+        # whose group is processed last and which runs last in its group; every other response runs under
+        # `accelerator.no_sync`. A rank without any loss token still takes part, with a zero-weighted replay.
+        sync_row = None
+        group_order = list(range(len(prompts)))
+        if backward and self.accelerator.num_processes > 1:
+            with_tokens = [i for i in range(num_rows) if ctx.lengths[i] > 0]
+            sync_row = max(with_tokens, key=lambda i: ctx.lengths[i]) if with_tokens else 0
+            group_order.remove(sync_row // size)
+            group_order.append(sync_row // size)
 
         def cut(x, i, length):
             return None if x is None else x[i, :length]
@@ -872,7 +881,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         total = torch.zeros((), device=self.accelerator.device)
         all_metrics = []
         replay_seconds, replay_tokens = 0.0, 0
-        for g, (key, prompt_ids) in enumerate(prompts):
+        for g in group_order:
+            key, prompt_ids = prompts[g]
             entry = self._acquire(key, prompt_ids, purpose="loss")
             rows = list(range(g * size, (g + 1) * size))
             if entry.probe_stale is not None:
@@ -881,7 +891,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     self._finish_probe(entry, completion_ids[probe], loss_mask[probe])
                 else:
                     entry.probe_stale = None
-            if sync_row in rows:  # keep the synchronising response for last
+            if sync_row in rows:  # the synchronising response runs last
                 rows.remove(sync_row)
                 rows.append(sync_row)
             for i in rows:
@@ -895,14 +905,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     all_metrics.append(metrics)
                     total = total + term.detach()
                     continue
-                if i == sync_row:
-                    length = max(
-                        length, min(2, width)
-                    )  # a 1-token replay skips the decoder layers (DDP needs them)
+                if i == sync_row:  # a 1-token replay skips the decoder layers, whose parameters DDP expects
+                    length = max(length, min(2, width))
                 sync = (
-                    contextlib.nullcontext()
-                    if (i == sync_row or not backward)
-                    else self.accelerator.no_sync(model)
+                    self.accelerator.no_sync(model)
+                    if sync_row is not None and i != sync_row
+                    else _NULL_CONTEXT
                 )
                 start = time.perf_counter()
                 with sync:

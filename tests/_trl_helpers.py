@@ -193,6 +193,8 @@ def make_tiny_longstraw_trainer(loss_type: str = "dapo", beta: float = 0.0, **kw
 
     Extra keywords go to `LongStrawGRPOConfig`, except `train_dataset`, `reward_funcs`, `model` and `peft_config`.
     """
+    from transformers.trainer_callback import PrinterCallback
+
     from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
 
     path = tiny_model_dir()
@@ -233,6 +235,8 @@ def make_tiny_longstraw_trainer(loss_type: str = "dapo", beta: float = 0.0, **kw
             processing_class=build_toy_tokenizer(TINY_VOCAB),
             peft_config=peft_config,
         )
+    # no log dicts on stdout: `pytest -s` shows the tests' own prints
+    trainer.remove_callback(PrinterCallback)
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
     return trainer
 

@@ -32,7 +32,8 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog. " * 2, "a long straw: 1
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """Tiny ops are ~100x slower with 2 intra-op threads on the 2-core CI VM (thread wake-ups)."""
+    """One intra-op thread: these models are tiny (threads only add overhead; on a busy 2-core VM, thread wake-ups made
+    tiny matmuls ~100x slower), and the timings stay stable. Restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -108,7 +109,9 @@ def test_peft_reference_has_its_own_capture(how):
     (adapters disabled); a `PeftModel` keeps its adapter and the reference is TRL's frozen "ref" copy of it. Either way
     the reference has its own capture, and old / reference log-probs equal the stock HF forward of that model."""
     if how == "peft_config":
-        ours = make_tiny_longstraw_trainer(peft_config=LoraConfig(**LORA), beta=0.04, num_iterations=2, **SAMPLING)
+        ours = make_tiny_longstraw_trainer(
+            peft_config=LoraConfig(**LORA), beta=0.04, num_iterations=2, **SAMPLING
+        )
     else:
         model = get_peft_model(Qwen3ForCausalLM.from_pretrained(tiny_model_dir()), LoraConfig(**LORA))
         ours = make_tiny_longstraw_trainer(model=model, beta=0.04, num_iterations=2, **SAMPLING)
@@ -163,7 +166,14 @@ def test_train_logs_trl_and_longstraw_metrics_with_gradient_checkpointing():
     trainer, logs = _train(max_steps=2, activation_checkpointing=True, gradient_accumulation_steps=1)
     assert unwrap_checkpointing(trainer)
     first = logs[0]
-    for name in ("reward", "reward_std", "completions/mean_length", "entropy", "clip_ratio/region_mean", "loss"):
+    for name in (
+        "reward",
+        "reward_std",
+        "completions/mean_length",
+        "entropy",
+        "clip_ratio/region_mean",
+        "loss",
+    ):
         assert name in first and math.isfinite(first[name]), name
     for name in (
         "longstraw/prompt_tokens",
@@ -179,13 +189,25 @@ def test_train_logs_trl_and_longstraw_metrics_with_gradient_checkpointing():
         "longstraw/refresh/interval",
     ):
         assert name in first, name
-    assert first["longstraw/prompt_tokens"] == pytest.approx(sum(len(p) for p in PROMPTS) / 2, abs=len(PROMPTS[1]))
+    assert first["longstraw/prompt_tokens"] == pytest.approx(
+        sum(len(p) for p in PROMPTS) / 2, abs=len(PROMPTS[1])
+    )
     assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in logs)
     assert not trainer._states  # freed after training
 
 
 def unwrap_checkpointing(trainer):
     return any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
+
+
+def test_evaluate_generates_scores_and_frees_its_states():
+    trainer = make_tiny_longstraw_trainer(
+        reward_funcs=_digit_reward, per_device_eval_batch_size=4, num_generations_eval=2, eval_strategy="no"
+    )
+    metrics = trainer.evaluate(eval_dataset=_dataset(4))
+    for name in ("eval_loss", "eval_reward", "eval_entropy", "eval_longstraw/prompt_tokens"):
+        assert name in metrics and math.isfinite(metrics[name]), name
+    assert not trainer._states
 
 
 @pytest.mark.parametrize("policy", ["recapture", "reuse", "adaptive"])
@@ -247,7 +269,11 @@ def test_checkpoint_resume_gives_the_same_next_loss(tmp_path):
     )
     resumed.train(resume_from_checkpoint=str(checkpoint))
     resumed_logs = [h for h in resumed.state.log_history if "loss" in h]
-    assert [h["step"] for h in resumed_logs] == [1, 2, 3]  # steps 1-2 come from the checkpoint's trainer state
+    assert [h["step"] for h in resumed_logs] == [
+        1,
+        2,
+        3,
+    ]  # steps 1-2 come from the checkpoint's trainer state
     assert resumed_logs[:2] == logs[:2]
     assert resumed_logs[2]["reward"] == logs[2]["reward"]  # same completions
     assert resumed_logs[2]["loss"] == pytest.approx(logs[2]["loss"], abs=1e-6)
@@ -259,7 +285,9 @@ def test_checkpoint_resume_gives_the_same_next_loss(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 def test_micro_batch_splitting_a_group_is_refused(tmp_path):
     with pytest.raises(LongStrawError, match=r"per_device_train_batch_size=6.*num_generations=4"):
-        LongStrawGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=4, use_cpu=True)
+        LongStrawGRPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=4, use_cpu=True
+        )
 
 
 def test_missing_prompt_column_is_refused():
@@ -291,7 +319,11 @@ def test_reward_function_that_raises_is_named():
 
 def test_nan_loss_stops_training_naming_step_and_group():
     trainer = make_tiny_longstraw_trainer(
-        max_steps=2, beta=0.04, reward_funcs=_digit_reward, train_dataset=_dataset(), gradient_accumulation_steps=1
+        max_steps=2,
+        beta=0.04,
+        reward_funcs=_digit_reward,
+        train_dataset=_dataset(),
+        gradient_accumulation_steps=1,
     )
     with torch.no_grad():  # a corrupt reference checkpoint
         trainer.ref_model.get_output_embeddings().weight.fill_(float("nan"))
@@ -310,7 +342,15 @@ def test_nan_loss_stops_training_naming_step_and_group():
         ({}, dict(environment_factory=object), "environment_factory"),
         ({}, dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
     ],
-    ids=["vllm", "repetition_penalty", "generation_kwargs", "entropy_bonus", "tools", "environment", "rollout"],
+    ids=[
+        "vllm",
+        "repetition_penalty",
+        "generation_kwargs",
+        "entropy_bonus",
+        "tools",
+        "environment",
+        "rollout",
+    ],
 )
 def test_unsupported_options_are_refused(kwargs, trainer_kwargs, match, tmp_path):
     with warnings.catch_warnings():
@@ -336,7 +376,9 @@ def test_loss_options_it_cannot_stream_are_refused(tmp_path):
         LongStrawGRPOTrainer(
             model=Qwen3ForCausalLM.from_pretrained(tiny_model_dir()),
             reward_funcs=_digit_reward,
-            args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4),
+            args=GRPOConfig(
+                output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4
+            ),
             train_dataset=_dataset(),
             processing_class=build_toy_tokenizer(TINY_VOCAB),
         )

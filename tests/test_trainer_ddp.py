@@ -24,13 +24,25 @@ LENGTHS = [6, 2, 5, 1]
 
 
 def _inputs(rank: int, micro: int):
-    """One group per rank and micro-batch, with its own prompt and completions."""
-    inputs, _, _ = random_grpo_inputs(LENGTHS, seed=10 * rank + micro, beta=0.04, prompt_len=12 + rank)
-    prompt = inputs.pop("prompt_ids")[0]
-    inputs.pop("prompt_mask")
-    inputs["longstraw_prompts"] = [(_prompt_key(prompt), prompt)]
-    inputs["num_items_in_batch"] = torch.tensor(40)  # the same global count on every rank, as TRL gathers it
-    return inputs
+    """Two groups per rank and micro-batch, each with its own prompt; the longest response is in the first group (the
+    synchronising backward must still come after the second group's)."""
+    rows, prompts = [], []
+    for group in range(2):
+        inputs, _, _ = random_grpo_inputs(
+            LENGTHS if group == 0 else [3, 2, 1, 2],
+            seed=100 * rank + 10 * micro + group,
+            beta=0.04,
+            prompt_len=12 + rank + group,
+            max_len=max(LENGTHS),
+        )
+        prompt = inputs.pop("prompt_ids")[0]
+        inputs.pop("prompt_mask")
+        prompts.append((_prompt_key(prompt), prompt))
+        rows.append(inputs)
+    batch = {k: torch.cat([r[k] for r in rows]) for k in rows[0] if k != "num_items_in_batch"}
+    batch["longstraw_prompts"] = prompts
+    batch["num_items_in_batch"] = torch.tensor(60)  # the same global count on every rank, as TRL gathers it
+    return batch
 
 
 def _grads(model):
@@ -39,7 +51,11 @@ def _grads(model):
 
 def _worker(rank: int, world: int, port: int) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
     trainer = make_tiny_longstraw_trainer(beta=0.04, loss_type="grpo", ddp_timeout=60)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
@@ -32,7 +33,8 @@ STEPS = 200
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """Tiny ops are ~100x slower with 2 intra-op threads on the 2-core CI VM (thread wake-ups)."""
+    """One intra-op thread: these models are tiny (threads only add overhead; on a busy 2-core VM, thread wake-ups made
+    tiny matmuls ~100x slower), and the timings stay stable. Restored afterwards."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -55,7 +57,9 @@ def copy_reward(completions, answer, **kwargs):
     rewards = []
     for completion, digit in zip(completions, answer, strict=True):
         chars = completion[:COMPLETION_TOKENS].ljust(COMPLETION_TOKENS)
-        rewards.append(sum(1.0 if c == digit else 0.2 if c.isdigit() else 0.0 for c in chars) / COMPLETION_TOKENS)
+        rewards.append(
+            sum(1.0 if c == digit else 0.2 if c.isdigit() else 0.0 for c in chars) / COMPLETION_TOKENS
+        )
     return rewards
 
 
@@ -102,6 +106,7 @@ def run(trainer_cls, config_cls, output_dir):
             train_dataset=copy_dataset(1000),
             processing_class=build_toy_tokenizer(VOCAB),
         )
+        trainer.remove_callback(PrinterCallback)
         start = time.perf_counter()
         trainer.train()
     seconds = time.perf_counter() - start
@@ -109,7 +114,10 @@ def run(trainer_cls, config_cls, output_dir):
 
 
 def curve(rewards, bucket=20):
-    return [round(sum(rewards[i : i + bucket]) / len(rewards[i : i + bucket]), 2) for i in range(0, len(rewards), bucket)]
+    return [
+        round(sum(rewards[i : i + bucket]) / len(rewards[i : i + bucket]), 2)
+        for i in range(0, len(rewards), bucket)
+    ]
 
 
 def test_longstraw_learns_long_context_copy(tmp_path):
