@@ -51,6 +51,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             Recompute every decoder layer of a response replay in backward instead of storing its activations (only
             where TRL's own gradient checkpointing, on by default, does not already checkpoint the layer).
 
+        cp_size (`int`, *optional*, defaults to `1`):
+            Context-parallel ranks per prompt: consecutive groups of `cp_size` processes share each prompt, every rank
+            holding 1/`cp_size` of its K/V pages (GDN state, weights and responses are replicated). The rank-0 batch
+            of each group is broadcast to the others; the world size must be a multiple of `cp_size`, and the
+            remaining factor is data parallel. Not TRL's `cp_size`, which `GRPOConfig` rejects for GRPO.
+
         > Refresh of stale prompt states
 
         refresh_policy (`str`, *optional*, defaults to `"recapture"`):
@@ -105,6 +111,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             "activations (where TRL's gradient checkpointing does not already checkpoint it)."
         },
     )
+    cp_size: int = field(
+        default=1,
+        metadata={
+            "help": "Context-parallel ranks per prompt (its K/V pages are spread over them); the world size must be "
+            "a multiple of it."
+        },
+    )
     refresh_policy: str = field(
         default="recapture",
         metadata={
@@ -157,6 +170,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise LongStrawError(
                 f"capture_chunk_size and page_size must be positive, got {self.capture_chunk_size} and "
                 f"{self.page_size}."
+            )
+        if self.cp_size < 1:
+            raise LongStrawError(f"cp_size must be >= 1, got {self.cp_size}.")
+        if self.cp_size > 1 and self.scale_rewards == "batch":
+            raise LongStrawError(
+                "scale_rewards='batch' with cp_size > 1 is not supported: the rewards gathered over ranks hold each "
+                "group cp_size times, which changes the batch std. Use scale_rewards='group' or 'none'."
             )
         if self.refresh_policy not in REFRESH_POLICIES:
             raise LongStrawError(

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import ProcessorMixin
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -66,6 +67,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
 
 from .config import LongStrawGRPOConfig, check_whole_groups
+from .distributed import new_cp_groups
 from .engine import capture_prompt
 from .errors import LongStrawError, UnsupportedModelError
 from .loss import GRPOLossSpec, aggregate_metrics, batch_loss_context, response_loss
@@ -393,6 +395,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         # Set before `super().__init__` (TRL's `__init__` may already call overridden methods).
         self._batch_groups: list[str] | None = None
+        self.cp_group = None
         self._states: dict[str, _PromptEntry] = {}
         self._train_keys: set[str] = set()
         self._step_counts: dict[str, dict[str, float]] = {
@@ -429,6 +432,19 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if not isinstance(func, nn.Module):
                 self.reward_funcs[i] = _named_reward_function(func, name)
         self._install_replay_entry(self.model)
+        self.cp_group = self._context_parallel_group(args.cp_size)
+
+    def _context_parallel_group(self, cp_size: int):
+        """This process's context-parallel group (consecutive ranks), or `None` for `cp_size == 1`."""
+        if cp_size == 1:
+            return None
+        world = self.accelerator.num_processes
+        if not dist.is_initialized() or world % cp_size:
+            raise LongStrawError(
+                f"cp_size={cp_size} needs a distributed launch whose world size is a multiple of it (got {world} "
+                "process(es)); launch with e.g. `accelerate launch --config_file examples/accelerate/cp2.yaml`."
+            )
+        return new_cp_groups(cp_size)
 
     # ------------------------------------------------------------------------------------------------------------------
     # Capture and prompt-state bookkeeping
@@ -459,7 +475,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 chunk_size=self.args.capture_chunk_size,
                 page_size=self.args.page_size,
                 offload=self.args.offload_prompt_state,
-                cp_group=None,
+                cp_group=self.cp_group,
             )
         seconds = time.perf_counter() - start
         metrics = self._metrics[mode]
@@ -725,6 +741,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 f"the dataset rows have no 'prompt' field (fields: {', '.join(inputs[0]) or 'none'}). "
                 "LongStrawGRPOTrainer needs one prompt per row in a column named 'prompt'."
             )
+        if self.cp_group is not None:
+            # every rank of a context-parallel group works on its first rank's prompts
+            box = [inputs]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.cp_group, 0), group=self.cp_group)
+            inputs = box[0]
         self._batch_groups = []
         try:
             output = super()._generate_and_score_completions(inputs)

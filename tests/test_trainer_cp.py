@@ -1,0 +1,56 @@
+"""One LongStrawGRPOTrainer step with cp_size=2 over 2 CPU processes equals the single-process step.
+
+Launched with torchrun (``torch.distributed.run``), which Accelerate picks up from the environment; on CPU
+``accelerate launch`` itself starts several processes only through MPI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from longstraw_trl import LongStrawError
+
+STEP = Path(__file__).parent / "_cp_step.py"
+
+
+def test_cp2_trainer_step_equals_single_process(tmp_path):
+    single = _launch(tmp_path / "single.json", cp_size=1)
+    cp = _launch(tmp_path / "cp.json", cp_size=2)
+    assert len(single["loss"]) == len(cp["loss"]) == 1
+    assert abs(single["loss"][0] - cp["loss"][0]) <= 1e-5
+    worst = max(
+        max(abs(a - b) for a, b in zip(single["params"][name], cp["params"][name], strict=True))
+        for name in single["params"]
+    )
+    print(f"cp2 vs single: loss {cp['loss'][0]:.6f} vs {single['loss'][0]:.6f}, max |param diff| {worst:.2e}")
+    assert worst <= 1e-5
+
+
+def _launch(out: Path, cp_size: int) -> dict:
+    cmd = [sys.executable]
+    if cp_size > 1:
+        cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(cp_size)]
+    cmd += [str(STEP), "--cp-size", str(cp_size), "--out", str(out)]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_cp_size_without_a_distributed_launch_is_refused():
+    from _trl_helpers import make_tiny_longstraw_trainer
+
+    with pytest.raises(LongStrawError, match="cp_size=2 needs a distributed launch"):
+        make_tiny_longstraw_trainer(cp_size=2)
