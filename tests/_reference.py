@@ -8,6 +8,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from longstraw_trl import capture_prompt
+
 VOCAB = 97
 
 
@@ -98,3 +100,30 @@ def with_lora(model, targets):
         r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0, init_lora_weights=False
     )
     return get_peft_model(model, cfg)
+
+
+GRAD_VARIANTS = ["full", "lora", "checkpoint_layers", "hf_gradient_checkpointing"]
+
+
+def check_replay_grads(model, variant: str, lora_targets) -> dict:
+    """One replay's parameter gradients against the response-only reference (relative L2 <= 1e-4).
+
+    ``variant``: plain, with LoRA on ``lora_targets``, with the engine's per-layer checkpointing, or with HF
+    gradient checkpointing on (train mode, where HF drops caches). Returns the engine's gradients.
+    """
+    if variant == "lora":
+        model = with_lora(model, lora_targets)
+    if variant == "hf_gradient_checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (29,), generator=gen)
+    completion = torch.randint(0, VOCAB, (11,), generator=gen)
+    weights = torch.randn(11, generator=gen)
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
+    got = engine_grads(model, state, completion, weights, checkpoint_layers=variant == "checkpoint_layers")
+    if variant == "hf_gradient_checkpointing":
+        model.gradient_checkpointing_disable()
+        model.eval()
+    assert_grads_close(got, response_only_reference(model, prompt, completion, weights))
+    return got

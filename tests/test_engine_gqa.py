@@ -6,13 +6,11 @@ import pytest
 import torch
 from _models import GQA_CONFIGS, build
 from _reference import (
+    GRAD_VARIANTS,
     VOCAB,
-    assert_grads_close,
-    engine_grads,
+    check_replay_grads,
     padded_completions,
-    response_only_reference,
     stock_logprobs,
-    with_lora,
 )
 from _state import snapshot, unchanged
 
@@ -49,25 +47,9 @@ def test_logprobs_match_stock_forward(family, prompt_len, chunk, page):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("variant", ["full", "lora", "checkpoint_layers", "hf_gradient_checkpointing"])
+@pytest.mark.parametrize("variant", GRAD_VARIANTS)
 def test_grads_match_response_only_reference(family, variant):
-    model = build(family)
-    if variant == "lora":
-        model = with_lora(model, LORA_TARGETS)
-    if variant == "hf_gradient_checkpointing":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()  # HF checkpointing only runs in train mode, and drops caches there
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, VOCAB, (29,), generator=gen)
-    completion = torch.randint(0, VOCAB, (11,), generator=gen)
-    weights = torch.randn(11, generator=gen)
-    state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
-    got = engine_grads(model, state, completion, weights, checkpoint_layers=variant == "checkpoint_layers")
-    if variant == "hf_gradient_checkpointing":
-        model.gradient_checkpointing_disable()
-        model.eval()
-    ref = response_only_reference(model, prompt, completion, weights)
-    assert_grads_close(got, ref)
+    got = check_replay_grads(build(family), variant, LORA_TARGETS)
     if variant == "lora":
         assert all("lora_" in n for n in got)  # base weights are frozen
 
