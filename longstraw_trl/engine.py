@@ -273,9 +273,8 @@ def capture_prompt(
     page_size = page_size or DEFAULT_PAGE_SIZE
     if chunk_size <= 0 or page_size <= 0:
         raise LongStrawError("chunk_size and page_size must be positive")
-    state = PromptState({}, model_device(model), offload=offload, cp_group=cp_group, page_size=page_size)
-    _storage_device(state.device, offload)  # validates `offload`
-    state.chunk_size = chunk_size
+    _storage_device(model_device(model), offload)  # validates `offload`
+    state = PromptState({}, model_device(model), offload, cp_group, page_size, chunk_size)
     _prefill(state, model, prompt_ids, chunk_size, progress)
     return state
 
@@ -290,8 +289,7 @@ def extend_state(
         raise LongStrawError(f"more_ids must be 1-D, got shape {tuple(more_ids.shape)}")
     check_positions(model, state.num_tokens + more_ids.numel(), "the extended prompt")
     new = state.fork()
-    new.chunk_size = getattr(state, "chunk_size", DEFAULT_CHUNK_SIZE)
-    _prefill(new, model, more_ids, new.chunk_size, progress)
+    _prefill(new, model, more_ids, new.chunk_size or DEFAULT_CHUNK_SIZE, progress)
     return new
 
 

@@ -158,6 +158,7 @@ class PromptState:
         device: where replays compute. Pages live there too unless ``offload="cpu"``.
         offload: ``None`` (resident on ``device``) or ``"cpu"`` (pinned host memory, streamed per page).
         cp_group: the context-parallel process group the pages are spread over (``None``: one rank).
+        page_size: tokens per K/V page; chunk_size: prompt tokens per prefill step (``extend`` reuses it).
     """
 
     def __init__(
@@ -167,8 +168,10 @@ class PromptState:
         offload: str | None = None,
         cp_group=None,
         page_size: int = 0,
+        chunk_size: int = 0,
     ):
         self.layers = layers
+        self.chunk_size = chunk_size
         self.device = device
         self.offload = offload
         self.cp_group = cp_group
@@ -199,6 +202,7 @@ class PromptState:
             self.offload,
             self.cp_group,
             self.page_size,
+            self.chunk_size,
         )
         new.num_tokens, new.last_hidden = self.num_tokens, self.last_hidden
         return new
