@@ -8,8 +8,8 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _models import build
+from _spawn import exit_worker, run_processes
 
 from longstraw_trl import capture_prompt
 
@@ -25,6 +25,7 @@ def _grads(model, state, ids, mask):
 
 def _worker(rank: int, world: int, init_file: str, family: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
     try:
         model = build(family)
         gen = torch.Generator().manual_seed(0)
@@ -58,8 +59,11 @@ def _worker(rank: int, world: int, init_file: str, family: str) -> None:
         a = single.generate(model, 2, 6, do_sample=False)
         b = sharded.generate(model, 2, 6, do_sample=False)
         assert torch.equal(a, b)
-    finally:
+        dist.barrier()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_worker()
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -67,4 +71,4 @@ def _worker(rank: int, world: int, init_file: str, family: str) -> None:
 def test_context_parallel_equals_single_process(world, family):
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(world, init_file, family), nprocs=world, join=True)
+        run_processes(_worker, (world, init_file, family), world)

@@ -15,7 +15,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import exit_worker, run_processes
 from _trl_helpers import make_tiny_longstraw_trainer, random_grpo_inputs
 
 from longstraw_trl.trainer import _prompt_key
@@ -97,7 +97,8 @@ def _worker(rank: int, world: int, port: int) -> None:
     assert (local - expected).abs().max() > 1e-6  # the ranks really had different gradients
     torch.testing.assert_close(synced, expected, atol=1e-6, rtol=1e-5)
     assert len(calls) == len(set(calls)) >= 1  # each bucket reduced once: a single synchronising backward
-    dist.destroy_process_group()
+    dist.barrier()
+    exit_worker()
 
 
 def _free_port() -> int:
@@ -108,4 +109,4 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("world", [2])
 def test_ddp_reduces_once_per_optimizer_step_and_averages(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    run_processes(_worker, (world, _free_port()), world)
