@@ -87,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="recapture",
         help="see LongStrawGRPOConfig",
     )
+    train.add_argument(
+        "--cp-size",
+        type=int,
+        default=1,
+        help="context-parallel ranks per prompt; launch with examples/accelerate/cpN.yaml",
+    )
     train.add_argument("--chunk-size", type=int, default=8192, help="capture_chunk_size")
     train.add_argument("--page-size", type=int, default=16384, help="page_size")
     train.add_argument("--offload", choices=["none", "cpu"], default="none", help="offload_prompt_state")
@@ -288,6 +294,7 @@ def main(argv=None) -> dict:
         page_size=args.page_size,
         offload_prompt_state=None if args.offload == "none" else args.offload,
         refresh_policy=args.refresh_policy,
+        cp_size=args.cp_size,
     )
     trainer = LongStrawGRPOTrainer(
         model=model,
@@ -343,6 +350,8 @@ def main(argv=None) -> dict:
         },
     }
     trainer.save_model(args.output_dir)
+    if not trainer.accelerator.is_main_process:  # one summary per run, also under a multi-process launch
+        return summary
     with open(os.path.join(args.output_dir, "log_history.json"), "w") as f:
         json.dump(trainer.state.log_history, f, indent=1)
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:

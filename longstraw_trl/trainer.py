@@ -769,6 +769,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "whole groups; make per_device_train_batch_size a multiple of num_generations."
             )
         order = torch.randperm(len(prompts)).tolist()
+        if self.cp_group is not None:  # the ranks of a CP group must replay the same responses in step
+            box = [order]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.cp_group, 0), group=self.cp_group)
+            order = box[0]
         per_chunk = len(prompts) // num_chunks
         chunks = []
         for c in range(num_chunks):

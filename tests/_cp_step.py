@@ -19,6 +19,17 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _trl_helpers import make_tiny_longstraw_trainer  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+
+class DesyncRandomness(TrainerCallback):
+    """Give every non-first rank its own RNG stream: a CP group must stay in step without relying on equal seeds
+    (sampled tokens and the group order come from the first rank)."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        rank = int(os.environ.get("RANK", 0))
+        if rank:
+            torch.manual_seed(1000 + rank)
 
 
 def length_reward(completions, **kwargs):
@@ -36,20 +47,27 @@ def main() -> None:
     trainer = make_tiny_longstraw_trainer(
         loss_type="dapo",
         cp_size=a.cp_size,
-        train_dataset=Dataset.from_dict({"prompt": [prompt] * 8}),
+        train_dataset=Dataset.from_dict({"prompt": [prompt] * 16}),
         reward_funcs=length_reward,
         max_steps=1,
+        per_device_train_batch_size=16,  # four groups per micro-batch: their order must agree across CP ranks
+        num_generations=4,
         gradient_accumulation_steps=1,
         capture_chunk_size=64,
         page_size=32,
         seed=0,
     )
+    if a.cp_size > 1:
+        trainer.add_callback(DesyncRandomness())
     trainer.train()
     if trainer.accelerator.is_main_process:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         params = {n: p.detach().double().flatten().tolist() for n, p in trainer.model.named_parameters()}
         with open(a.out, "w") as f:
             json.dump({"loss": losses, "params": params}, f)
+    if torch.distributed.is_initialized():  # leave together: a rank that exits early can abort its peer
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
