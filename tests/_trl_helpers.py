@@ -67,18 +67,10 @@ def _constant_reward(completions, **kwargs):
     return [0.0 for _ in completions]
 
 
-def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kwargs: Any) -> GRPOTrainer:
-    """A real `GRPOTrainer` on the tiny model, built on CPU without any download or logging integration.
-
-    Defaults (each overridable through `grpo_kwargs`): `per_device_train_batch_size=4`, `num_generations=4`,
-    `gradient_accumulation_steps=2`, `max_completion_length=16`, `report_to="none"`, `use_cpu=True`,
-    `activation_checkpointing=False`, `save_strategy="no"`. The model is in eval mode after construction (as TRL
-    leaves it); call `trainer.model.train()` for train-mode loss scaling, and set
-    `trainer.current_gradient_accumulation_steps` (normally set by the Trainer's training loop).
-    """
-    path = tiny_model_dir()
-    kwargs = dict(
-        output_dir=tempfile.mkdtemp(prefix="longstraw_grpo_"),
+def _tiny_config_kwargs(prefix: str, loss_type: str, beta: float, **extra: Any) -> dict[str, Any]:
+    """The (LongStraw)GRPOConfig keywords both tiny trainers start from: CPU, no logging integrations."""
+    return dict(
+        output_dir=tempfile.mkdtemp(prefix=prefix),
         report_to="none",
         use_cpu=True,
         per_device_train_batch_size=4,
@@ -90,7 +82,21 @@ def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kw
         logging_steps=1,
         loss_type=loss_type,
         beta=beta,
+        **extra,
     )
+
+
+def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kwargs: Any) -> GRPOTrainer:
+    """A real `GRPOTrainer` on the tiny model, built on CPU without any download or logging integration.
+
+    Defaults (each overridable through `grpo_kwargs`): `per_device_train_batch_size=4`, `num_generations=4`,
+    `gradient_accumulation_steps=2`, `max_completion_length=16`, `report_to="none"`, `use_cpu=True`,
+    `activation_checkpointing=False`, `save_strategy="no"`. The model is in eval mode after construction (as TRL
+    leaves it); call `trainer.model.train()` for train-mode loss scaling, and set
+    `trainer.current_gradient_accumulation_steps` (normally set by the Trainer's training loop).
+    """
+    path = tiny_model_dir()
+    kwargs = _tiny_config_kwargs("longstraw_grpo_", loss_type, beta)
     kwargs.update(grpo_kwargs)
     atexit.register(shutil.rmtree, kwargs["output_dir"], ignore_errors=True)
     with warnings.catch_warnings():
@@ -204,22 +210,7 @@ def make_tiny_longstraw_trainer(loss_type: str = "dapo", beta: float = 0.0, **kw
     reward_funcs = kwargs.pop("reward_funcs", _constant_reward)
     model = kwargs.pop("model", None)
     peft_config = kwargs.pop("peft_config", None)
-    config = dict(
-        output_dir=tempfile.mkdtemp(prefix="longstraw_trainer_"),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        gradient_accumulation_steps=2,
-        max_completion_length=16,
-        activation_checkpointing=False,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        loss_type=loss_type,
-        beta=beta,
-    )
+    config = _tiny_config_kwargs("longstraw_trainer_", loss_type, beta, bf16=False, disable_tqdm=True)
     config.update(kwargs)
     atexit.register(shutil.rmtree, config["output_dir"], ignore_errors=True)
     with warnings.catch_warnings():

@@ -30,16 +30,6 @@ from longstraw_trl.trainer import (
 PROMPTS = ["the quick brown fox jumps over the lazy dog. " * 2, "a long straw: 1234567890 " * 3]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these models are tiny (threads only add overhead; on a busy 2-core VM, thread wake-ups made
-    tiny matmuls ~100x slower), and the timings stay stable. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _digit_reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 

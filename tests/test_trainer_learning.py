@@ -14,10 +14,10 @@ import random
 import time
 import warnings
 
-import pytest
 import torch
+from _trl_helpers import tiny_qwen3_config
 from datasets import Dataset
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -29,16 +29,6 @@ PROMPT_CHARS = 256
 ANSWERS = "0123"
 COMPLETION_TOKENS = 3
 STEPS = 200
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these models are tiny (threads only add overhead; on a busy 2-core VM, thread wake-ups made
-    tiny matmuls ~100x slower), and the timings stay stable. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def copy_dataset(n: int, seed: int = 0) -> Dataset:
@@ -65,20 +55,8 @@ def copy_reward(completions, answer, **kwargs):
 
 def run(trainer_cls, config_cls, output_dir):
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
+    config = tiny_qwen3_config(VOCAB)
+    config.max_position_embeddings = 1024
     args = config_cls(
         output_dir=output_dir,
         report_to="none",

@@ -34,16 +34,6 @@ SETTINGS = {
 LOSS_METRICS = ("kl", "entropy", "clip_ratio", "cispo_clip_ratio", "vespo")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these models are tiny (threads only add overhead; on a busy 2-core VM, thread wake-ups made
-    tiny matmuls ~100x slower), and the timings stay stable. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _inputs(seed: int, beta: float, prompt_len: int = PROMPT_LEN):
     """TRL-shaped inputs of one group: every row shares the first row's prompt."""
     inputs, _, _ = random_grpo_inputs(LENGTHS, seed=seed, beta=beta, prompt_len=prompt_len)
