@@ -127,3 +127,18 @@ def check_replay_grads(model, variant: str, lora_targets) -> dict:
         model.eval()
     assert_grads_close(got, response_only_reference(model, prompt, completion, weights))
     return got
+
+
+def check_logprobs_against_stock(model, prompt_len: int, chunk: int, page: int):
+    """Capture a random prompt, score 3 padded completions of different lengths, and compare each row with
+    the stock model's full forward on its unpadded prompt + completion (max abs <= 1e-4). Returns the state."""
+    gen = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
+    comps, mask = padded_completions([9, 4, 1], gen)
+    state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
+    got = state.logprobs(model, comps, mask)
+    for i, n in enumerate(mask.sum(1).tolist()):
+        ref = stock_logprobs(model, prompt, comps[i : i + 1, :n])
+        assert (got[i : i + 1, :n] - ref).abs().max().item() <= 1e-4
+    assert state.num_tokens == prompt_len
+    return state

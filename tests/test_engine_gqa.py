@@ -8,6 +8,7 @@ from _models import GQA_CONFIGS, build
 from _reference import (
     GRAD_VARIANTS,
     VOCAB,
+    check_logprobs_against_stock,
     check_replay_grads,
     padded_completions,
     stock_logprobs,
@@ -33,17 +34,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
     ids=["one-token", "shorter-than-chunk", "uneven", "aligned", "one-chunk-many-pages"],
 )
 def test_logprobs_match_stock_forward(family, prompt_len, chunk, page):
-    model = build(family)
-    gen = torch.Generator().manual_seed(prompt_len)
-    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
-    comps, mask = padded_completions([9, 4, 1], gen)
-    state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
-    got = state.logprobs(model, comps, mask)
-    # each row against its own unpadded stock forward
-    for i, n in enumerate(mask.sum(1).tolist()):
-        ref = stock_logprobs(model, prompt, comps[i : i + 1, :n])
-        assert (got[i : i + 1, :n] - ref).abs().max().item() <= 1e-4
-    assert state.num_tokens == prompt_len
+    check_logprobs_against_stock(build(family), prompt_len, chunk, page)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

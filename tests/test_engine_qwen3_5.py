@@ -13,6 +13,7 @@ from _models import HYBRID_CONFIGS, build_hybrid
 from _reference import (
     GRAD_VARIANTS,
     VOCAB,
+    check_logprobs_against_stock,
     check_replay_grads,
     padded_completions,
     stock_logprobs,
@@ -61,17 +62,7 @@ LORA_TARGETS = [
     ids=["one-token", "shorter-than-chunk", "uneven", "chunk-shorter-than-conv", "crosses-kernel-chunks"],
 )
 def test_logprobs_match_stock_forward(family, prompt_len, chunk, page):
-    model = build_hybrid(family)
-    gen = torch.Generator().manual_seed(prompt_len)
-    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
-    comps, mask = padded_completions([9, 4, 1], gen)
-    state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
-    got = state.logprobs(model, comps, mask)
-    # each row against its own unpadded stock forward
-    for i, n in enumerate(mask.sum(1).tolist()):
-        ref = stock_logprobs(model, prompt, comps[i : i + 1, :n])
-        assert (got[i : i + 1, :n] - ref).abs().max().item() <= 1e-4
-    assert state.num_tokens == prompt_len
+    state = check_logprobs_against_stock(build_hybrid(family), prompt_len, chunk, page)
     kinds = {i: type(layer) for i, layer in state.layers.items()}
     assert kinds == {0: GDNState, 1: KVPages, 2: GDNState}
 
