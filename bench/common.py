@@ -74,6 +74,36 @@ def sdpa_causal_tflops(heads: int, kv_heads: int, head_dim: int, seq: int = 3276
     return flops / t.seconds / 1e12
 
 
+def matmul_tflops(n: int = 8192) -> float:
+    """Measured bf16 GEMM rate on this device (the dense floor's denominator)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a @ b
+    with Timer() as t:
+        for _ in range(20):
+            a @ b
+    return 2 * n**3 * 20 / t.seconds / 1e12
+
+
+def copy_bandwidth_gbs(gib: int = 4) -> float:
+    """Measured device-memory bandwidth (bytes read + written per second by a large copy), in GB/s."""
+    src = torch.empty(gib * GiB, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    with Timer() as t:
+        for _ in range(10):
+            dst.copy_(src)
+    del src, dst
+    return 2 * gib * GiB * 10 / t.seconds / 1e9
+
+
+def preallocate_gradients(model) -> None:
+    """Zero gradients in place before a measured step, as every micro-step after the first sees them."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 def write_result(name: str, payload: dict) -> Path:
     """Write ``payload`` with provenance to $OUT (device run) or bench/results/."""
     payload = {

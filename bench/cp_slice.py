@@ -6,6 +6,12 @@ Every rank holds the whole (replicated) model and GDN state and 1/cp of the K/V 
 small P, that the sharded state's log-probs equal a single-rank capture on the same GPU and that the
 parameter gradients are identical on all ranks; then captures P, replays G responses with backward and
 reports per-rank peak memory, state bytes, capture and replay seconds. Rank 0 writes the JSON.
+
+``--check-only --backend gloo`` runs only the small-P checks, and lets several ranks share one GPU (gloo
+moves CUDA tensors through the host; NCCL refuses two ranks on one device): the GPU kernels whose
+nondeterminism the gradient check guards against still run on every rank.
+
+    python -m torch.distributed.run --nproc_per_node 2 bench/cp_slice.py --check-only --backend gloo
 """
 
 from __future__ import annotations
@@ -35,14 +41,18 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--page", type=int, default=16384)
+    ap.add_argument(
+        "--backend", choices=["nccl", "gloo"], default=None, help="default: nccl (gloo with --tiny)"
+    )
+    ap.add_argument("--check-only", action="store_true", help="only the small-P exactness checks")
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU (gloo) with tiny dimensions")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
     small_p = 3000 if args.tiny else 40000
 
     if not args.tiny:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("gloo" if args.tiny else "nccl")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(args.backend or ("gloo" if args.tiny else "nccl"))
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
 
@@ -71,6 +81,26 @@ def main() -> None:
     model.zero_grad(set_to_none=True)
     if not args.tiny:
         torch.cuda.empty_cache()
+
+    if args.check_only:
+        if rank == 0:
+            payload = {
+                "preset": args.preset,
+                "layers": args.layers,
+                "cp_size": world,
+                "backend": dist.get_backend(),
+                "ranks_per_gpu": world // max(1, torch.cuda.device_count()) if not args.tiny else None,
+                "check_small_P": small_p,
+                "check_max_abs_logprob_diff_sharded_vs_single": diff,
+                "check_grads_identical_across_ranks": grads_identical,
+            }
+            path = write_result(f"cpcheck{world}_{args.preset}_{args.layers}L_{dist.get_backend()}", payload)
+            print(
+                f"check at P={small_p}: max |dlogp| sharded vs single = {diff:.3g}; grads identical: {grads_identical}"
+            )
+            print(f"wrote {path}")
+        dist.destroy_process_group()
+        return
 
     # --- the long prompt ---
     prompt = torch.randint(0, config.vocab_size, (args.prompt,), device=dev, generator=g)

@@ -17,10 +17,21 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import GiB, Timer, peak_gib, print_table, reset_peak, sdpa_causal_tflops, write_result
+from common import (
+    GiB,
+    Timer,
+    copy_bandwidth_gbs,
+    matmul_tflops,
+    peak_gib,
+    print_table,
+    reset_peak,
+    sdpa_causal_tflops,
+    write_result,
+)
 from transformers import AutoModelForCausalLM
 
 from longstraw_trl import capture_prompt
+from longstraw_trl.generation import generate_from_state
 from longstraw_trl.presets import preset_config
 
 
@@ -63,29 +74,70 @@ def full_attention_layers(config) -> int:
     return sum(t == "full_attention" for t in types) if types else config.num_hidden_layers
 
 
-def run_prompt(model, config, args, prompt_len: int, dev: str, rate: float) -> dict:
+def dense_parameters(model) -> int:
+    """Parameters every token multiplies through (all but the input embedding, which is a gather)."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() for p in model.parameters() if p is not embed)
+
+
+def run_prompt(model, config, args, prompt_len: int, dev: str, rates: dict) -> dict:
+    """Capture, generate G responses, replay them with backward; each time against its floor.
+
+    Floors (rates measured in the same run): capture = full-attention FLOPs at the causal SDPA rate + dense
+    FLOPs (2 per parameter per token) at the GEMM rate; generation = bytes read per decode step (weights and
+    the prompt state, read once for all G rows) at the copy bandwidth; replay = the larger of its FLOPs
+    (attention over the pages: 4 per q-k pair forward, 6 backward for dQ; dense: 6 per parameter per token)
+    and its bytes (pages read forward and backward, weights three times). GDN recurrences are not counted.
+    """
+    model.zero_grad(set_to_none=True)  # nothing left from the previous P while capturing this one
     prompt = torch.randint(0, config.vocab_size, (prompt_len,), device=dev)
     reset_peak()
     with Timer() as t_cap:
         state = capture_prompt(model, prompt, chunk_size=args.chunk, page_size=args.page, progress=False)
     capture_peak = peak_gib()
-    heads, hd = config.num_attention_heads, config.head_dim
-    attn_flops = 4 * heads * hd * prompt_len**2 / 2 * full_attention_layers(config)
+    heads, hd, n_full = config.num_attention_heads, config.head_dim, full_attention_layers(config)
+    dense = dense_parameters(model)
+    weight_bytes = dense * 2
+    attn_flops = 4 * heads * hd * prompt_len**2 / 2 * n_full
+    cap_attn_floor = attn_flops / (rates["sdpa_tflops"] * 1e12)
+    cap_dense_floor = 2 * dense * prompt_len / (rates["matmul_tflops"] * 1e12)
+    bandwidth = rates["copy_gbs"] * 1e9
+
+    g_max, r = max(args.groups), args.response
+    reset_peak()
+    with Timer() as t_gen:
+        ids = generate_from_state(state, model, g_max, r, eos_token_id=None)
+    assert ids.shape == (g_max, r), ids.shape
+    gen_floor = r * (weight_bytes + state.nbytes()) / bandwidth
+    generation = {
+        "G": g_max,
+        "generation_s": t_gen.seconds,
+        "generation_floor_s": gen_floor,
+        "generation_over_floor": t_gen.seconds / gen_floor,
+        "generation_peak_gib": peak_gib(),
+    }
+
+    rep_flops_floor = 10 * heads * hd * r * prompt_len * n_full / (
+        rates["sdpa_tflops"] * 1e12
+    ) + 6 * dense * r / (rates["matmul_tflops"] * 1e12)
+    rep_bytes_floor = (2 * state.nbytes() + 3 * weight_bytes) / bandwidth
+    rep_floor = max(rep_flops_floor, rep_bytes_floor)
     replays = []
     for g in args.groups:
         reset_peak()
         times = []
-        for _ in range(g):
-            comp = torch.randint(0, config.vocab_size, (1, args.response), device=dev)
+        for i in range(g):
             with Timer() as t:
-                logp = state.logprobs(model, comp, grad=True)
+                logp = state.logprobs(model, ids[i % g_max][None], grad=True)
                 (-logp.mean()).backward()
             times.append(t.seconds)
+        per = sum(times[1:]) / (len(times) - 1) if g > 1 else times[0]
         replays.append(
             {
                 "G": g,
-                "replay_s_per_response": sum(times[1:]) / (len(times) - 1) if g > 1 else times[0],
+                "replay_s_per_response": per,
                 "replay_s_first": times[0],
+                "replay_over_floor": per / rep_floor,
                 "replay_peak_gib": peak_gib(),
             }
         )
@@ -96,8 +148,14 @@ def run_prompt(model, config, args, prompt_len: int, dev: str, rate: float) -> d
         "state_slack_bytes": state.slack_bytes(),
         "capture_s": t_cap.seconds,
         "capture_peak_gib": capture_peak,
-        "capture_attention_floor_s": attn_flops / (rate * 1e12),
-        "capture_over_floor": t_cap.seconds / (attn_flops / (rate * 1e12)),
+        "capture_attention_floor_s": cap_attn_floor,
+        "capture_dense_floor_s": cap_dense_floor,
+        "capture_floor_s": cap_attn_floor + cap_dense_floor,
+        "capture_over_floor": t_cap.seconds / (cap_attn_floor + cap_dense_floor),
+        "generation": generation,
+        "replay_flops_floor_s": rep_flops_floor,
+        "replay_bytes_floor_s": rep_bytes_floor,
+        "replay_floor_s": rep_floor,
         "replays": replays,
     }
     del state
@@ -127,7 +185,12 @@ def main() -> None:
     weights_gib = torch.cuda.memory_allocated() / GiB if not args.tiny else 0.0
     small_diff = check_small(model, config.vocab_size, dev)
     heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    rate = sdpa_causal_tflops(heads, kv, hd) if not args.tiny else float("nan")
+    nan = float("nan")
+    rates = {
+        "sdpa_tflops": sdpa_causal_tflops(heads, kv, hd) if not args.tiny else nan,
+        "matmul_tflops": matmul_tflops() if not args.tiny else nan,
+        "copy_gbs": copy_bandwidth_gbs() if not args.tiny else nan,
+    }
 
     results = []
     payload = {
@@ -140,14 +203,19 @@ def main() -> None:
         "page_size": args.page,
         "weights_gib": weights_gib,
         "small_check_max_abs_logprob_diff_bf16": small_diff,
-        "sdpa_causal_tflops_measured": rate,
+        "sdpa_causal_tflops_measured": rates["sdpa_tflops"],
+        "matmul_tflops_measured": rates["matmul_tflops"],
+        "copy_bandwidth_gbs_measured": rates["copy_gbs"],
+        "gradients_kept_during_capture": False,
         "results": results,
     }
     for p in args.prompt:  # written after each P, so a run cut short keeps what it measured
-        results.append(run_prompt(model, config, args, p, dev, rate))
+        results.append(run_prompt(model, config, args, p, dev, rates))
         path = write_result(f"engine_{args.preset}_{args.layers}L", payload)
     print(
-        f"{args.preset} x{args.layers} layers: weights {weights_gib:.2f} GiB; SDPA causal {rate:.0f} TFLOP/s"
+        f"{args.preset} x{args.layers} layers: weights {weights_gib:.2f} GiB; SDPA causal "
+        f"{rates['sdpa_tflops']:.0f} TFLOP/s, GEMM {rates['matmul_tflops']:.0f} TFLOP/s, "
+        f"copy {rates['copy_gbs']:.0f} GB/s"
     )
     print(f"small bf16 check vs stock forward: max |dlogp| = {small_diff:.3g}")
     rows = []
@@ -161,10 +229,13 @@ def main() -> None:
                         f"{k}={v / 2**20:.0f}" for k, v in r["state_bytes_by_kind"].items()
                     ),
                     "capture s": f"{r['capture_s']:.1f}",
-                    "floor s": f"{r['capture_attention_floor_s']:.1f}",
+                    "cap/floor": f"{r['capture_over_floor']:.1f}",
                     "cap peak GiB": f"{r['capture_peak_gib']:.1f}",
+                    "gen s": f"{r['generation']['generation_s']:.1f}",
+                    "gen/floor": f"{r['generation']['generation_over_floor']:.1f}",
                     "G": rep["G"],
                     "replay s/resp": f"{rep['replay_s_per_response']:.2f}",
+                    "rep/floor": f"{rep['replay_over_floor']:.1f}",
                     "replay peak GiB": f"{rep['replay_peak_gib']:.1f}",
                 }
             )

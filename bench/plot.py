@@ -35,7 +35,7 @@ def main() -> None:
         cap.plot(
             ps, [r["capture_attention_floor_s"] for r in data["results"]], "x:", label=f"{label}: SDPA floor"
         )
-    for path in sorted(RESULTS.glob("cp*_*.json")):
+    for path in sorted(RESULTS.glob("cp[0-9]*_*.json")):
         data = json.loads(path.read_text())
         r0 = data["ranks"][0]
         p = data["prompt_tokens"] / 2**20

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The device runs behind bench/results/, in two commands of under ten minutes each (see bench/README in the
+# module docstrings for what each script measures). Run from the repository root on the device machine with
+# the wheels of ../shared/tools/device-wheels.sh in .whl/:
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh engine     # GPU tests, then (c): the 128K..2M sweep
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh compare    # CP gradient check (gloo), then (a)+(b)
+# fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
+# fla importable, the stock HF Qwen3.5 layers train through fla's backward, which refuses on Triton < 3.7.1
+# (DESIGN.md), so both sides of the stock comparison run without it (torch GDN rule).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+fla=$(ls .whl/*.whl | grep -E 'fla_core|flash_linear')
+rest=$(ls .whl/*.whl | grep -v -E 'fla_core|flash_linear')
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $rest || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla $fla || exit 1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt"
+case "$1" in
+engine)
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 110 python3 -m pytest -q -s -m gpu tests/ > "$OUT/pytest_gpu.log" 2>&1
+  echo "pytest -m gpu: rc=$?"; tail -3 "$OUT/pytest_gpu.log"
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 450 python3 engine_slice.py --preset qwen3.6-27b \
+    --prompt 131072 524288 1048576 2097152 --groups 8 2>&1 | grep -v -i warn | tee "$OUT/engine.log" | tail -12
+  ;;
+compare)
+  cd bench
+  timeout 100 python3 -m torch.distributed.run --nproc_per_node 2 cp_slice.py --check-only --backend gloo \
+    > "$OUT/cpcheck.log" 2>&1; echo "cp check rc=$?"; grep -E "check at|wrote" "$OUT/cpcheck.log"
+  timeout 230 python3 compare_stock.py --preset qwen3-8b --prompts 32768 131072 524288 1048576 --budget-s 190 \
+    2>&1 | grep -v -i warn | tee "$OUT/compare_8b.log" | tail -8
+  timeout 230 python3 compare_stock.py --preset qwen3.6-27b --prompts 32768 131072 262144 --budget-s 190 \
+    2>&1 | grep -v -i warn | tee "$OUT/compare_27b.log" | tail -8
+  ;;
+esac
