@@ -97,10 +97,10 @@ def build_trainers(model, args, dev: str) -> tuple[GRPOTrainer, LongStrawGRPOTra
     return stock, ours
 
 
-def stock_step(trainer: GRPOTrainer, prompt, comps, advantages, deadline: float) -> dict:
+def stock_step(trainer: GRPOTrainer, prompt, comps, advantages, deadline: float, limit: int | None) -> dict:
     g, r = comps.shape
     seconds = []
-    for j in range(g):
+    for j in range(min(g, limit or g)):
         if seconds and time.perf_counter() + seconds[-1] > deadline:
             break
         inputs = {
@@ -194,6 +194,13 @@ def main() -> None:
     ap.add_argument(
         "--budget-s", type=float, default=540.0, help="stop starting work after this many seconds"
     )
+    ap.add_argument(
+        "--stock-sequences",
+        type=int,
+        default=None,
+        help="at most this many stock sequences per P (default: G)",
+    )
+    ap.add_argument("--tag", default="", help="suffix of the JSON name (keeps earlier runs' files)")
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU with tiny dimensions")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -228,7 +235,7 @@ def main() -> None:
         left = lambda: deadline - time.perf_counter() > 0  # noqa: E731
         skipped = {"ok": False, "skipped": True}
         s = (
-            attempt(stock_step, stock, prompt, comps, advantages, deadline)
+            attempt(stock_step, stock, prompt, comps, advantages, deadline, args.stock_sequences)
             if stock_ok and left()
             else skipped
         )
@@ -239,7 +246,10 @@ def main() -> None:
         )
         stock_ok, ours_ok = not s.get("oom") and stock_ok, not o.get("oom") and ours_ok
         ratio = s["step_s"] / o["step_s"] if "step_s" in s and "step_s" in o else None
-        results.append({"prompt_tokens": p, "stock": s, "longstraw": o, "stock_over_longstraw": ratio})
+        entry = {"prompt_tokens": p, "stock": s, "longstraw": o, "stock_over_longstraw": ratio}
+        if "step_s_projected" in s and "step_s" in o:
+            entry["stock_projected_over_longstraw"] = s["step_s_projected"] / o["step_s"]
+        results.append(entry)
         rows.append(
             {
                 "P": p,
@@ -247,10 +257,14 @@ def main() -> None:
                 "stock GiB": f"{s['peak_gib']:.1f}" if s.get("ok") else "",
                 "longstraw s": _cell(o),
                 "longstraw GiB": f"{o['peak_gib']:.1f}" if o.get("ok") else "",
-                "stock/longstraw": f"{ratio:.2f}" if ratio else "",
+                "stock/longstraw": f"{ratio:.2f}"
+                if ratio
+                else f"{entry['stock_projected_over_longstraw']:.2f}*"
+                if "stock_projected_over_longstraw" in entry
+                else "",
             }
         )
-        path = write_result(f"compare_stock_{args.preset}_{args.layers}L", payload)
+        path = write_result(f"compare_stock_{args.preset}_{args.layers}L{args.tag}", payload)
     print(
         f"{args.preset} x{args.layers} layers, G={args.groups}, R={args.response} (* = projected from fewer sequences)"
     )

@@ -171,6 +171,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--page", type=int, default=16384)
+    ap.add_argument("--tag", default="", help="suffix of the JSON name (keeps earlier runs' files)")
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU with tiny dimensions")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
@@ -184,6 +185,15 @@ def main() -> None:
     model.train()
     weights_gib = torch.cuda.memory_allocated() / GiB if not args.tiny else 0.0
     small_diff = check_small(model, config.vocab_size, dev)
+    # warm-up at the run's chunk size: Triton kernels compile (and autotune) on their first call per shape
+    warm = capture_prompt(
+        model,
+        torch.randint(0, config.vocab_size, (2 * args.chunk,), device=dev),
+        chunk_size=args.chunk,
+        page_size=args.page,
+        progress=False,
+    )
+    del warm
     heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     nan = float("nan")
     rates = {
@@ -211,7 +221,7 @@ def main() -> None:
     }
     for p in args.prompt:  # written after each P, so a run cut short keeps what it measured
         results.append(run_prompt(model, config, args, p, dev, rates))
-        path = write_result(f"engine_{args.preset}_{args.layers}L", payload)
+        path = write_result(f"engine_{args.preset}_{args.layers}L{args.tag}", payload)
     print(
         f"{args.preset} x{args.layers} layers: weights {weights_gib:.2f} GiB; SDPA causal "
         f"{rates['sdpa_tflops']:.0f} TFLOP/s, GEMM {rates['matmul_tflops']:.0f} TFLOP/s, "

@@ -4,6 +4,7 @@
 # the wheels of ../shared/tools/device-wheels.sh in .whl/:
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh engine     # GPU tests, then (c): the 128K..2M sweep
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh compare    # CP gradient check (gloo), then (a)+(b)
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh final      # the 2M point of (c); stock 128K/256K, 1 seq
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
 # fla importable, the stock HF Qwen3.5 layers train through fla's backward, which refuses on Triton < 3.7.1
 # (DESIGN.md), so both sides of the stock comparison run without it (torch GDN rule).
@@ -33,5 +34,12 @@ compare)
     2>&1 | grep -v -i warn | tee "$OUT/compare_8b.log" | tail -8
   timeout 230 python3 compare_stock.py --preset qwen3.6-27b --prompts 32768 131072 262144 --budget-s 190 \
     2>&1 | grep -v -i warn | tee "$OUT/compare_27b.log" | tail -8
+  ;;
+final)  # what the first two left: the 2M point of (c), and stock at 128K/256K beside LongStraw on the 27B slice
+  cd bench
+  timeout 340 python3 engine_slice.py --preset qwen3.6-27b --prompt 2097152 --groups 8 --tag _2M 2>&1 \
+    | grep -v -i warn | tee "$OUT/engine_2M.log" | tail -4
+  timeout 220 python3 compare_stock.py --preset qwen3.6-27b --prompts 131072 262144 --stock-sequences 1 \
+    --budget-s 200 --tag _stock1seq 2>&1 | grep -v -i warn | tee "$OUT/compare_27b_1seq.log" | tail -6
   ;;
 esac
