@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .planner import GPU_MEMORY_GIB, format_plan, plan_memory
+from .planner import GPU_MEMORY_GIB, format_plan, largest_prompt, plan_memory
 from .presets import PRESETS, preset_config
 
 
@@ -30,7 +30,11 @@ def plan_main(argv: list[str]) -> int:
         description="Per-rank memory budget of a LongStraw GRPO step, and whether it fits the GPU.",
     )
     ap.add_argument("model", help=f"a local HF config/model directory, or a preset: {', '.join(PRESETS)}")
-    ap.add_argument("--prompt", type=int, required=True, help="prompt tokens P")
+    size = ap.add_mutually_exclusive_group(required=True)
+    size.add_argument("--prompt", type=int, help="prompt tokens P")
+    size.add_argument(
+        "--max-prompt", action="store_true", help="find the largest P that fits, and plan that P"
+    )
     ap.add_argument("--generations", type=int, default=8, help="G (does not change the peak)")
     ap.add_argument("--response", type=int, default=2048, help="completion tokens R")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks sharing the prompt pages")
@@ -44,22 +48,37 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--checkpoint-layers", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
+    if a.prompt is not None and a.prompt < 1:
+        ap.error(f"--prompt must be >= 1, got {a.prompt}")
     gpu = GPU_MEMORY_GIB[a.gpu] if a.gpu in GPU_MEMORY_GIB else float(a.gpu)
-    plan = plan_memory(
-        _load_config(a.model, a.layers),
-        a.prompt,
-        a.generations,
-        a.response,
+    config = _load_config(a.model, a.layers)
+    options = dict(
+        num_generations=a.generations,
+        response_tokens=a.response,
         cp_size=a.cp,
         ep_size=a.ep,
         lora_rank=a.lora_rank,
         optimizer=a.optimizer,
         gpu_memory_gib=gpu,
         capture_chunk_size=a.chunk_size,
-        page_size=a.page_size,
         checkpoint_layers=a.checkpoint_layers,
     )
-    print(json.dumps(plan.as_dict(), indent=2) if a.json else format_plan(plan))
+    prompt = a.prompt
+    if a.max_prompt:
+        prompt = largest_prompt(config, page_size=a.page_size, **options)
+        if not a.json:
+            print(
+                f"largest prompt that fits: {prompt:,} tokens ({prompt // a.page_size} pages of {a.page_size})"
+            )
+        if prompt == 0:
+            prompt = a.page_size  # show why even one page does not fit
+    plan = plan_memory(config, prompt, page_size=a.page_size, **options)
+    if a.json:
+        out = plan.as_dict()
+        out["prompt_tokens"] = prompt
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan))
     return 0 if plan.fits else 1
 
 

@@ -215,6 +215,28 @@ def plan_memory(
     return plan
 
 
+def largest_prompt(config, page_size: int = 16384, limit_tokens: int = 1 << 34, **plan_kwargs) -> int:
+    """The largest prompt (a whole number of pages) whose step fits ``gpu_memory_gib``; 0 if none does.
+
+    ``plan_kwargs`` are :func:`plan_memory`'s other arguments. The peak grows with P, so this bisects.
+    """
+
+    def fits(pages: int) -> bool:
+        return plan_memory(config, pages * page_size, page_size=page_size, **plan_kwargs).fits
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi * page_size > limit_tokens:
+            return lo * page_size
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * page_size
+
+
 def format_plan(plan: MemoryPlan) -> str:
     def g(x: int) -> str:
         return f"{x / GiB:10.2f} GiB"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from longstraw_trl.planner import GiB, plan_memory, state_bytes
+from longstraw_trl.planner import GiB, largest_prompt, plan_memory, state_bytes
 from longstraw_trl.presets import preset_config
 
 RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("engine_*.json"))
@@ -99,3 +99,36 @@ def test_plan_reproduces_measured_cp_peaks(path):
         # the small exactness check before the capture leaves no gradients (zero_grad(set_to_none=True))
         assert abs(plan.capture_peak / GiB - rank["capture_peak_gib"]) <= 0.10 * rank["capture_peak_gib"]
         assert abs(plan.replay_peak / GiB - rank["replay_peak_gib"]) <= 0.10 * rank["replay_peak_gib"]
+
+
+def test_largest_prompt_is_the_fitting_edge():
+    config = preset_config("qwen3-8b", 4)
+    kwargs = dict(optimizer="none", gpu_memory_gib=80.0)
+    p = largest_prompt(config, page_size=16384, **kwargs)
+    assert p > 0 and p % 16384 == 0
+    assert plan_memory(config, p, page_size=16384, **kwargs).fits
+    assert not plan_memory(config, p + 16384, page_size=16384, **kwargs).fits
+    # full fine-tuning of the whole 27B model with AdamW does not fit one H200 at any P
+    assert largest_prompt(preset_config("qwen3.6-27b")) == 0
+
+
+def test_cli_max_prompt():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longstraw_trl",
+            "plan",
+            "qwen3-8b",
+            "--layers",
+            "4",
+            "--max-prompt",
+            "--gpu",
+            "80",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "largest prompt that fits" in out.stdout and "FITS" in out.stdout
