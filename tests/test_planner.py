@@ -14,6 +14,7 @@ from longstraw_trl.planner import GiB, largest_prompt, plan_memory, state_bytes
 from longstraw_trl.presets import preset_config
 
 RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("engine_*.json"))
+COMPARE_RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("compare_stock_*.json"))
 CP_RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("cp[0-9]*_*.json"))
 
 
@@ -132,3 +133,23 @@ def test_cli_max_prompt():
     )
     assert out.returncode == 0, out.stderr
     assert "largest prompt that fits" in out.stdout and "FITS" in out.stdout
+
+
+@pytest.mark.parametrize("path", COMPARE_RESULTS, ids=[p.stem for p in COMPARE_RESULTS])
+def test_plan_reproduces_trainer_peaks(path):
+    """LongStrawGRPOTrainer's peaks beside stock TRL: TRL's default activation checkpointing is on there."""
+    data = json.loads(path.read_text())
+    assert data["activation_checkpointing"]
+    config = preset_config(data["preset"], data["layers"])
+    measured = [r for r in data["results"] if r["longstraw"].get("ok")]
+    assert measured
+    for r in measured:
+        plan = plan_memory(
+            config,
+            r["prompt_tokens"],
+            response_tokens=data["response_tokens"],
+            optimizer="none",
+            checkpoint_layers=True,
+        )
+        peak = r["longstraw"]["peak_gib"]
+        assert abs(plan.peak / GiB - peak) <= 0.10 * peak, (r["prompt_tokens"], plan.peak / GiB, peak)
