@@ -1,7 +1,8 @@
 """One LongStrawGRPOTrainer step with cp_size=2 over 2 CPU processes equals the single-process step.
 
-Launched with torchrun (``torch.distributed.run``), which Accelerate picks up from the environment; on CPU
-``accelerate launch`` itself starts several processes only through MPI.
+Launched with ``accelerate launch --config_file examples/accelerate/cp2.yaml`` (the shipped config, with
+``--mixed_precision no`` so both runs compute in fp32). On a CPU-only machine its MULTI_GPU launcher starts
+the processes through torchrun, and the script's ``use_cpu=True`` turns them into a gloo MULTI_CPU group.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from longstraw_trl import LongStrawError
 
 STEP = Path(__file__).parent / "_cp_step.py"
+CP2_CONFIG = Path(__file__).parent.parent / "examples" / "accelerate" / "cp2.yaml"
 
 
 def test_cp2_trainer_step_equals_single_process(tmp_path):
@@ -35,7 +37,8 @@ def test_cp2_trainer_step_equals_single_process(tmp_path):
 def _launch(out: Path, cp_size: int) -> dict:
     cmd = [sys.executable]
     if cp_size > 1:
-        cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(cp_size)]
+        assert cp_size == 2, "only the shipped cp2.yaml is launched here"
+        cmd += ["-m", "accelerate.commands.launch", "--config_file", str(CP2_CONFIG), "--mixed_precision", "no"]
     cmd += [str(STEP), "--cp-size", str(cp_size), "--out", str(out)]
     proc = subprocess.run(
         cmd,
