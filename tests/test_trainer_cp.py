@@ -38,7 +38,14 @@ def _launch(out: Path, cp_size: int) -> dict:
     cmd = [sys.executable]
     if cp_size > 1:
         assert cp_size == 2, "only the shipped cp2.yaml is launched here"
-        cmd += ["-m", "accelerate.commands.launch", "--config_file", str(CP2_CONFIG), "--mixed_precision", "no"]
+        cmd += [
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(CP2_CONFIG),
+            "--mixed_precision",
+            "no",
+        ]
     cmd += [str(STEP), "--cp-size", str(cp_size), "--out", str(out)]
     proc = subprocess.run(
         cmd,
