@@ -5,7 +5,11 @@
 Every rank holds the whole (replicated) model and GDN state and 1/cp of the K/V pages. Checks first, at a
 small P, that the sharded state's log-probs equal a single-rank capture on the same GPU and that the
 parameter gradients are identical on all ranks; then captures P, replays G responses with backward and
-reports per-rank peak memory, state bytes, capture and replay seconds. Rank 0 writes the JSON.
+samples G responses from the shared state, replays them with backward (``--cycles`` times on the same
+prefix) and reports per-rank peak memory, state bytes, capture, generation and replay seconds, with
+what ``longstraw plan`` predicts for the whole model at the same sizes. Rank 0 writes the JSON.
+
+    python -m torch.distributed.run --nproc_per_node 8 bench/cp_slice.py --prompt 4456448 --cycles 8
 
 ``--check-only --backend gloo`` runs only the small-P checks, and lets several ranks share one GPU (gloo
 moves CUDA tensors through the host; NCCL refuses two ranks on one device): the GPU kernels whose
@@ -26,10 +30,42 @@ from engine_slice import full_attention_layers, slice_config
 from transformers import AutoModelForCausalLM
 
 from longstraw_trl import capture_prompt
+from longstraw_trl.generation import generate_from_state
+from longstraw_trl.planner import plan_memory
+from longstraw_trl.presets import preset_config
 
 
 def grad_checksum(model) -> torch.Tensor:
     return torch.stack([p.grad.float().sum() for p in model.parameters() if p.grad is not None])
+
+
+def full_model_predictions(args, cp_size: int) -> dict:
+    """What ``longstraw plan`` predicts per rank for the whole model (all its layers) at this run's sizes."""
+    config = preset_config(args.preset)
+    variants = {
+        "full fine-tuning, AdamW": dict(optimizer="adamw"),
+        "full fine-tuning, AdamW, checkpointed layers": dict(optimizer="adamw", checkpoint_layers=True),
+        "LoRA r=64, AdamW, checkpointed layers": dict(lora_rank=64, checkpoint_layers=True),
+    }
+    out = {}
+    for name, kwargs in variants.items():
+        plan = plan_memory(
+            config,
+            args.prompt,
+            num_generations=args.generations,
+            response_tokens=args.response,
+            cp_size=cp_size,
+            capture_chunk_size=args.chunk,
+            page_size=args.page,
+            **kwargs,
+        )
+        out[name] = {
+            "layers": config.num_hidden_layers,
+            "peak_gib": plan.peak / GiB,
+            "state_gib": plan.state / GiB,
+            "fits_h200": plan.fits,
+        }
+    return out
 
 
 def main() -> None:
@@ -45,6 +81,9 @@ def main() -> None:
         "--backend", choices=["nccl", "gloo"], default=None, help="default: nccl (gloo with --tiny)"
     )
     ap.add_argument("--check-only", action="store_true", help="only the small-P exactness checks")
+    ap.add_argument("--cycles", type=int, default=1, help="G-response replay cycles on the same prefix")
+    ap.add_argument("--generate-every-cycle", action="store_true", help="sample new responses each cycle")
+    ap.add_argument("--tag", default="", help="suffix of the JSON name")
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU (gloo) with tiny dimensions")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
@@ -110,20 +149,34 @@ def main() -> None:
             model, prompt, chunk_size=args.chunk, page_size=args.page, cp_group=group, progress=False
         )
     capture_peak = peak_gib()
+    # G responses sampled from the shared state (every rank decodes the same tokens), then replayed with
+    # backward one at a time; --cycles repeats the replays on the same prefix (refresh_policy="reuse"),
+    # with the gradient buffers kept between cycles as an optimizer step would keep them
     reset_peak()
-    times = []
-    for _ in range(args.generations):
-        c = torch.randint(0, config.vocab_size, (1, args.response), device=dev, generator=g)
-        with Timer() as t:
-            (-state.logprobs(model, c, grad=True).mean()).backward()
-        times.append(t.seconds)
-    replay_peak = peak_gib()
+    with Timer() as t_gen:
+        ids = generate_from_state(state, model, args.generations, args.response, eos_token_id=None)
+    generation_peak = peak_gib()
+    times, cycle_peaks = [], []
+    for cycle in range(args.cycles):
+        reset_peak()
+        if cycle and args.generate_every_cycle:
+            ids = generate_from_state(state, model, args.generations, args.response, eos_token_id=None)
+        for i in range(args.generations):
+            with Timer() as t:
+                (-state.logprobs(model, ids[i][None], grad=True).mean()).backward()
+            times.append(t.seconds)
+        model.zero_grad(set_to_none=False)
+        cycle_peaks.append(peak_gib())
+    replay_peak = max(cycle_peaks)
     per_rank = {
         "rank": rank,
         "state_bytes": state.nbytes(),
         "state_bytes_by_kind": state.nbytes_by_kind(),
         "capture_s": t_cap.seconds,
         "capture_peak_gib": capture_peak,
+        "generation_s": t_gen.seconds,
+        "generation_peak_gib": generation_peak,
+        "replay_peak_gib_per_cycle": cycle_peaks,
         "replay_s_per_response": sum(times[1:]) / (len(times) - 1),
         "replay_s_first": times[0],
         "replay_peak_gib": replay_peak,
@@ -140,14 +193,17 @@ def main() -> None:
             "prompt_tokens": args.prompt,
             "response_tokens": args.response,
             "generations": args.generations,
+            "cycles": args.cycles,
+            "generate_every_cycle": args.generate_every_cycle,
             "chunk_size": args.chunk,
             "page_size": args.page,
             "check_small_P": small_p,
             "check_max_abs_logprob_diff_sharded_vs_single": diff,
             "check_grads_identical_across_ranks": grads_identical,
             "ranks": everyone,
+            "planner_full_model": full_model_predictions(args, world),
         }
-        path = write_result(f"cp{world}_{args.preset}_{args.layers}L_P{args.prompt}", payload)
+        path = write_result(f"cp{world}_{args.preset}_{args.layers}L_P{args.prompt}{args.tag}", payload)
         print(
             f"check at P={small_p}: max |dlogp| sharded vs single = {diff:.3g}; grads identical: {grads_identical}"
         )
@@ -158,12 +214,15 @@ def main() -> None:
                 "kinds MiB": " ".join(f"{k}={v / 2**20:.0f}" for k, v in r["state_bytes_by_kind"].items()),
                 "capture s": f"{r['capture_s']:.1f}",
                 "cap peak GiB": f"{r['capture_peak_gib']:.1f}",
+                "gen s": f"{r['generation_s']:.1f}",
                 "replay s/resp": f"{r['replay_s_per_response']:.2f}",
                 "replay peak GiB": f"{r['replay_peak_gib']:.1f}",
             }
             for r in everyone
         ]
         print_table(rows)
+        for name, plan in payload["planner_full_model"].items():
+            print(f"planner, full model, {name}: peak {plan['peak_gib']:.1f} GiB per rank")
         print(f"wrote {path}")
     dist.destroy_process_group()
 

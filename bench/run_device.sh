@@ -5,6 +5,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh engine     # GPU tests, then (c): the 128K..2M sweep
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh compare    # CP gradient check (gloo), then (a)+(b)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh final      # the 2M point of (c); stock 128K/256K, 1 seq
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cp8-2m     # on nvidia-h200-x8 (then cp8-4m)
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
 # fla importable, the stock HF Qwen3.5 layers train through fla's backward, which refuses on Triton < 3.7.1
 # (DESIGN.md), so both sides of the stock comparison run without it (torch GDN rule).
@@ -41,5 +42,15 @@ final)  # what the first two left: the 2M point of (c), and stock at 128K/256K b
     | grep -v -i warn | tee "$OUT/engine_2M.log" | tail -4
   timeout 220 python3 compare_stock.py --preset qwen3.6-27b --prompts 131072 262144 --stock-sequences 1 \
     --budget-s 200 --tag _stock1seq 2>&1 | grep -v -i warn | tee "$OUT/compare_27b_1seq.log" | tail -6
+  ;;
+cp8-2m)  # issue 7 on nvidia-h200-x8 (not run yet): P = 2M, CP8, G = 8, with generation
+  cd bench
+  timeout 560 python3 -m torch.distributed.run --nproc_per_node 8 cp_slice.py --preset qwen3.6-27b \
+    --prompt 2097152 2>&1 | grep -v -i warn | tee "$OUT/cp8_2m.log" | tail -16
+  ;;
+cp8-4m)  # issue 7: P = 4,456,448, eight G = 8 replay cycles on the same prefix (reuse)
+  cd bench
+  timeout 560 python3 -m torch.distributed.run --nproc_per_node 8 cp_slice.py --preset qwen3.6-27b \
+    --prompt 4456448 --cycles 8 2>&1 | grep -v -i warn | tee "$OUT/cp8_4m.log" | tail -16
   ;;
 esac
