@@ -96,7 +96,9 @@ def main() -> None:
     group = dist.group.WORLD
 
     torch.manual_seed(0)
-    config = slice_config(args.preset, args.layers, max(args.prompt, small_p) + args.response + 16, args.tiny)
+    config = slice_config(
+        args.preset, args.layers, max(args.prompt, small_p) + max(args.response, 512) + 16, args.tiny
+    )
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     for p in model.parameters():  # identical weights on every rank

@@ -1,0 +1,66 @@
+"""The device benchmarks' own dry runs (``--tiny``, CPU): a script that breaks here would waste device time.
+
+Each run writes its JSON to a temporary $OUT; the test reads it back and checks the fields that
+bench/plot.py, the README tables and tests/test_planner.py rely on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).parent.parent / "bench"
+
+
+def _run(tmp_path: Path, *args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=BENCH,
+        env={**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_engine_slice_dry_run(tmp_path):
+    _run(tmp_path, "engine_slice.py", "--tiny", "--preset", "qwen3.6-27b", "--prompt", "1024", "--groups", "2",
+         "--response", "8", "--chunk", "256", "--page", "256", "--tag", "_t")  # fmt: skip
+    data = json.loads((tmp_path / "engine_qwen3.6-27b_4L_t.json").read_text())
+    assert data["command"] and data["git_revision"] and data["date"] and data["device"].startswith("cpu")
+    assert data["small_check_max_abs_logprob_diff_bf16"] < 0.05  # bf16 log-probs against the stock forward
+    (r,) = data["results"]
+    assert r["prompt_tokens"] == 1024 and r["state_bytes"] == sum(r["state_bytes_by_kind"].values())
+    assert r["generation"]["G"] == 2 and r["replays"][0]["G"] == 2
+    assert not data["gradients_kept_during_capture"]
+
+
+def test_compare_stock_dry_run(tmp_path):
+    _run(tmp_path, "compare_stock.py", "--tiny", "--preset", "qwen3-8b", "--prompts", "256", "--groups", "2",
+         "--response", "8", "--chunk", "128", "--page", "128", "--stock-sequences", "1")  # fmt: skip
+    data = json.loads((tmp_path / "compare_stock_qwen3-8b_4L.json").read_text())
+    assert data["activation_checkpointing"]
+    (r,) = data["results"]
+    assert r["stock"]["ok"] and r["stock"]["sequences_run"] == 1 and "step_s_projected" in r["stock"]
+    assert r["longstraw"]["ok"] and r["longstraw"]["sequences_run"] == 2
+    assert r["stock_over_longstraw"] is None and r["stock_projected_over_longstraw"] > 0
+
+
+def test_cp_slice_dry_run_two_ranks(tmp_path):
+    _run(tmp_path, "-m", "torch.distributed.run", "--nproc_per_node", "2", "cp_slice.py", "--tiny",
+         "--prompt", "1500", "--response", "8", "--generations", "2", "--cycles", "2", "--chunk", "512",
+         "--page", "256")  # fmt: skip
+    data = json.loads((tmp_path / "cp2_qwen3.6-27b_4L_P1500.json").read_text())
+    assert data["check_grads_identical_across_ranks"]
+    assert data["check_max_abs_logprob_diff_sharded_vs_single"] <= 1e-2  # bf16 model
+    ranks = data["ranks"]
+    assert len(ranks) == 2 and all(len(r["replay_peak_gib_per_cycle"]) == 2 for r in ranks)
+    assert sum(r["state_bytes_by_kind"]["kv"] for r in ranks) > 0
+    assert set(data["planner_full_model"]) and all(
+        v["layers"] == 64 for v in data["planner_full_model"].values()
+    )
