@@ -1,9 +1,13 @@
 """One LongStrawGRPOTrainer optimizer step as a script: alone, or under `accelerate launch` with cp_size.
 
     python tests/_cp_step.py --cp-size 1 --out single.json
-    accelerate launch --config_file examples/accelerate/cpu_2proc.yaml tests/_cp_step.py --cp-size 2 --out cp.json
+    accelerate launch --config_file examples/accelerate/cp2.yaml --mixed_precision no tests/_cp_step.py \
+        --cp-size 2 --out cp.json
 
-Rank 0 writes the logged loss and every parameter after the step (the CP test compares the two files).
+Rank 0 writes the logged loss, every parameter's gradient just before the optimizer step (clipping off)
+and every parameter after it; each other rank writes its gradients to ``<out>.rank<N>`` (the CP test
+compares the files: the gradients are what CP must get right; a one-step update at TRL's learning rate
+of 1e-6 moves the parameters too little to tell).
 """
 
 from __future__ import annotations
@@ -32,6 +36,20 @@ class DesyncRandomness(TrainerCallback):
             torch.manual_seed(1000 + rank)
 
 
+class RecordGradients(TrainerCallback):
+    """The gradients the optimizer is about to apply (after the backward of every micro-batch)."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.grads = {
+            n: p.grad.detach().double().flatten().tolist()
+            for n, p in self.model.named_parameters()
+            if p.grad is not None
+        }
+
+
 def length_reward(completions, **kwargs):
     return [len(c) / 16.0 for c in completions]
 
@@ -56,7 +74,10 @@ def main() -> None:
         capture_chunk_size=64,
         page_size=32,
         seed=0,
+        max_grad_norm=0.0,  # no clipping: the recorded gradients are the raw ones
     )
+    record = RecordGradients(trainer.model)
+    trainer.add_callback(record)
     if a.cp_size > 1:
         trainer.add_callback(DesyncRandomness())
     trainer.train()
@@ -64,7 +85,10 @@ def main() -> None:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         params = {n: p.detach().double().flatten().tolist() for n, p in trainer.model.named_parameters()}
         with open(a.out, "w") as f:
-            json.dump({"loss": losses, "params": params}, f)
+            json.dump({"loss": losses, "grads": record.grads, "params": params}, f)
+    else:
+        with open(f"{a.out}.rank{trainer.accelerator.process_index}", "w") as f:
+            json.dump({"grads": record.grads}, f)
     if torch.distributed.is_initialized():  # leave together: a rank that exits early can abort its peer
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

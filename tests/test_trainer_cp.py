@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from longstraw_trl import LongStrawError
 
@@ -24,13 +25,19 @@ CP2_CONFIG = Path(__file__).parent.parent / "examples" / "accelerate" / "cp2.yam
 def test_cp2_trainer_step_equals_single_process(tmp_path):
     single = _launch(tmp_path / "single.json", cp_size=1)
     cp = _launch(tmp_path / "cp.json", cp_size=2)
+    other = json.loads((tmp_path / "cp.json.rank1").read_text())
     assert len(single["loss"]) == len(cp["loss"]) == 1
     assert abs(single["loss"][0] - cp["loss"][0]) <= 1e-5
-    worst = max(
-        max(abs(a - b) for a, b in zip(single["params"][name], cp["params"][name], strict=True))
-        for name in single["params"]
+    assert set(single["grads"]) == set(cp["grads"]) == set(other["grads"]) and single["grads"]
+    worst = 0.0
+    for name, ref in single["grads"].items():
+        ref_t, got = torch.tensor(ref), torch.tensor(cp["grads"][name])
+        assert torch.equal(got, torch.tensor(other["grads"][name])), f"{name}: rank gradients differ"
+        worst = max(worst, float((got - ref_t).norm() / ref_t.norm().clamp_min(1e-12)))
+    assert any(torch.tensor(g).abs().max() > 0 for g in single["grads"].values())
+    print(
+        f"cp2 vs single: loss {cp['loss'][0]:.6f} vs {single['loss'][0]:.6f}, worst grad rel L2 {worst:.2e}"
     )
-    print(f"cp2 vs single: loss {cp['loss'][0]:.6f} vs {single['loss'][0]:.6f}, max |param diff| {worst:.2e}")
     assert worst <= 1e-5
 
 
