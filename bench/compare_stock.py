@@ -12,7 +12,8 @@ and advantages (generation is left out of both: stock TRL would sample through `
   prompt once, then replay each completion with autograd, its loss term and ``backward``.
 
 Gradients are allocated (zero) before each measured step, as every micro-step but the first sees them.
-A path that ran out of memory is recorded as OOM and not tried at larger P. Under ``--budget-s`` a path
+Both paths are warmed up first at a small P. A path that ran out of memory is recorded as OOM (with
+``peak_gib_at_oom``) and not tried at larger P; LongStraw runs first at each P. Under ``--budget-s`` a path
 whose G sequences would not fit in the remaining time runs fewer and records ``sequences_run`` with a
 per-sequence time (``step_s`` is then absent, ``step_s_projected`` = per-sequence x G).
 
@@ -162,7 +163,7 @@ def attempt(step, trainer, *args) -> dict:
     except torch.OutOfMemoryError:
         oom = True  # leave the except block first: its traceback holds the failed step's tensors
     if oom:
-        result = {"ok": False, "oom": True, "peak_gib": peak_gib()}
+        result = {"ok": False, "oom": True, "peak_gib_at_oom": peak_gib()}
     trainer.model.zero_grad(set_to_none=True)
     if isinstance(trainer, LongStrawGRPOTrainer):
         trainer.free_prompt_states()
@@ -203,6 +204,8 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the JSON name (keeps earlier runs' files)")
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU with tiny dimensions")
     args = ap.parse_args()
+    if args.stock_sequences is not None and args.stock_sequences < 1:
+        ap.error("--stock-sequences must be >= 1")
     start = time.perf_counter()
     deadline = start + args.budget_s
     dev = "cpu" if args.tiny else "cuda"
@@ -227,6 +230,15 @@ def main() -> None:
         "activation_checkpointing": model.is_activation_checkpointing,
         "results": results,
     }
+    # warm-up (kernel compilation, allocator growth) on both paths, so the first P measures steady state
+    g = torch.Generator(device=dev).manual_seed(1)
+    warm_p = min(min(args.prompts), 2 * args.chunk)
+    warm = torch.randint(0, config.vocab_size, (warm_p,), device=dev, generator=g)
+    warm_comps = torch.randint(0, config.vocab_size, (2, args.response), device=dev, generator=g)
+    warm_adv = torch.tensor([1.0, -1.0], device=dev)
+    attempt(longstraw_step, ours, warm, warm_comps, warm_adv, float("inf"))
+    attempt(stock_step, stock, warm, warm_comps, warm_adv, float("inf"), None)
+
     for p in args.prompts:
         g = torch.Generator(device=dev).manual_seed(p)
         prompt = torch.randint(0, config.vocab_size, (p,), device=dev, generator=g)
@@ -234,14 +246,15 @@ def main() -> None:
         advantages = torch.randn(args.groups, device=dev, generator=g)
         left = lambda: deadline - time.perf_counter() > 0  # noqa: E731
         skipped = {"ok": False, "skipped": True}
-        s = (
-            attempt(stock_step, stock, prompt, comps, advantages, deadline, args.stock_sequences)
-            if stock_ok and left()
-            else skipped
-        )
+        # LongStraw first: it is the short one, so a stock run that uses up the budget cannot skip it
         o = (
             attempt(longstraw_step, ours, prompt, comps, advantages, deadline)
             if ours_ok and left()
+            else skipped
+        )
+        s = (
+            attempt(stock_step, stock, prompt, comps, advantages, deadline, args.stock_sequences)
+            if stock_ok and left()
             else skipped
         )
         stock_ok, ours_ok = not s.get("oom") and stock_ok, not o.get("oom") and ours_ok

@@ -179,7 +179,7 @@ def main() -> None:
         "generation_s": t_gen.seconds,
         "generation_peak_gib": generation_peak,
         "replay_peak_gib_per_cycle": cycle_peaks,
-        "replay_s_per_response": sum(times[1:]) / (len(times) - 1),
+        "replay_s_per_response": sum(times[1:]) / (len(times) - 1) if len(times) > 1 else times[0],
         "replay_s_first": times[0],
         "replay_peak_gib": replay_peak,
     }

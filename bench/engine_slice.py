@@ -84,7 +84,7 @@ def run_prompt(model, config, args, prompt_len: int, dev: str, rates: dict) -> d
     """Capture, generate G responses, replay them with backward; each time against its floor.
 
     Floors (rates measured in the same run): capture = full-attention FLOPs at the causal SDPA rate + dense
-    FLOPs (2 per parameter per token) at the GEMM rate; generation = bytes read per decode step (weights and
+    FLOPs (2 per decoder parameter per token; no output head: capture computes no logits) at the GEMM rate; generation = bytes read per decode step (weights and
     the prompt state, read once for all G rows) at the copy bandwidth; replay = the larger of its FLOPs
     (attention over the pages: 4 per q-k pair forward, 6 backward for dQ; dense: 6 per parameter per token)
     and its bytes (pages read forward and backward, weights three times). GDN recurrences are not counted.
@@ -97,10 +97,11 @@ def run_prompt(model, config, args, prompt_len: int, dev: str, rates: dict) -> d
     capture_peak = peak_gib()
     heads, hd, n_full = config.num_attention_heads, config.head_dim, full_attention_layers(config)
     dense = dense_parameters(model)
+    head = model.get_output_embeddings().weight.numel()  # capture keeps the last hidden state, no logits
     weight_bytes = dense * 2
     attn_flops = 4 * heads * hd * prompt_len**2 / 2 * n_full
     cap_attn_floor = attn_flops / (rates["sdpa_tflops"] * 1e12)
-    cap_dense_floor = 2 * dense * prompt_len / (rates["matmul_tflops"] * 1e12)
+    cap_dense_floor = 2 * (dense - head) * prompt_len / (rates["matmul_tflops"] * 1e12)
     bandwidth = rates["copy_gbs"] * 1e9
 
     g_max, r = max(args.groups), args.response

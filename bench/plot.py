@@ -98,7 +98,12 @@ def main() -> None:
             ps, [r["state_bytes"] / GiB for r in results], "s:", color="tab:orange", label=f"{label}: state"
         )
         for key, floor, color, name in (
-            (lambda r: r["capture_s"], lambda r: r["capture_floor_s"], "tab:red", "capture"),
+            (
+                lambda r: r["capture_s"],
+                lambda r: r.get("capture_floor_s_without_head", r["capture_floor_s"]),
+                "tab:red",
+                "capture",
+            ),
             (
                 lambda r: r["generation"]["generation_s"],
                 lambda r: r["generation"]["generation_floor_s"],

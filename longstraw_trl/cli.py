@@ -77,6 +77,8 @@ def plan_main(argv: list[str]) -> int:
     if a.json:
         out = plan.as_dict()
         out["prompt_tokens"] = prompt
+        if a.max_prompt:
+            out["largest_prompt_tokens"] = prompt if plan.fits else 0
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan))
@@ -85,7 +87,9 @@ def plan_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
+        status = _main(argv)
+        sys.stdout.flush()  # inside the try: a buffered stdout would otherwise fail at interpreter exit
+        return status
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly, as other command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
