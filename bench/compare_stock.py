@@ -73,22 +73,18 @@ def build_trainers(model, args, dev: str) -> tuple[GRPOTrainer, LongStrawGRPOTra
             page_size=args.page,
             **common,
         )
-        stock = GRPOTrainer(
-            model=model,
-            reward_funcs=_zero_reward,
-            args=stock_args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
+        stock, ours = (
+            cls(
+                model=model,
+                reward_funcs=_zero_reward,
+                args=a,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+            )
+            for cls, a in ((GRPOTrainer, stock_args), (LongStrawGRPOTrainer, ours_args))
         )
-        ours = LongStrawGRPOTrainer(
-            model=model,
-            reward_funcs=_zero_reward,
-            args=ours_args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
-    stock.current_gradient_accumulation_steps = args.groups
-    ours.current_gradient_accumulation_steps = 1
+    for trainer in (stock, ours):  # normally set by the training loop
+        trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     # what `Trainer.train()` does first (both configs keep TRL's default: activation checkpointing on)
     assert stock_args.activation_checkpointing and ours_args.activation_checkpointing
     model.activation_checkpointing_enable(
