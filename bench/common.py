@@ -97,6 +97,11 @@ def copy_bandwidth_gbs(gib: int = 4) -> float:
     return 2 * gib * GiB * 10 / t.seconds / 1e9
 
 
+def mean_after_first(seconds: list[float]) -> float:
+    """Mean of repeated timings without the first (warm-up) one; the only one if there is just one."""
+    return sum(seconds[1:]) / (len(seconds) - 1) if len(seconds) > 1 else seconds[0]
+
+
 def preallocate_gradients(model) -> None:
     """Zero gradients in place before a measured step, as every micro-step after the first sees them."""
     for p in model.parameters():

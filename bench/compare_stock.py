@@ -117,7 +117,7 @@ def stock_step(trainer: GRPOTrainer, prompt, comps, advantages, deadline: float,
     return _timing(seconds, g)
 
 
-def longstraw_step(trainer: LongStrawGRPOTrainer, prompt, comps, advantages, deadline: float) -> dict:
+def longstraw_step(trainer: LongStrawGRPOTrainer, prompt, comps, advantages) -> dict:
     g, r = comps.shape
     metrics = trainer._metrics["train"]
     metrics.clear()
@@ -232,7 +232,7 @@ def main() -> None:
     warm = torch.randint(0, config.vocab_size, (warm_p,), device=dev, generator=g)
     warm_comps = torch.randint(0, config.vocab_size, (2, args.response), device=dev, generator=g)
     warm_adv = torch.tensor([1.0, -1.0], device=dev)
-    attempt(longstraw_step, ours, warm, warm_comps, warm_adv, float("inf"))
+    attempt(longstraw_step, ours, warm, warm_comps, warm_adv)
     attempt(stock_step, stock, warm, warm_comps, warm_adv, float("inf"), None)
 
     for p in args.prompts:
@@ -243,11 +243,7 @@ def main() -> None:
         left = lambda: deadline - time.perf_counter() > 0  # noqa: E731
         skipped = {"ok": False, "skipped": True}
         # LongStraw first: it is the short one, so a stock run that uses up the budget cannot skip it
-        o = (
-            attempt(longstraw_step, ours, prompt, comps, advantages, deadline)
-            if ours_ok and left()
-            else skipped
-        )
+        o = attempt(longstraw_step, ours, prompt, comps, advantages) if ours_ok and left() else skipped
         s = (
             attempt(stock_step, stock, prompt, comps, advantages, deadline, args.stock_sequences)
             if stock_ok and left()

@@ -25,12 +25,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import GiB, Timer, peak_gib, print_table, reset_peak, write_result
+from common import GiB, Timer, mean_after_first, peak_gib, print_table, reset_peak, write_result
 from engine_slice import full_attention_layers, slice_config
 from transformers import AutoModelForCausalLM
 
 from longstraw_trl import capture_prompt
-from longstraw_trl.generation import generate_from_state
 from longstraw_trl.planner import plan_memory
 from longstraw_trl.presets import preset_config
 
@@ -156,13 +155,13 @@ def main() -> None:
     # with the gradient buffers kept between cycles as an optimizer step would keep them
     reset_peak()
     with Timer() as t_gen:
-        ids = generate_from_state(state, model, args.generations, args.response, eos_token_id=None)
+        ids = state.generate(model, args.generations, args.response, eos_token_id=None)
     generation_peak = peak_gib()
     times, cycle_peaks = [], []
     for cycle in range(args.cycles):
         reset_peak()
         if cycle and args.generate_every_cycle:
-            ids = generate_from_state(state, model, args.generations, args.response, eos_token_id=None)
+            ids = state.generate(model, args.generations, args.response, eos_token_id=None)
         for i in range(args.generations):
             with Timer() as t:
                 (-state.logprobs(model, ids[i][None], grad=True).mean()).backward()
@@ -179,7 +178,7 @@ def main() -> None:
         "generation_s": t_gen.seconds,
         "generation_peak_gib": generation_peak,
         "replay_peak_gib_per_cycle": cycle_peaks,
-        "replay_s_per_response": sum(times[1:]) / (len(times) - 1) if len(times) > 1 else times[0],
+        "replay_s_per_response": mean_after_first(times),
         "replay_s_first": times[0],
         "replay_peak_gib": replay_peak,
     }

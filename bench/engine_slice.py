@@ -22,6 +22,7 @@ from common import (
     Timer,
     copy_bandwidth_gbs,
     matmul_tflops,
+    mean_after_first,
     peak_gib,
     print_table,
     reset_peak,
@@ -31,7 +32,6 @@ from common import (
 from transformers import AutoModelForCausalLM
 
 from longstraw_trl import capture_prompt
-from longstraw_trl.generation import generate_from_state
 from longstraw_trl.presets import preset_config
 
 
@@ -84,8 +84,9 @@ def run_prompt(model, config, args, prompt_len: int, dev: str, rates: dict) -> d
     """Capture, generate G responses, replay them with backward; each time against its floor.
 
     Floors (rates measured in the same run): capture = full-attention FLOPs at the causal SDPA rate + dense
-    FLOPs (2 per decoder parameter per token; no output head: capture computes no logits) at the GEMM rate; generation = bytes read per decode step (weights and
-    the prompt state, read once for all G rows) at the copy bandwidth; replay = the larger of its FLOPs
+    FLOPs (2 per decoder parameter per token; no output head: capture computes no logits) at the GEMM
+    rate; generation = bytes read per decode step (weights and the prompt state, read once for all G
+    rows) at the copy bandwidth; replay = the larger of its FLOPs
     (attention over the pages: 4 per q-k pair forward, 6 backward for dQ; dense: 6 per parameter per token)
     and its bytes (pages read forward and backward, weights three times). GDN recurrences are not counted.
     """
@@ -107,7 +108,7 @@ def run_prompt(model, config, args, prompt_len: int, dev: str, rates: dict) -> d
     g_max, r = max(args.groups), args.response
     reset_peak()
     with Timer() as t_gen:
-        ids = generate_from_state(state, model, g_max, r, eos_token_id=None)
+        ids = state.generate(model, g_max, r, eos_token_id=None)
     assert ids.shape == (g_max, r), ids.shape
     gen_floor = r * (weight_bytes + state.nbytes()) / bandwidth
     generation = {
@@ -132,7 +133,7 @@ def run_prompt(model, config, args, prompt_len: int, dev: str, rates: dict) -> d
                 logp = state.logprobs(model, ids[i % g_max][None], grad=True)
                 (-logp.mean()).backward()
             times.append(t.seconds)
-        per = sum(times[1:]) / (len(times) - 1) if g > 1 else times[0]
+        per = mean_after_first(times)
         replays.append(
             {
                 "G": g,
