@@ -6,6 +6,8 @@ logits instead of keeping them. ``token_logprobs_reference`` is the plain full-l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -14,29 +16,56 @@ from torch.utils.checkpoint import checkpoint
 LOGITS_CHUNK_ELEMENTS = 1 << 26
 
 
-def _chunk_logprobs(h: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module, temperature: float):
+def _chunk_logprobs(
+    h: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool = False
+):
     logits = lm_head(h).float()
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, targets[:, None])[:, 0]
+    if not with_entropy:
+        return picked
+    with torch.no_grad():  # logged, never differentiated
+        entropy = -(logp.exp() * logp).sum(-1)
+    return picked, entropy
 
 
 def token_logprobs(
-    hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """``log_softmax(lm_head(hidden) / temperature)[targets]`` for ``hidden [..., H]``, ``targets [...]``."""
+    hidden: torch.Tensor,
+    lm_head: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(lm_head(hidden) / temperature)[targets]`` for ``hidden [..., H]``, ``targets [...]``.
+
+    With ``with_entropy`` also the per-token entropy of the same distribution (no gradient), computed from
+    the same chunk of logits.
+
+    ``lm_head`` is the output projection (a module, or a module's bound forward); rows are chunked so that
+    one chunk's logits stay under ``LOGITS_CHUNK_ELEMENTS`` (1,024 rows when the vocabulary is unknown).
+    """
     shape = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
-    t = targets.reshape(-1)
-    rows = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])
-    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
-    parts = []
+    t = targets.reshape(-1).to(h.device)
+    grad = torch.is_grad_enabled()
+    parts: list = []
+
+    def run(s: int, e: int):
+        args = (h[s:e], t[s:e], lm_head, temperature, with_entropy)
+        return checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
+
+    vocab = getattr(getattr(lm_head, "weight", None), "shape", (None,))[0]
+    if vocab is None:
+        owner = getattr(lm_head, "__self__", None)
+        vocab = getattr(getattr(owner, "weight", None), "shape", (None,))[0]
+    rows = max(1, LOGITS_CHUNK_ELEMENTS // vocab) if vocab else 1024
     for s in range(0, h.shape[0], rows):
-        args = (h[s : s + rows], t[s : s + rows], lm_head, temperature)
-        parts.append(
-            checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
-        )
-    return torch.cat(parts).view(shape)
+        parts.append(run(s, s + rows))
+    if not with_entropy:
+        return torch.cat(parts).view(shape)
+    return torch.cat([p[0] for p in parts]).view(shape), torch.cat([p[1] for p in parts]).view(shape)
 
 
 def token_logprobs_reference(

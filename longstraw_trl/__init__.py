@@ -7,13 +7,15 @@ score and replay every response on top of that read-only state.
 from .engine import capture_prompt
 from .errors import LongStrawError, PromptTooLongError, UnsupportedModelError
 from .model_patches import patch_model, supported_model_types
-from .state import GDNState, KVPages, PromptState
+from .model_patches.qwen3_5 import GDNState
+from .state import KVPages, LayerState, PromptState
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GDNState",
     "KVPages",
+    "LayerState",
     "LongStrawError",
     "PromptState",
     "PromptTooLongError",

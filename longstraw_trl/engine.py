@@ -11,8 +11,10 @@ layer recomputed during ``backward()`` sees the same context.
 
 from __future__ import annotations
 
+import contextvars
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,7 +25,7 @@ from longstraw_trl.kernels.logprob import token_logprobs
 from longstraw_trl.model_patches import find_patch, patch_model, unwrap_model
 
 from .errors import LongStrawError, PromptTooLongError
-from .state import KVPages, PromptState, _storage_device
+from .state import KVPages, LayerState, PromptState, _storage_device
 
 CTX_KWARG = "longstraw"
 
@@ -62,48 +64,113 @@ def install_attention_dispatch() -> None:
 # ----------------------------------------------------------------------------------------------------
 # Context passed down the decoder layers
 # ----------------------------------------------------------------------------------------------------
-class ReplayContext:
-    """What an attention (or GDN) layer needs during a LongStraw call.
+@dataclass
+class ResponseKV:
+    """Decode: the G sequences' own K/V of one attention layer, in a buffer sized for the generation."""
 
-    ``mode``: ``"capture"`` appends the chunk's K/V to the state after attending; ``"replay"`` only
-    reads the state; ``"decode"`` also keeps per-sequence response K/V in ``response_kv`` (generation).
+    k: torch.Tensor  # [G, Hkv, capacity, D]
+    v: torch.Tensor  # [G, Hkv, capacity, Dv]
+    length: int = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, t = self.length, k.shape[2]
+        if n + t > self.k.shape[2]:  # past the announced capacity: grow (amortised doubling)
+            cap = max(2 * self.k.shape[2], n + t)
+            grow = lambda b: torch.cat([b[:, :, :n], b.new_empty(*b.shape[:2], cap - n, b.shape[3])], 2)  # noqa: E731
+            self.k, self.v = grow(self.k), grow(self.v)
+        self.k[:, :, n : n + t] = k
+        self.v[:, :, n : n + t] = v
+        self.length = n + t
+        return self.k[:, :, : n + t], self.v[:, :, : n + t]
+
+
+class ReplayContext:
+    """What a layer needs during one LongStraw call, passed down as the ``longstraw`` keyword.
+
+    Args:
+        mode: ``"capture"`` appends each chunk to the state; ``"replay"`` only reads it; ``"decode"``
+            also keeps the G sequences' running per-layer state in :attr:`running` (generation).
+        state: the prompt state the call reads (and, in capture, writes).
+        cp: context-parallel collectives (default: the state's group, or a single rank).
+        checkpoint_layers: recompute each decoder layer in backward instead of storing its activations.
+        capacity: decode: response tokens to size the per-sequence buffers for.
+        reserve_tokens: capture: prompt tokens this call appends, so each layer allocates once.
+
+    Attributes:
+        running: decode only: layer index -> that layer's state for the G sequences (:class:`ResponseKV`
+            for attention, the family's state type for other layers, e.g. a batched ``GDNState``).
     """
 
-    def __init__(self, mode: str, state: PromptState, cp=None):
+    def __init__(
+        self,
+        mode: str,
+        state: PromptState,
+        cp=None,
+        checkpoint_layers: bool = False,
+        capacity: int = 0,
+        reserve_tokens: int = 0,
+    ):
+        if mode not in MODES:
+            raise LongStrawError(f"unknown LongStraw mode {mode!r}; one of {', '.join(MODES)}")
         self.mode = mode
         self.state = state
         self.cp = cp if cp is not None else _cp_for(state)
-        self.response_kv: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self.extra: dict = {}  # family-specific per-call state (e.g. GDN decode states)
+        self.checkpoint_layers = checkpoint_layers
+        self.capacity = capacity
+        self.reserve_tokens = reserve_tokens
+        self.running: dict[int, object] = {}
+        self._reserved: set[int] = set()
 
-    def kv_layer(self, module: nn.Module, k: torch.Tensor, v: torch.Tensor) -> KVPages:
-        idx = module.layer_idx
+    def layer_state(self, idx: int, state_type: type[LayerState], make: Callable[[], LayerState]):
+        """Layer ``idx``'s prompt state (created by ``make`` in the first capture chunk); ``None`` when the
+        state holds no tokens (a one-token prompt: every layer starts from its initial state)."""
         layer = self.state.layers.get(idx)
         if layer is None:
             if self.mode != "capture":
-                raise LongStrawError(f"layer {idx} has no captured K/V: the state belongs to another model")
-            layer = KVPages(
-                num_kv_heads=k.shape[1],
-                head_dim=k.shape[-1],
-                v_head_dim=v.shape[-1],
-                page_size=self.state.page_size,
-                dtype=k.dtype,
-                storage=_storage_device(k.device, self.state.offload),
-                cp_rank=self.cp.rank,
-                cp_size=self.cp.size,
+                if self.state.resident_tokens == 0:
+                    return None
+                raise LongStrawError(
+                    f"layer {idx} has no captured {state_type.__name__}: the state belongs to another model"
+                )
+            layer = self.state.layers[idx] = make()
+        if not isinstance(layer, state_type):
+            raise LongStrawError(
+                f"layer {idx} needs a {state_type.__name__} but the state holds {type(layer).__name__} there: "
+                "the state belongs to another model"
             )
-            self.state.layers[idx] = layer
+        if self.mode == "capture" and idx not in self._reserved:
+            layer.reserve(self.reserve_tokens)
+            self._reserved.add(idx)
         return layer
+
+    def _new_kv(self, k: torch.Tensor, v: torch.Tensor) -> KVPages:
+        return KVPages(
+            num_kv_heads=k.shape[1],
+            head_dim=k.shape[-1],
+            v_head_dim=v.shape[-1],
+            page_size=self.state.page_size,
+            dtype=k.dtype,
+            storage=_storage_device(k.device, self.state.offload),
+            cp_rank=self.cp.rank,
+            cp_size=self.cp.size,
+        )
 
     def attend(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """``q [B, Hq, T, D]``, ``k, v [B, Hkv, T, D]`` -> attention output ``[B, T, Hq, D]``."""
-        layer = self.kv_layer(module, k, v)
+        idx = module.layer_idx
+        layer = self.layer_state(idx, KVPages, lambda: self._new_kv(k, v))
         if self.mode == "decode":
-            k, v = self._append_response_kv(module.layer_idx, k, v)
+            running = self.running.get(idx)
+            if running is None:
+                cap = max(self.capacity, k.shape[2])
+                running = self.running[idx] = ResponseKV(
+                    k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+                )
+            k, v = running.append(k, v)
         device = q.device
 
         def pages():
-            return layer.iter_pages(device)
+            return layer.stream(device) if layer is not None else iter(())
 
         out = prompt_response_attention(
             q, k, v, pages, scale, reduce_partial=self.cp.reduce_partial, reduce_dq=self.cp.reduce_dq
@@ -112,23 +179,8 @@ class ReplayContext:
             layer.append(k[0], v[0])
         return out.transpose(1, 2)
 
-    def _append_response_kv(self, idx: int, k: torch.Tensor, v: torch.Tensor):
-        """Decode: keep the response's own K/V in a buffer sized for the whole generation."""
-        if idx not in self.response_kv:
-            cap = self.extra.get("capacity", k.shape[2])
-            buf_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            buf_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
-            self.response_kv[idx] = (buf_k, buf_v, 0)
-        buf_k, buf_v, n = self.response_kv[idx]
-        t = k.shape[2]
-        if n + t > buf_k.shape[2]:  # past the announced capacity: grow (amortised doubling)
-            cap = max(2 * buf_k.shape[2], n + t)
-            grow = lambda b: torch.cat([b[:, :, :n], b.new_empty(*b.shape[:2], cap - n, b.shape[3])], 2)  # noqa: E731
-            buf_k, buf_v = grow(buf_k), grow(buf_v)
-        buf_k[:, :, n : n + t] = k
-        buf_v[:, :, n : n + t] = v
-        self.response_kv[idx] = (buf_k, buf_v, n + t)
-        return buf_k[:, :, : n + t], buf_v[:, :, : n + t]
+
+MODES = ("capture", "replay", "decode")
 
 
 class _SingleRank:
@@ -152,38 +204,107 @@ def _cp_for(state: PromptState):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Running the decoder stack
+# Entering the model through its root forward
 # ----------------------------------------------------------------------------------------------------
 def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def run_decoder(
+# What the output head computes during one LongStraw call (set by the engine around the root forward).
+# ``None``: the stock head (logits). Otherwise a callable ``(stock_head, hidden) -> result``.
+_HEAD_REQUEST: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "longstraw_head", default=None
+)
+
+
+def _head_forward(self, hidden_states):
+    """The output head's forward, bound per instance: the stock head unless the engine asked for more."""
+    stock = self._longstraw_stock_forward or type(self).forward.__get__(self)
+    request = _HEAD_REQUEST.get()
+    if request is None:
+        return stock(hidden_states)
+    token = _HEAD_REQUEST.set(None)  # a head wrapped inside this one (peft) runs stock
+    try:
+        return request(stock, hidden_states)
+    finally:
+        _HEAD_REQUEST.reset(token)
+
+
+def _install_head(base: nn.Module) -> None:
+    head = base.get_output_embeddings()
+    if getattr(head, "_longstraw_head", False):
+        return
+    head._longstraw_stock_forward = head.__dict__.get("forward")  # an accelerate hook, if one is installed
+    head.forward = _head_forward.__get__(head)
+    head._longstraw_head = True
+
+
+def _layer_forward(self, *args, **kwargs):
+    """A decoder layer's forward, bound per instance: checkpointed when the call asks for it."""
+    stock = type(self).forward.__get__(self)
+    ctx = kwargs.get(CTX_KWARG)
+    hf_checkpoints = getattr(self, "gradient_checkpointing", False) and self.training
+    if ctx is not None and ctx.checkpoint_layers and torch.is_grad_enabled() and not hf_checkpoints:
+        return checkpoint(stock, *args, use_reentrant=False, **kwargs)
+    return stock(*args, **kwargs)
+
+
+def install_engine(base: nn.Module, decoder: nn.Module) -> None:
+    """What every family needs (idempotent): the attention dispatch, the output head's LongStraw request,
+    and per-call layer checkpointing. Methods are bound per instance, so ``deepcopy`` rebinds them."""
+    install_attention_dispatch()
+    _install_head(base)
+    for layer in decoder.layers:
+        if not getattr(layer, "_longstraw_layer", False):
+            layer.forward = _layer_forward.__get__(layer)
+            layer._longstraw_layer = True
+
+
+def _skip_head(stock, hidden):
+    return hidden.new_empty(*hidden.shape[:-1], 0)  # capture needs no logits
+
+
+class _TokenLogprobs:
+    """Head request: log-probs of ``targets`` (chunked, checkpointed under autograd), not logits; with
+    ``with_entropy`` a pair (log-probs, entropies without gradient) from the same logits."""
+
+    def __init__(self, targets: torch.Tensor, temperature: float, with_entropy: bool = False):
+        self.targets, self.temperature, self.with_entropy = targets, temperature, with_entropy
+
+    def __call__(self, stock, hidden):
+        out = token_logprobs(hidden, stock, self.targets, self.temperature, self.with_entropy)
+        return torch.stack(out) if self.with_entropy else out  # one tensor: HF returns it as `logits`
+
+
+def forward_model(
     model: nn.Module,
     input_ids: torch.Tensor,
     start: int,
     ctx: ReplayContext,
-    checkpoint_layers: bool = False,
+    head: Callable | None = None,
+    logits_to_keep: int = 0,
 ) -> torch.Tensor:
-    """Final-norm hidden states ``[B, T, hidden]`` of ``input_ids`` placed at positions ``start...``."""
+    """Run ``input_ids [B, T]`` at positions ``start...`` through the model's root forward (its wrappers
+    included: peft, DDP) with ``ctx`` passed down; returns what the output head computed under ``head``
+    (``None``: logits of the last ``logits_to_keep`` positions, 0 = all)."""
     base = unwrap_model(model)
     patch = find_patch(base)
-    dec = patch.decoder(base)
+    _install_head(base)  # peft may have wrapped the head since patch_model
     b, t = input_ids.shape
-    h = dec.embed_tokens(input_ids)
-    position_ids = patch.position_ids(start, t, b, h.device)
-    position_embeddings = dec.rotary_emb(h, position_ids)
-    kwargs = dict(attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
-    kwargs[CTX_KWARG] = ctx
-    for layer in dec.layers:
-        hf_checkpoints = getattr(layer, "gradient_checkpointing", False) and layer.training
-        if checkpoint_layers and torch.is_grad_enabled() and not hf_checkpoints:
-            h = checkpoint(layer, h, use_reentrant=False, **kwargs)
-        else:
-            h = layer(h, **kwargs)
-        if isinstance(h, tuple):
-            h = h[0]
-    return dec.norm(h)
+    position_ids = patch.position_ids(start, t, b, input_ids.device)
+    token = _HEAD_REQUEST.set(head)
+    try:
+        out = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=patch.no_attention_masks(base),
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+            **{CTX_KWARG: ctx},
+        )
+    finally:
+        _HEAD_REQUEST.reset(token)
+    return out.logits if hasattr(out, "logits") else out[0]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -199,8 +320,8 @@ def check_token_ids(ids: torch.Tensor, model: nn.Module, name: str) -> None:
     if ids.numel() == 0:
         raise LongStrawError(f"{name} is empty: give at least one token")
     vocab = _vocab_size(model)
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
+    if bool(((ids < 0) | (ids >= vocab)).any()):  # one host sync per call; the details only on error
+        lo, hi = int(ids.min()), int(ids.max())
         raise LongStrawError(
             f"{name} holds token ids outside the vocabulary [0, {vocab}): min {lo}, max {hi}"
         )
@@ -227,17 +348,19 @@ def _progress(total: int, enabled: bool | None, desc: str):
 
 
 @torch.no_grad()
-def _prefill(state: PromptState, model: nn.Module, ids: torch.Tensor, chunk_size: int, progress) -> None:
+def _prefill(
+    state: PromptState, model: nn.Module, ids: torch.Tensor, start: int, chunk_size: int, progress
+) -> None:
+    """Append ``ids`` (1-D) at positions ``start...`` to the layer states of ``state``."""
+    if ids.numel() == 0:
+        return
     device = state.device
-    ctx = ReplayContext("capture", state)
-    h = None
+    ctx = ReplayContext("capture", state, reserve_tokens=ids.numel())
     with _progress(ids.numel(), progress, "capture") as bar:
         for s in range(0, ids.numel(), chunk_size):
             chunk = ids[s : s + chunk_size].to(device)[None]
-            h = run_decoder(model, chunk, state.num_tokens, ctx)
-            state.num_tokens += chunk.shape[1]
+            forward_model(model, chunk, start + s, ctx, head=_skip_head, logits_to_keep=1)
             bar.update(chunk.shape[1])
-    state.last_hidden = h[0, -1].clone()
 
 
 def capture_prompt(
@@ -251,14 +374,18 @@ def capture_prompt(
 ) -> PromptState:
     """Capture ``prompt_ids`` (1-D) once, without autograd, into a :class:`PromptState`.
 
+    The layer states hold the first ``P - 1`` tokens; the last one is kept as an id and runs with every
+    replay, so completion token 0 is scored through the whole network (docs/design.md, "Objective").
+
     Args:
         model: a supported causal LM (patched on the fly; peft-wrapped is fine).
         prompt_ids: 1-D LongTensor, the whole prompt.
         chunk_size: prompt tokens per prefill step (default 8192). Peak memory apart from the state
             grows with the chunk, never with the prompt.
-        page_size: tokens per K/V page (default 16384).
-        offload: ``None`` keeps pages on the model's device; ``"cpu"`` keeps them in pinned host memory
-            and streams them to the device page by page.
+        page_size: tokens per K/V page (default 16384): the unit of context-parallel ownership and of
+            offload streaming. Resident K/V is stored contiguously whatever the page size.
+        offload: ``None`` keeps K/V on the model's device; ``"cpu"`` keeps it in pinned host memory and
+            streams it to the device a page at a time.
         cp_group: a ``torch.distributed`` group: pages are spread round-robin over its ranks.
         progress: show a progress bar (default: only for prompts of 128K tokens or more).
     """
@@ -273,23 +400,29 @@ def capture_prompt(
     page_size = page_size or DEFAULT_PAGE_SIZE
     if chunk_size <= 0 or page_size <= 0:
         raise LongStrawError("chunk_size and page_size must be positive")
-    _storage_device(model_device(model), offload)  # validates `offload`
-    state = PromptState({}, model_device(model), offload, cp_group, page_size, chunk_size)
-    _prefill(state, model, prompt_ids, chunk_size, progress)
+    device = model_device(model)
+    _storage_device(device, offload)  # validates `offload`
+    state = PromptState({}, device, offload, cp_group, page_size, chunk_size)
+    _prefill(state, model, prompt_ids[:-1], 0, chunk_size, progress)
+    state.num_tokens = prompt_ids.numel()
+    state.last_token = prompt_ids[-1].to(device)
     return state
 
 
 def extend_state(
     state: PromptState, model: nn.Module, more_ids: torch.Tensor, progress: bool | None = None
 ) -> PromptState:
-    """A new state for prompt + ``more_ids``; full pages are shared with ``state``, which is unchanged."""
+    """A new state for prompt + ``more_ids``; it shares ``state``'s K/V, and ``state`` is unchanged."""
     state.check_not_empty()
     check_token_ids(more_ids, model, "more_ids")
     if more_ids.dim() != 1:
         raise LongStrawError(f"more_ids must be 1-D, got shape {tuple(more_ids.shape)}")
     check_positions(model, state.num_tokens + more_ids.numel(), "the extended prompt")
     new = state.fork()
-    _prefill(new, model, more_ids, new.chunk_size or DEFAULT_CHUNK_SIZE, progress)
+    ids = torch.cat([state.last_token.view(1).cpu(), more_ids[:-1].cpu()])
+    _prefill(new, model, ids, state.resident_tokens, new.chunk_size or DEFAULT_CHUNK_SIZE, progress)
+    new.num_tokens = state.num_tokens + more_ids.numel()
+    new.last_token = more_ids[-1].to(state.device)
     return new
 
 
@@ -311,12 +444,16 @@ def replay_logprobs(
     temperature: float = 1.0,
     grad: bool = False,
     checkpoint_layers: bool = False,
-) -> torch.Tensor:
-    """``[G, R]`` log-probs of ``completion_ids`` continuing the captured prompt (fp32).
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``[G, R]`` log-probs of ``completion_ids`` continuing the captured prompt (fp32); with
+    ``return_entropy`` also ``[G, R]`` entropies of the same distributions (no gradient).
 
-    Positions past a row's mask are computed but meaningless (right padding cannot affect earlier
-    tokens under causal attention). With ``grad=True`` the result carries the autograd graph of these
-    rows only; ``checkpoint_layers`` recomputes each decoder layer in backward instead of storing it.
+    The model runs ``[last prompt token, completion[:-1]]`` (R positions) on the read-only state; the
+    log-prob of completion token ``j`` is read at position ``j``. Positions past a row's mask are computed
+    but meaningless (right padding cannot affect earlier tokens under causal attention). With
+    ``grad=True`` the result carries the autograd graph of these rows only; ``checkpoint_layers``
+    recomputes each decoder layer in backward instead of storing it.
     """
     state.check_not_empty()
     if completion_ids.dim() == 1:
@@ -327,13 +464,9 @@ def replay_logprobs(
     g, r = completion_ids.shape
     check_positions(model, state.num_tokens + r, f"prompt ({state.num_tokens}) + completion ({r})")
     ids = completion_ids.to(state.device)
+    inputs = torch.cat([state.last_token.view(1, 1).expand(g, 1), ids[:, :-1]], dim=1)
     with torch.set_grad_enabled(grad):
-        last = state.last_hidden.expand(g, 1, -1)
-        if r > 1:
-            ctx = ReplayContext("replay", state)
-            h = run_decoder(model, ids[:, :-1], state.num_tokens, ctx, checkpoint_layers)
-            hidden = torch.cat([last.to(h.dtype), h], dim=1)
-        else:
-            hidden = last
-        lm_head = unwrap_model(model).get_output_embeddings()
-        return token_logprobs(hidden, lm_head, ids, temperature)
+        ctx = ReplayContext("replay", state, checkpoint_layers=checkpoint_layers)
+        head = _TokenLogprobs(ids, temperature, return_entropy)
+        out = forward_model(model, inputs, state.resident_tokens, ctx, head=head)
+    return (out[0], out[1]) if return_entropy else out

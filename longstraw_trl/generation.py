@@ -20,10 +20,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .engine import ReplayContext, check_positions, run_decoder
+from .engine import ReplayContext, check_positions, forward_model
 from .errors import LongStrawError
-from .model_patches import unwrap_model
 from .state import PromptState
+
+# Decoding checks whether every row has finished (a host synchronisation) once per this many steps; the
+# output is trimmed to what stopping at once would have given.
+DONE_CHECK_INTERVAL = 16
 
 
 def _warpers(temperature: float, top_k: int | None, top_p: float, min_p: float | None) -> LogitsProcessorList:
@@ -57,7 +60,9 @@ def generate_from_state(
     """Sample ``[G, <= max_new_tokens]`` completion ids continuing ``state``'s prompt.
 
     Rows that emit an EOS token are padded with ``pad_token_id`` afterwards (default: the first EOS id);
-    decoding stops once every row has finished. ``do_sample=False`` is greedy.
+    decoding stops once every row has finished (checked every ``DONE_CHECK_INTERVAL`` steps, so the
+    generator may have drawn a few more tokens than ``model.generate`` would; the output is the same).
+    ``do_sample=False`` is greedy.
     """
     state.check_not_empty()
     if num_generations < 1 or max_new_tokens < 1:
@@ -68,19 +73,18 @@ def generate_from_state(
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    lm_head = unwrap_model(model).get_output_embeddings()
     warp = _warpers(temperature, top_k, top_p, min_p) if do_sample else LogitsProcessorList()
     g, device = num_generations, state.device
     eos_t = torch.tensor(eos, device=device, dtype=torch.long)
 
-    ctx = ReplayContext("decode", state)
-    ctx.extra["capacity"] = max_new_tokens
-    hidden = state.last_hidden.expand(g, -1)
+    ctx = ReplayContext("decode", state, capacity=max_new_tokens)
     out = torch.full((g, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     done = torch.zeros(g, dtype=torch.bool, device=device)
+    # The first step runs the last prompt token (the state holds the first P - 1), then each new token.
+    tokens = state.last_token.view(1, 1).expand(g, 1)
     for step in range(max_new_tokens):
-        logits = lm_head(hidden).float()
-        scores = warp(out[:, :step], logits)
+        logits = forward_model(model, tokens, state.resident_tokens + step, ctx, logits_to_keep=1)
+        scores = warp(out[:, :step], logits[:, -1].float())
         if do_sample:
             probs = torch.softmax(scores, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
@@ -95,7 +99,16 @@ def generate_from_state(
         out[:, step] = nxt
         if eos:
             done |= torch.isin(nxt, eos_t)
-        if bool(done.all()) or step + 1 == max_new_tokens:
-            return out[:, : step + 1]
-        hidden = run_decoder(model, nxt[:, None], state.num_tokens + step, ctx)[:, -1]
+            if (step + 1) % DONE_CHECK_INTERVAL == 0 and bool(done.all()):
+                return out[:, : _width(out, done, step, eos_t)]
+        tokens = nxt[:, None]
+    if eos and bool(done.all()):
+        return out[:, : _width(out, done, max_new_tokens - 1, eos_t)]
     return out
+
+
+def _width(out: torch.Tensor, done: torch.Tensor, step: int, eos_t: torch.Tensor) -> int:
+    """Columns up to the step on which the last row finished (what stopping at once would have kept)."""
+    is_eos = torch.isin(out[:, : step + 1], eos_t)
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), step)
+    return int(first.max()) + 1

@@ -1,16 +1,24 @@
 """The resident prompt state: what later tokens read of a captured prompt, and nothing else.
 
-A :class:`PromptState` holds, per decoder layer, the model-native state of the prompt:
-- full-attention layers: K/V in fixed-size pages (:class:`KVPages`);
-- Gated DeltaNet layers: conv and recurrent state (:class:`GDNState`, fixed size, independent of P);
-and the final-norm hidden state of the last prompt token (the log-prob of completion token 0 comes from
-it). Replays only read the state; ``extend`` appends to a fork that shares every full page.
+A :class:`PromptState` holds one :class:`LayerState` per decoder layer, the model-native state of the
+prompt's first ``P - 1`` tokens:
+- full-attention layers: K/V (:class:`KVPages`, grows with P, sharded over context-parallel ranks);
+- other layer kinds (Gated DeltaNet's conv + recurrent state, an MLA latent, ...): the state class their
+  family patch supplies (``FamilyPatch.layer_state_type``).
+The last prompt token is kept as an id, not as a hidden state: every replay and every generation runs it
+through the model together with the response (see docs/design.md, "Objective"), so the log-prob of
+completion token 0 depends on every layer.
+
+:class:`LayerState` is the protocol the engine, the planner, context parallelism and offload use; a
+family adds a layer kind by subclassing it, without touching the engine. Replays only read the state;
+``extend`` appends to a fork that shares what the original holds.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -25,41 +33,121 @@ def _storage_device(device: torch.device, offload: str | None) -> torch.device:
     raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
 
 
-@dataclass
-class KVPages:
-    """Paged K/V of one full-attention layer.
+class LayerState(ABC):
+    """The resident state of one decoder layer at the prompt boundary: the protocol of every layer kind.
 
-    Pages are ``[num_kv_heads, page_size, head_dim]`` tensors allocated one at a time as tokens arrive;
-    earlier pages are never copied. With context parallelism, global page ``j`` belongs to rank
-    ``j % cp_size`` and only owned pages are stored here; ``num_tokens`` counts the whole prompt.
+    Subclasses set :attr:`kind` (the key of ``PromptState.nbytes_by_kind``) and :attr:`sharded` and
+    implement the methods below. A state is written only while its prompt is captured (``append``); after
+    that it is read-only, and ``fork`` gives a state that can be extended without changing this one.
     """
 
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    page_size: int
-    dtype: torch.dtype
-    storage: torch.device
-    cp_rank: int = 0
-    cp_size: int = 1
-    num_tokens: int = 0
-    # global page index -> (k, v); a dict so ranks hold disjoint subsets
-    pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: name of the kind of state (``"kv"``, ``"gdn"``, ...), as reported by ``nbytes_by_kind``.
+    kind: ClassVar[str] = ""
+    #: True when context-parallel ranks each hold a part (by page); False when every rank holds it all.
+    sharded: ClassVar[bool] = False
+
+    @abstractmethod
+    def append(self, *parts: torch.Tensor) -> None:
+        """Add one capture chunk's contribution (K/V of the chunk, the state after the chunk, ...)."""
+
+    def reserve(self, more_tokens: int) -> None:
+        """A capture announces that ``more_tokens`` prompt tokens follow (states that grow with P allocate
+        once for all of them; fixed-size states ignore it)."""
+        return None
+
+    @abstractmethod
+    def fork(self) -> LayerState:
+        """A state equal to this one that ``append`` can extend without changing this one."""
+
+    @abstractmethod
+    def stream(self, device: torch.device) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The state's tensors on ``device``, in the blocks a kernel reads them (streamed when offloaded)."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of state held on this rank (allocation slack excluded)."""
+
+    def slack_bytes(self) -> int:
+        """Allocated but unused bytes on this rank."""
+        return 0
+
+    @classmethod
+    @abstractmethod
+    def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        """The planner's formula: bytes this layer holds on a rank that stores ``tokens_on_rank`` tokens.
+
+        Must equal :meth:`nbytes` of a captured state (``tests/test_planner.py`` checks it).
+        """
+
+
+def owned_tokens(start: int, count: int, page_size: int, cp_rank: int = 0, cp_size: int = 1) -> int:
+    """Tokens of global positions ``[start, start + count)`` on pages ``j`` with ``j % cp_size == cp_rank``."""
+    if cp_size == 1:
+        return count
+    total, pos, end = 0, start, start + count
+    while pos < end:
+        page, offset = divmod(pos, page_size)
+        n = min(page_size - offset, end - pos)
+        if page % cp_size == cp_rank:
+            total += n
+        pos += n
+    return total
+
+
+class KVPages(LayerState):
+    """K/V of one full-attention layer.
+
+    Ownership is by page: with context parallelism, global page ``j`` (tokens ``j * page_size ...``)
+    belongs to rank ``j % cp_size``, and only owned tokens are stored. Storage is by segment: a segment is
+    one contiguous ``[num_kv_heads, capacity, head_dim]`` buffer per K and V, filled in arrival order, so
+    a whole captured prompt is one segment and attention reads it in one kernel call (keys need no order:
+    prompt keys are unmasked). A capture reserves the segment for the whole prompt (:meth:`reserve`), so
+    nothing is allocated twice and no slack is left. Segments are never copied: ``fork`` shares them and
+    the fork writes later tokens into a new segment (copy-on-write without the copy).
+    ``num_tokens`` counts the tokens of the whole prompt (all ranks).
+    """
 
     kind = "kv"
+    sharded = True
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        storage: torch.device,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+    ):
+        self.num_kv_heads, self.head_dim, self.v_head_dim = num_kv_heads, head_dim, v_head_dim
+        self.page_size, self.dtype, self.storage = page_size, dtype, storage
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.num_tokens = 0
+        # (k [Hkv, capacity, D], v [Hkv, capacity, Dv], filled): shared with forks, never written below `filled`
+        self.segments: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._writable_tail = False  # may the last segment take more tokens (False when shared by a fork)
+        self._reserved = 0  # owned tokens announced by `reserve` and not yet appended
 
     def owns(self, page_index: int) -> bool:
         return page_index % self.cp_size == self.cp_rank
 
-    def _new_page(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def reserve(self, more_tokens: int) -> None:
+        """Announce that ``more_tokens`` prompt tokens follow, so one segment is allocated for them all."""
+        self._reserved = owned_tokens(
+            self.num_tokens, more_tokens, self.page_size, self.cp_rank, self.cp_size
+        )
+
+    def _new_segment(self, at_least: int) -> None:
+        capacity = max(at_least, self._reserved, 1) if self._reserved else max(at_least, self.page_size)
         pin = self.storage.type == "cpu" and torch.cuda.is_available()
-        k = torch.empty(
-            self.num_kv_heads, self.page_size, self.head_dim, dtype=self.dtype, device=self.storage
-        )
-        v = torch.empty(
-            self.num_kv_heads, self.page_size, self.v_head_dim, dtype=self.dtype, device=self.storage
-        )
-        return (k.pin_memory(), v.pin_memory()) if pin else (k, v)
+        k = torch.empty(self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.storage)
+        v = torch.empty(self.num_kv_heads, capacity, self.v_head_dim, dtype=self.dtype, device=self.storage)
+        if pin:
+            k, v = k.pin_memory(), v.pin_memory()
+        self.segments.append((k, v, 0))
+        self._writable_tail = True
 
     @torch.no_grad()
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -67,48 +155,55 @@ class KVPages:
         t, pos = k.shape[1], 0
         while pos < t:
             page, offset = divmod(self.num_tokens, self.page_size)
-            n = min(self.page_size - offset, t - pos)
+            n = min(self.page_size - offset, t - pos) if self.cp_size > 1 else t - pos
             if self.owns(page):
-                if page not in self.pages:
-                    self.pages[page] = self._new_page()
-                kp, vp = self.pages[page]
-                kp[:, offset : offset + n].copy_(k[:, pos : pos + n], non_blocking=True)
-                vp[:, offset : offset + n].copy_(v[:, pos : pos + n], non_blocking=True)
+                self._write(k[:, pos : pos + n], v[:, pos : pos + n])
             self.num_tokens += n
             pos += n
 
-    def iter_pages(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield the filled part of every owned page as ``(k, v)`` on ``device`` (streamed if offloaded)."""
-        for page in sorted(self.pages):
-            fill = min(self.page_size, self.num_tokens - page * self.page_size)
-            kp, vp = self.pages[page]
-            yield (
-                kp[:, :fill].to(device, non_blocking=True),
-                vp[:, :fill].to(device, non_blocking=True),
-            )
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[1]
+        if not self._writable_tail or self.segments[-1][2] + n > self.segments[-1][0].shape[1]:
+            room = self.segments[-1][0].shape[1] - self.segments[-1][2] if self._writable_tail else 0
+            if room:  # fill what is left, then continue in a new segment
+                self._write(k[:, :room], v[:, :room])
+                k, v, n = k[:, room:], v[:, room:], n - room
+            self._new_segment(n)
+        kb, vb, filled = self.segments[-1]
+        kb[:, filled : filled + n].copy_(k, non_blocking=True)
+        vb[:, filled : filled + n].copy_(v, non_blocking=True)
+        self.segments[-1] = (kb, vb, filled + n)
+        self._reserved = max(0, self._reserved - n)
+
+    def stream(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield ``(k, v)`` blocks on ``device``: each resident segment whole (one kernel call each);
+        offloaded segments in ``page_size`` pieces, so the device holds one piece at a time."""
+        for kb, vb, filled in self.segments:
+            if kb.device == device:
+                yield kb[:, :filled], vb[:, :filled]
+                continue
+            for s in range(0, filled, self.page_size):
+                e = min(filled, s + self.page_size)
+                yield kb[:, s:e].to(device, non_blocking=True), vb[:, s:e].to(device, non_blocking=True)
 
     def token_bytes(self) -> int:
         """Bytes of one token's K and V in this layer."""
         return self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
 
     def stored_tokens(self) -> int:
-        return sum(min(self.page_size, self.num_tokens - p * self.page_size) for p in self.pages)
+        return sum(filled for _, _, filled in self.segments)
 
     def nbytes(self) -> int:
-        """Bytes of the stored tokens (the formula), excluding unfilled page slack."""
         return self.stored_tokens() * self.token_bytes()
 
     def slack_bytes(self) -> int:
-        """Allocated but unfilled bytes at the end of the last page."""
-        return len(self.pages) * self.page_size * self.token_bytes() - self.nbytes()
+        if not self._writable_tail:
+            return 0
+        kb, _, filled = self.segments[-1]
+        return (kb.shape[1] - filled) * self.token_bytes()
 
     def fork(self) -> KVPages:
-        """A copy that shares every full page; a partially filled last page is copied (copy-on-write)."""
-        pages = dict(self.pages)
-        last, fill = divmod(self.num_tokens, self.page_size)
-        if fill and last in pages:
-            pages[last] = tuple(t.clone() for t in pages[last])
-        return KVPages(
+        new = KVPages(
             self.num_kv_heads,
             self.head_dim,
             self.v_head_dim,
@@ -117,34 +212,15 @@ class KVPages:
             self.storage,
             self.cp_rank,
             self.cp_size,
-            self.num_tokens,
-            pages,
         )
+        new.num_tokens, new.segments = self.num_tokens, list(self.segments)
+        self._writable_tail = False  # neither may write past the shared `filled` any more
+        return new
 
-
-@dataclass
-class GDNState:
-    """Gated DeltaNet state of one linear-attention layer at the prompt boundary.
-
-    ``conv`` holds the last ``kernel_size - 1`` pre-convolution inputs ``[1, C, kernel_size - 1]`` and
-    ``recurrent`` the delta-rule state ``[1, H, K, V]``. Its size does not depend on the prompt length.
-    Replicated on every context-parallel rank.
-    """
-
-    conv: torch.Tensor | None = None
-    recurrent: torch.Tensor | None = None
-
-    kind = "gdn"
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent) if t is not None)
-
-    def slack_bytes(self) -> int:
-        return 0
-
-    def fork(self) -> GDNState:
-        # Captures replace these tensors rather than writing into them, so sharing is safe.
-        return GDNState(self.conv, self.recurrent)
+    @classmethod
+    def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * config.num_key_value_heads * head_dim * dtype_bytes * tokens_on_rank
 
 
 class PromptState:
@@ -152,18 +228,20 @@ class PromptState:
 
     Attributes:
         num_tokens: prompt length P.
-        layers: per decoder-layer state (``KVPages`` or ``GDNState``), indexed by layer number.
-        last_hidden: final-norm hidden state of the last prompt token ``[hidden]``; completion token 0 is
-            scored from it.
-        device: where replays compute. Pages live there too unless ``offload="cpu"``.
+        resident_tokens: tokens held in the layer states, ``P - 1``: the last prompt token is replayed.
+        last_token: id of the last prompt token (0-dim LongTensor on ``device``); every replay and
+            generation runs it first, so completion token 0 is scored through the whole network.
+        layers: per decoder-layer state (:class:`LayerState`), indexed by layer number.
+        device: where replays compute. K/V live there too unless ``offload="cpu"``.
         offload: ``None`` (resident on ``device``) or ``"cpu"`` (pinned host memory, streamed per page).
-        cp_group: the context-parallel process group the pages are spread over (``None``: one rank).
-        page_size: tokens per K/V page; chunk_size: prompt tokens per prefill step (``extend`` reuses it).
+        cp_group: the context-parallel process group the K/V pages are spread over (``None``: one rank).
+        page_size: tokens per page (the unit of CP ownership and of offload streaming);
+        chunk_size: prompt tokens per prefill step (``extend`` reuses it).
     """
 
     def __init__(
         self,
-        layers: dict[int, KVPages | GDNState],
+        layers: dict[int, LayerState],
         device: torch.device,
         offload: str | None = None,
         cp_group=None,
@@ -177,22 +255,26 @@ class PromptState:
         self.cp_group = cp_group
         self.page_size = page_size
         self.num_tokens = 0
-        self.last_hidden: torch.Tensor | None = None
+        self.last_token: torch.Tensor | None = None
+
+    @property
+    def resident_tokens(self) -> int:
+        return max(self.num_tokens - 1, 0)
 
     # --- bookkeeping ------------------------------------------------------------------------------
     def nbytes_by_kind(self) -> dict[str, int]:
-        """Bytes held on this rank by kind of state (``kv``, ``gdn``, ...), page slack excluded."""
+        """Bytes held on this rank by kind of state (``kv``, ``gdn``, ...), allocation slack excluded."""
         out: dict[str, int] = {}
         for layer in self.layers.values():
             out[layer.kind] = out.get(layer.kind, 0) + layer.nbytes()
         return out
 
     def nbytes(self) -> int:
-        """Total bytes of state held on this rank, page slack excluded."""
+        """Total bytes of state held on this rank, allocation slack excluded."""
         return sum(self.nbytes_by_kind().values())
 
     def slack_bytes(self) -> int:
-        """Allocated but unfilled page bytes on this rank (reported apart from :meth:`nbytes`)."""
+        """Allocated but unfilled bytes on this rank (reported apart from :meth:`nbytes`)."""
         return sum(layer.slack_bytes() for layer in self.layers.values())
 
     def fork(self) -> PromptState:
@@ -204,7 +286,7 @@ class PromptState:
             self.page_size,
             self.chunk_size,
         )
-        new.num_tokens, new.last_hidden = self.num_tokens, self.last_hidden
+        new.num_tokens, new.last_token = self.num_tokens, self.last_token
         return new
 
     def __repr__(self) -> str:
@@ -213,7 +295,7 @@ class PromptState:
 
     # --- operations (implemented by the engine) ---------------------------------------------------
     def extend(self, model, more_ids: torch.Tensor, **kwargs) -> PromptState:
-        """Append prompt tokens (e.g. a new turn); returns a new state sharing this one's full pages."""
+        """Append prompt tokens (e.g. a new turn); returns a new state sharing this one's K/V."""
         from .engine import extend_state
 
         return extend_state(self, model, more_ids, **kwargs)
@@ -229,8 +311,9 @@ class PromptState:
     ) -> torch.Tensor:
         """``[G, R]`` log-prob of each completion token given prompt + completion prefix.
 
-        ``grad=True`` builds the autograd graph for exactly these rows (gradients reach the model's
-        parameters through the response tokens only; the prompt state is a constant).
+        ``grad=True`` builds the autograd graph for exactly these rows: gradients reach the model's
+        parameters through the last prompt token and the response (the state of the first ``P - 1``
+        prompt tokens is a constant).
         """
         from .engine import replay_logprobs
 
@@ -243,5 +326,5 @@ class PromptState:
         return generate_from_state(self, model, num_generations, max_new_tokens, **kwargs)
 
     def check_not_empty(self) -> None:
-        if self.num_tokens == 0 or self.last_hidden is None:
+        if self.num_tokens == 0 or self.last_token is None:
             raise LongStrawError("PromptState is empty: capture a prompt first")

@@ -64,7 +64,7 @@ def patch_model(model: nn.Module) -> nn.Module:
     LongStraw paths only run when the engine passes its context down.
     Raises :class:`UnsupportedModelError` naming the supported model types otherwise.
     """
-    from longstraw_trl.engine import install_attention_dispatch
+    from longstraw_trl.engine import install_engine
 
     base = unwrap_model(model)
     patch = find_patch(base)
@@ -73,7 +73,7 @@ def patch_model(model: nn.Module) -> nn.Module:
     if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
         raise UnsupportedModelError(f"{type(base).__name__} has no LM head; pass a *ForCausalLM model")
     patch.validate(base)
-    install_attention_dispatch()
+    install_engine(base, patch.decoder(base))
     patch.apply(base)
     setattr(base, PATCH_ATTR, patch)
     return model

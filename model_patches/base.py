@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from longstraw_trl.errors import UnsupportedModelError
+from longstraw_trl.state import KVPages, LayerState
 
 
 class FamilyPatch:
@@ -32,9 +33,20 @@ class FamilyPatch:
     def apply(self, model: nn.Module) -> None:
         """Install family-specific forwards (idempotent). Attention needs none: it is dispatched."""
 
-    def layer_kind(self, config, layer_idx: int) -> str:
-        """``"kv"`` for full attention; other kinds name a state class the family handles."""
-        return "kv"
+    def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
+        """The :class:`LayerState` subclass layer ``layer_idx`` keeps (K/V pages for full attention).
+
+        A family with other layer kinds returns its own state class here; the planner sizes the state
+        with that class's ``planned_bytes``, and the family's layer forward creates it through
+        ``ReplayContext.layer_state``. The engine itself knows no layer kind but attention.
+        """
+        return KVPages
+
+    def no_attention_masks(self, model: nn.Module) -> dict | None:
+        """The ``attention_mask`` a LongStraw call passes to the root forward. The engine's attention is
+        causal by construction and ignores masks; ``None`` lets HF build whatever it builds (for SDPA with no
+        padding: nothing). Families whose forward takes a prepared mapping return one of no masks."""
+        return None
 
     def position_ids(self, start: int, length: int, batch: int, device: torch.device) -> torch.Tensor:
         pos = torch.arange(start, start + length, device=device)

@@ -14,10 +14,10 @@ GDN class's ``forward`` once (class level, like HF's own checkpointing wrapper, 
 it, :func:`gdn_forward` reuses the module's own submodules (projections, conv weight, gated RMSNorm,
 ``out_proj``: LoRA on them applies) and replaces only the state handling and the kernels:
 
-- ``capture``: the chunk continues from ``state.layers[i]`` (a :class:`GDNState`, fixed size) and a new
-  ``GDNState`` replaces it (tensors are never written in place, so forks and earlier states stay valid);
+- ``capture``: the chunk continues from ``state.layers[i]`` (a :class:`GDNState`, fixed size), which then
+  takes the new tensors (rebound, never written in place, so forks and earlier states stay valid);
 - ``replay``: the prompt state, expanded to the batch, is a read-only constant (no gradient reaches it);
-- ``decode``: per-sequence states live in ``ctx.extra[("gdn", i)]``, started from the prompt state and
+- ``decode``: the G sequences' states live in ``ctx.running[i]``, started from the prompt state and
   rebound after every call; the prompt state is not touched.
 """
 
@@ -33,11 +33,10 @@ from torch import nn
 from longstraw_trl.errors import LongStrawError, UnsupportedModelError
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule
-from longstraw_trl.state import GDNState
+from longstraw_trl.state import KVPages, LayerState
 
 from .base import FamilyPatch
 
-GDN_KIND = GDNState.kind
 LINEAR, FULL = "linear_attention", "full_attention"
 _CONV_ACTIVATIONS = ("silu", "swish")
 # RoPE variants whose frequencies depend on the largest position *in the call*: a chunked capture would
@@ -51,18 +50,47 @@ Projection = Callable[
 
 
 # ----------------------------------------------------------------------------------------------------
-# Gated DeltaNet replay (shared by every family with HF's Qwen3.5 / Qwen3-Next GDN layer)
+# Gated DeltaNet state and replay (shared by every family with HF's Qwen3.5 / Qwen3-Next GDN layer)
 # ----------------------------------------------------------------------------------------------------
-def _prompt_gdn_state(ctx, idx: int) -> GDNState | None:
-    layer = ctx.state.layers.get(idx)
-    if layer is not None and not isinstance(layer, GDNState):
-        raise LongStrawError(
-            f"layer {idx} is a Gated DeltaNet layer but the state holds {type(layer).__name__} there: "
-            "the state belongs to another model"
+class GDNState(LayerState):
+    """Gated DeltaNet state of one linear-attention layer at the prompt boundary.
+
+    ``conv`` holds the last ``kernel_size - 1`` pre-convolution inputs ``[B, C, kernel_size - 1]`` and
+    ``recurrent`` the delta-rule state ``[B, H, K, V]`` (fp32); ``B`` is 1 for a prompt, G while decoding.
+    Its size does not depend on the prompt length; every context-parallel rank holds all of it. ``append``
+    rebinds the tensors (never writes into them), so forks and earlier states stay valid.
+    """
+
+    kind = "gdn"
+    sharded = False
+
+    def __init__(self, conv: torch.Tensor | None = None, recurrent: torch.Tensor | None = None):
+        self.conv, self.recurrent = conv, recurrent
+
+    def append(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv, self.recurrent = conv, recurrent
+
+    def fork(self) -> GDNState:
+        return GDNState(self.conv, self.recurrent)
+
+    def stream(self, device: torch.device):
+        yield tuple(
+            None if t is None else t.to(device, non_blocking=True) for t in (self.conv, self.recurrent)
         )
-    if layer is None and ctx.mode != "capture":
-        raise LongStrawError(f"layer {idx} has no captured GDN state: the state belongs to another model")
-    return layer
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent) if t is not None)
+
+    def expand(self, batch: int) -> GDNState:
+        """This state for ``batch`` sequences (a view: no copy)."""
+        return GDNState(_expand(self.conv, batch), _expand(self.recurrent, batch))
+
+    @classmethod
+    def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+        hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+        conv = (2 * hk * dk + hv * dv) * (config.linear_conv_kernel_dim - 1) * dtype_bytes
+        return conv + hv * dk * dv * 4  # the recurrent state is fp32
 
 
 def _expand(t: torch.Tensor | None, batch: int) -> torch.Tensor | None:
@@ -76,26 +104,24 @@ def _expand(t: torch.Tensor | None, batch: int) -> torch.Tensor | None:
 def _initial_state(ctx, idx: int, batch: int) -> GDNState:
     """The state the call starts from (never written: the kernels treat it as a constant)."""
     if ctx.mode == "decode":
-        running = ctx.extra.get((GDN_KIND, idx))
+        running = ctx.running.get(idx)
         if running is not None:
             if running.recurrent.shape[0] != batch:
                 raise LongStrawError(
                     f"decode batch changed from {running.recurrent.shape[0]} to {batch} within one context"
                 )
             return running
-    prompt = _prompt_gdn_state(ctx, idx)
-    if prompt is None:  # first capture chunk: the start of the sequence
+    prompt = ctx.layer_state(idx, GDNState, GDNState)
+    if prompt is None:  # nothing captured yet: the start of the sequence
         return GDNState()
-    return GDNState(_expand(prompt.conv, batch), _expand(prompt.recurrent, batch))
+    return prompt.expand(batch)
 
 
-def _store_state(ctx, idx: int, new: GDNState) -> None:
+def _store_state(ctx, idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
     if ctx.mode == "capture":
-        ctx.state.layers[idx] = new  # a new object: forks sharing the old one are unaffected
+        ctx.state.layers[idx].append(conv, recurrent)
     elif ctx.mode == "decode":
-        ctx.extra[(GDN_KIND, idx)] = new
-    elif ctx.mode != "replay":
-        raise LongStrawError(f"unknown LongStraw mode {ctx.mode!r}")
+        ctx.running[idx] = GDNState(conv, recurrent)
 
 
 def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Projection) -> torch.Tensor:
@@ -139,7 +165,7 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
         use_qk_l2norm_in_kernel=True,
     )
     if keep:
-        _store_state(ctx, idx, GDNState(conv_state, recurrent))
+        _store_state(ctx, idx, conv_state, recurrent)
 
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(batch, seq_len, -1))
@@ -200,8 +226,12 @@ class GatedDeltaNetHybridPatch(FamilyPatch):
         """The family's input projections: see :data:`Projection`."""
         raise NotImplementedError
 
-    def layer_kind(self, config, layer_idx: int) -> str:
-        return GDN_KIND if config.layer_types[layer_idx] == LINEAR else "kv"
+    def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
+        return GDNState if config.layer_types[layer_idx] == LINEAR else KVPages
+
+    def no_attention_masks(self, model: nn.Module) -> dict:
+        # a prepared mapping: HF then builds no causal or recurrent masks (the GDN replay refuses masks)
+        return {FULL: None, LINEAR: None}
 
     def gdn_modules(self, model: nn.Module) -> list[nn.Module]:
         return [

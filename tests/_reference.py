@@ -63,17 +63,20 @@ def rebinding_copy(cache):
 
 
 def response_only_reference(model, prompt, completion, weights):
-    """Grads of sum(weights * logp): prompt prefilled under no_grad into the stock cache, the response run
-    with autograd on a (rebinding) copy of that cache, token 0 scored from the no-grad last hidden.
+    """Grads of sum(weights * logp): ``prompt[:P-1]`` prefilled under no_grad into the stock cache, then
+    ``[prompt[P-1], completion[:-1]]`` run with autograd on a (rebinding) copy of that cache; the log-prob of
+    completion token j is read at input position j, so token 0 carries gradient through every layer.
 
-    This is DESIGN.md's response-only reference: it uses only the stock HF model and its own cache."""
+    This is the response-only reference of docs/design.md: it uses only the stock HF model and its own cache."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with torch.no_grad():
-        out = base.model(prompt[None], use_cache=True)
-    cache = rebinding_copy(out.past_key_values)
-    h_last = out.last_hidden_state[:, -1:]
-    h = base.model(completion[None, :-1], past_key_values=cache, use_cache=True).last_hidden_state
-    logits = base.lm_head(torch.cat([h_last, h], dim=1)).float()
+    tokens = torch.cat([prompt[-1:], completion[:-1]])[None]
+    if prompt.numel() > 1:
+        with torch.no_grad():
+            cache = base.model(prompt[None, :-1], use_cache=True).past_key_values
+        h = base.model(tokens, past_key_values=rebinding_copy(cache), use_cache=True).last_hidden_state
+    else:
+        h = base.model(tokens).last_hidden_state
+    logits = base.lm_head(h).float()
     logp = torch.log_softmax(logits, -1).gather(-1, completion[None, :, None])[0, :, 0]
     model.zero_grad()
     (logp * weights).sum().backward()

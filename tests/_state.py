@@ -1,4 +1,4 @@
-"""Bit-exact snapshots of a PromptState (every tensor it holds, page slack included)."""
+"""Bit-exact snapshots of a PromptState (every tensor it holds, unfilled segment room included)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from longstraw_trl import KVPages
 
 
 def state_tensors(state) -> list[torch.Tensor]:
-    tensors = [state.last_hidden]
+    tensors = [state.last_token]
     for layer in state.layers.values():
         if isinstance(layer, KVPages):
-            for k, v in layer.pages.values():
+            for k, v, _ in layer.segments:
                 tensors += [k, v]
         else:
             tensors += [layer.conv, layer.recurrent]
@@ -19,8 +19,8 @@ def state_tensors(state) -> list[torch.Tensor]:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    # compare raw bytes: unfilled page slack is uninitialised memory and may hold NaN patterns
-    return t.detach().contiguous().view(torch.uint8)
+    # compare raw bytes: unfilled segment room is uninitialised memory and may hold NaN patterns
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
 def snapshot(state):

@@ -28,7 +28,7 @@ from longstraw_trl import (
     capture_prompt,
     patch_model,
 )
-from longstraw_trl.engine import ReplayContext, run_decoder
+from longstraw_trl.engine import ReplayContext, forward_model
 from longstraw_trl.model_patches import (
     Qwen3_5Patch,
     Qwen3NextPatch,
@@ -64,7 +64,8 @@ LORA_TARGETS = [
 def test_logprobs_match_stock_forward(family, prompt_len, chunk, page):
     state = check_logprobs_against_stock(build_hybrid(family), prompt_len, chunk, page)
     kinds = {i: type(layer) for i, layer in state.layers.items()}
-    assert kinds == {0: GDNState, 1: KVPages, 2: GDNState}
+    # a one-token prompt leaves nothing resident: its only token is replayed with each completion
+    assert kinds == ({} if prompt_len == 1 else {0: GDNState, 1: KVPages, 2: GDNState})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -125,11 +126,12 @@ def test_extend_equals_capturing_concatenation(family):
     assert unchanged(snap)
     ref = stock_logprobs(model, a, comps[:1, :6])
     assert (state_a.logprobs(model, comps[:1, :6]) - ref).abs().max() <= 1e-4
-    # full K/V pages are shared, not copied
+    # the K/V is shared, not copied: the extension only adds a segment for the new tokens
     kv = [i for i, layer in state_a.layers.items() if isinstance(layer, KVPages)]
-    assert kv and all(
-        extended.layers[i].pages[0][0].data_ptr() == state_a.layers[i].pages[0][0].data_ptr() for i in kv
-    )
+    assert kv
+    for i in kv:
+        old, new = state_a.layers[i].segments, extended.layers[i].segments
+        assert [k.data_ptr() for k, _, _ in new[: len(old)]] == [k.data_ptr() for k, _, _ in old]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -145,7 +147,8 @@ def test_nbytes_by_kind_gdn_is_independent_of_prompt_length(family):
     n_full = cfg.layer_types.count("full_attention")
     n_gdn = cfg.layer_types.count("linear_attention")
     kv_per_token = 2 * n_full * cfg.num_key_value_heads * cfg.head_dim * 4
-    assert sizes[5]["kv"] == 5 * kv_per_token and sizes[61]["kv"] == 61 * kv_per_token
+    # the layers hold P - 1 tokens: the last prompt token is replayed with every response
+    assert sizes[5]["kv"] == 4 * kv_per_token and sizes[61]["kv"] == 60 * kv_per_token
     conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
     conv_dim += cfg.linear_num_value_heads * cfg.linear_value_head_dim
     per_layer = conv_dim * (cfg.linear_conv_kernel_dim - 1) * 4  # conv: last kernel - 1 inputs
@@ -163,16 +166,16 @@ def test_decode_token_by_token_equals_replay(family):
     state = capture_prompt(model, torch.randint(0, VOCAB, (19,), generator=gen), chunk_size=8, page_size=8)
     snap = snapshot(state)
     tokens = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    start = state.resident_tokens
     with torch.no_grad():
-        ctx = ReplayContext("decode", state)
-        ctx.extra["capacity"] = 6  # the engine's response K/V buffer, as generation sets it
-        steps = [run_decoder(model, tokens[:, i : i + 1], state.num_tokens + i, ctx) for i in range(6)]
+        ctx = ReplayContext("decode", state, capacity=6)  # the response buffers, as generation sizes them
+        steps = [forward_model(model, tokens[:, i : i + 1], start + i, ctx) for i in range(6)]
         decoded = torch.cat(steps, dim=1)
-        replayed = run_decoder(model, tokens, state.num_tokens, ReplayContext("replay", state))
+        replayed = forward_model(model, tokens, start, ReplayContext("replay", state))
     assert (decoded - replayed).abs().max().item() <= 1e-5
     gdn = [i for i, layer in state.layers.items() if isinstance(layer, GDNState)]
-    assert sorted(k[1] for k in ctx.extra if k[0] == "gdn") == gdn
-    assert all(ctx.extra[("gdn", i)].recurrent.shape[0] == 2 for i in gdn)
+    assert sorted(i for i, r in ctx.running.items() if isinstance(r, GDNState)) == gdn
+    assert all(ctx.running[i].recurrent.shape[0] == 2 for i in gdn)
     assert unchanged(snap)
 
 
@@ -183,12 +186,13 @@ def test_decode_logits_match_stock(family):
     prompt = torch.randint(0, VOCAB, (17,), generator=gen)
     tokens = torch.randint(0, VOCAB, (2, 4), generator=gen)
     state = capture_prompt(model, prompt, chunk_size=8, page_size=8)
-    ctx = ReplayContext("decode", state)
-    ctx.extra["capacity"] = 4
+    ctx = ReplayContext("decode", state, capacity=5)
+    # the state holds P - 1 tokens: decoding starts with the last prompt token
+    fed = torch.cat([prompt[-1:].expand(2, 1), tokens], dim=1)
     with torch.no_grad():
-        for i in range(4):
-            h = run_decoder(model, tokens[:, i : i + 1], state.num_tokens + i, ctx)
-        got = torch.log_softmax(model.get_output_embeddings()(h[:, -1]).float(), -1)
+        for i in range(5):
+            logits = forward_model(model, fed[:, i : i + 1], state.resident_tokens + i, ctx, logits_to_keep=1)
+        got = torch.log_softmax(logits[:, -1].float(), -1)
         full = torch.cat([prompt[None].expand(2, -1), tokens], dim=1)
         ref = torch.log_softmax(model(full).logits[:, -1].float(), -1)
     assert (got - ref).abs().max().item() <= 1e-4
@@ -279,7 +283,7 @@ def test_state_of_another_model_is_rejected():
         swapped.logprobs(other, torch.randint(0, VOCAB, (1, 4)))
     empty_gdn = state.fork()
     del empty_gdn.layers[2]
-    with pytest.raises(LongStrawError, match="no captured GDN state"):
+    with pytest.raises(LongStrawError, match="layer 2 has no captured GDNState"):
         empty_gdn.logprobs(hybrid, torch.randint(0, VOCAB, (1, 4)))
 
 
