@@ -3,21 +3,103 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import math
 import os
 import sys
+from pathlib import Path
 
-from .planner import GPU_MEMORY_GIB, format_plan, largest_prompt, plan_memory
+from .errors import LongStrawError, UnsupportedModelError
+from .planner import (
+    GPU_MEMORY_GIB,
+    check_plannable,
+    format_plan,
+    format_suggestions,
+    largest_prompt,
+    plan_memory,
+    suggest_changes,
+)
 from .presets import PRESETS, preset_config
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word.lower(), list(choices), n=3)
+    return f"did you mean {', '.join(close)}? " if close else ""
+
+
+def _parse_gpu(text: str) -> float:
+    """``--gpu``: a known GPU's name or its memory in GiB."""
+    if text.lower() in GPU_MEMORY_GIB:
+        return GPU_MEMORY_GIB[text.lower()]
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = None
+    if gib is not None and math.isfinite(gib) and gib > 0:
+        return gib
+    known = ", ".join(f"{k} ({v} GiB)" for k, v in GPU_MEMORY_GIB.items())
+    raise LongStrawError(
+        f"--gpu {text!r} is neither a known GPU nor a positive number of GiB; {_did_you_mean(text, GPU_MEMORY_GIB)}"
+        f"known GPUs: {known}; or give the memory in GiB, e.g. --gpu 80"
+    )
+
+
+def _read_config(source: str):
+    """A local directory's (or a cached Hub model's) config; LongStrawError saying what is wrong otherwise."""
+    from transformers import AutoConfig
+
+    presets = ", ".join(PRESETS)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        file = path / "config.json"
+        if not file.is_file():
+            raise LongStrawError(
+                f"{source}: no config.json in this directory; MODEL is a Hugging Face model or config "
+                f"directory, or a preset: {presets}"
+            )
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            try:
+                model_type = json.loads(file.read_text()).get("model_type")
+            except ValueError:  # not JSON: transformers' own message says so
+                model_type = None
+            if model_type:  # a type transformers does not know has no LongStraw patch either
+                _check_model_type(model_type, file)
+            raise LongStrawError(f"{file}: {str(e).splitlines()[0]}") from None
+    if path.exists():
+        raise LongStrawError(
+            f"{source} is a file; MODEL is a directory holding config.json, or a preset: {presets}"
+        )
+    try:  # a Hub id already in the local cache (nothing is downloaded)
+        return AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    if os.sep in source or "/" in source or source.startswith((".", "~")):
+        raise LongStrawError(
+            f"no such directory: {source} (nor a Hugging Face model in the local cache); MODEL is a directory "
+            f"holding config.json, or a preset: {presets}"
+        )
+    raise LongStrawError(
+        f"unknown preset {source!r}; {_did_you_mean(source, PRESETS)}presets: {presets} "
+        "(or a directory holding a Hugging Face config.json)"
+    )
+
+
+def _check_model_type(model_type: str | None, source) -> None:
+    try:
+        check_plannable(model_type)
+    except UnsupportedModelError as e:  # say which config, before any planning
+        raise UnsupportedModelError(f"{source}: {e}") from None
 
 
 def _load_config(name_or_path: str, layers: int | None):
     if name_or_path in PRESETS:
         return preset_config(name_or_path, layers)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    config = _read_config(name_or_path)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    _check_model_type(config.model_type, name_or_path)
     if layers:
         config.num_hidden_layers = layers
         if getattr(config, "layer_types", None):
@@ -49,9 +131,29 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--checkpoint-layers", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
-    if a.prompt is not None and a.prompt < 1:
-        ap.error(f"--prompt must be >= 1, got {a.prompt}")
-    gpu = GPU_MEMORY_GIB[a.gpu] if a.gpu in GPU_MEMORY_GIB else float(a.gpu)
+    try:
+        return _plan(a)
+    except LongStrawError as e:  # bad input: one line naming what to change, no traceback
+        print(f"longstraw plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _plan(a: argparse.Namespace) -> int:
+    for flag in (
+        "prompt",
+        "generations",
+        "response",
+        "cp",
+        "ep",
+        "lora_rank",
+        "layers",
+        "chunk_size",
+        "page_size",
+    ):
+        value = getattr(a, flag)
+        if value is not None and value < 1:
+            raise LongStrawError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    gpu = _parse_gpu(a.gpu)
     config = _load_config(a.model, a.layers)
     options = dict(
         num_generations=a.generations,
@@ -74,14 +176,23 @@ def plan_main(argv: list[str]) -> int:
         if prompt == 0:
             prompt = a.page_size  # show why even one page does not fit
     plan = plan_memory(config, prompt, page_size=a.page_size, **options)
+    # with --max-prompt a smaller --prompt is no change (and the two flags exclude each other)
+    suggestions = (
+        []
+        if plan.fits
+        else suggest_changes(config, prompt, page_size=a.page_size, vary_prompt=not a.max_prompt, **options)
+    )
     if a.json:
         out = plan.as_dict()
         out["prompt_tokens"] = prompt
         if a.max_prompt:
             out["largest_prompt_tokens"] = prompt if plan.fits else 0
+        out["suggestions"] = [s.as_dict() for s in suggestions]
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan))
+        if not plan.fits:
+            print(format_suggestions(suggestions, plan.gpu_bytes))
     return 0 if plan.fits else 1
 
 

@@ -9,15 +9,24 @@ peaks measured on the H200 (``bench/results/engine_*.json``).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
+from longstraw_trl.errors import UnsupportedModelError
 from longstraw_trl.kernels.logprob import LOGITS_CHUNK_ELEMENTS
 
 GiB = 2**30
 
 GPU_MEMORY_GIB = {"h200": 139.8, "h100": 79.1, "h20": 95.0, "a100-80g": 79.1, "a100-40g": 39.4}
+
+# The planner's formulas cover these too, but the engine has no patch for them yet (see presets.py).
+PLANNER_ONLY_MODEL_TYPES = ("glm_moe_dsa",)
+
+# The LoRA rank a plan that does not fit is re-planned with (a common default, not a recommendation).
+SUGGESTED_LORA_RANK = 64
 
 
 @dataclass
@@ -67,6 +76,22 @@ class MemoryPlan:
         return d
 
 
+def check_plannable(model_type: str | None) -> None:
+    """Raise :class:`~longstraw_trl.errors.UnsupportedModelError` unless the planner models ``model_type``.
+
+    The accepted model types are the engine's (``supported_model_types()``) plus
+    :data:`PLANNER_ONLY_MODEL_TYPES`; the message lists them.
+    """
+    from longstraw_trl.model_patches import supported_model_types
+
+    supported = supported_model_types()
+    if model_type not in supported and model_type not in PLANNER_ONLY_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by LongStraw-TRL; supported model types: "
+            f"{', '.join(supported)} (and, for planning only, {', '.join(PLANNER_ONLY_MODEL_TYPES)})"
+        )
+
+
 def _layer_types(config) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types:
@@ -74,8 +99,15 @@ def _layer_types(config) -> list[str]:
     return ["full_attention"] * config.num_hidden_layers
 
 
-def count_parameters(config, ep_size: int = 1) -> tuple[int, int, int]:
-    """``(all params on this rank, expert params on this rank, embedding+head params)`` via the meta device."""
+# Meta-device builds by config: one takes ~0.2 s for a 27B model, and largest_prompt / suggest_changes
+# re-plan the same config dozens of times. Keyed by the full config JSON, so a changed config re-counts.
+_META_COUNTS: dict[tuple[str, str, int], tuple[int, int, int, int]] = {}
+
+
+def _meta_counts(config, ep_size: int) -> tuple[int, int, int, int]:
+    key = (type(config).__qualname__, config.to_json_string(use_diff=False), ep_size)
+    if key in _META_COUNTS:
+        return _META_COUNTS[key]
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -89,20 +121,22 @@ def count_parameters(config, ep_size: int = 1) -> tuple[int, int, int]:
         if "embed_tokens" in name or "lm_head" in name:
             vocab += n
         total += n
-    return total, experts, vocab
+    lora_per_rank = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and "lm_head" not in name and ".experts" not in name:
+            lora_per_rank += mod.in_features + mod.out_features
+    _META_COUNTS[key] = total, experts, vocab, lora_per_rank
+    return _META_COUNTS[key]
+
+
+def count_parameters(config, ep_size: int = 1) -> tuple[int, int, int]:
+    """``(all params on this rank, expert params on this rank, embedding+head params)`` via the meta device."""
+    return _meta_counts(config, ep_size)[:3]
 
 
 def lora_parameters(config, rank: int) -> int:
     """LoRA params on every non-expert Linear of the decoder (attention, GDN and MLP projections)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    n = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and "lm_head" not in name and ".experts" not in name:
-            n += rank * (mod.in_features + mod.out_features)
-    return n
+    return rank * _meta_counts(config, 1)[3]
 
 
 def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 16384, dtype_bytes: int = 2):
@@ -173,8 +207,10 @@ def plan_memory(
 
     ``num_generations`` does not change the peak (one response's graph at a time); it is kept for the
     report. ``optimizer``: ``"adamw"`` (two states per trainable parameter, in the parameter dtype) or
-    ``"none"`` (e.g. a benchmark that only runs backward).
+    ``"none"`` (e.g. a benchmark that only runs backward). Raises
+    :class:`~longstraw_trl.errors.UnsupportedModelError` for a model type it does not model.
     """
+    check_plannable(getattr(config, "model_type", None))
     params, experts, vocab = count_parameters(config, ep_size)
     trainable = lora_parameters(config, lora_rank) if lora_rank else params
     weights = params * dtype_bytes + (trainable * dtype_bytes if lora_rank else 0)
@@ -193,9 +229,13 @@ def plan_memory(
     logits = 3 * LOGITS_CHUNK_ELEMENTS * 4 + (0 if lora_rank else vocab * dtype_bytes)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     chunk = capture_chunk_size
+    # MoE-only configs (qwen3_5_moe) have no dense intermediate_size: the routed experts' width, as in the graph
+    inter = (
+        getattr(config, "intermediate_size", None)
+        or config.moe_intermediate_size * config.num_experts_per_tok
+    )
     capture_ws = chunk * (
-        (2 * config.hidden_size + 3 * config.intermediate_size) * dtype_bytes
-        + 3 * config.num_attention_heads * head_dim * 4
+        (2 * config.hidden_size + 3 * inter) * dtype_bytes + 3 * config.num_attention_heads * head_dim * 4
     )
     plan = MemoryPlan(
         weights=weights,
@@ -235,6 +275,117 @@ def largest_prompt(config, page_size: int = 16384, limit_tokens: int = 1 << 34, 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * page_size
+
+
+@dataclass
+class Suggestion:
+    """A change that makes a plan fit, found by re-planning with it (see :func:`suggest_changes`).
+
+    Args:
+        args: the ``longstraw plan`` flags of the change, e.g. ``["--lora-rank", "64", "--cp", "2"]``.
+        options: the :func:`plan_memory` keywords it changes (``--prompt`` is ``prompt_tokens`` instead).
+        prompt_tokens: the prompt length of the re-plan (smaller than asked only for a ``--prompt`` change).
+        peak: per-rank peak bytes of the re-plan, at most the GPU's memory.
+    """
+
+    args: list[str]
+    options: dict[str, Any]
+    prompt_tokens: int
+    peak: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _smallest_cp(config, prompt_tokens: int, page_size: int, plan_kwargs: dict) -> tuple[int, int] | None:
+    """``(cp_size, peak)`` for the smallest power of two above the current ``cp_size`` that fits, or None."""
+    pages = -(-prompt_tokens // page_size)
+    cp = 1
+    while cp <= plan_kwargs.get("cp_size", 1):
+        cp *= 2
+    while True:
+        plan = plan_memory(config, prompt_tokens, page_size=page_size, **{**plan_kwargs, "cp_size": cp})
+        if plan.fits:
+            return cp, plan.peak
+        if cp >= pages:  # every rank already holds a single page: more ranks save nothing
+            return None
+        cp *= 2
+
+
+def suggest_changes(
+    config, prompt_tokens: int, page_size: int = 16384, vary_prompt: bool = True, **plan_kwargs
+) -> list[Suggestion]:
+    """Changes that make a step fit ``gpu_memory_gib``, each checked by re-running :func:`plan_memory`.
+
+    The levers are ``--checkpoint-layers`` (when off), ``--lora-rank 64`` (when fully fine-tuning), the
+    smallest power-of-two ``--cp`` that fits, and the largest ``--prompt`` that fits (:func:`largest_prompt`,
+    left out with ``vary_prompt=False``). They are tried alone, then together: a combination is kept only
+    when no part of it already fits, and with ``--cp`` or ``--prompt`` only when it needs fewer ranks or
+    allows a longer prompt than its parts do. The planner does not model ``offload_prompt_state="cpu"``,
+    so offloading is not suggested.
+
+    Args:
+        config: the model config, as for :func:`plan_memory`.
+        prompt_tokens: the prompt length P that does not fit.
+        page_size: tokens per K/V page.
+        vary_prompt: also suggest a smaller prompt.
+        plan_kwargs: :func:`plan_memory`'s other arguments (``gpu_memory_gib``, ``lora_rank``, ...).
+
+    Returns:
+        `list[Suggestion]`: fewest changes first; empty when the plan fits already or nothing tried fits.
+    """
+    if plan_memory(config, prompt_tokens, page_size=page_size, **plan_kwargs).fits:
+        return []
+    levers: list[tuple[list[str], dict[str, Any]]] = []
+    if not plan_kwargs.get("checkpoint_layers"):
+        levers.append((["--checkpoint-layers"], {"checkpoint_layers": True}))
+    if not plan_kwargs.get("lora_rank"):
+        levers.append((["--lora-rank", str(SUGGESTED_LORA_RANK)], {"lora_rank": SUGGESTED_LORA_RANK}))
+    out: list[Suggestion] = []
+    fits_alone: list[frozenset[int]] = []
+    best: dict[frozenset[int], tuple[int | None, int]] = {}  # lever set -> (smallest cp, largest prompt)
+    for n in range(len(levers) + 1):
+        for combo in itertools.combinations(range(len(levers)), n):
+            chosen = frozenset(combo)
+            if any(s <= chosen for s in fits_alone):
+                continue
+            args = [a for i in combo for a in levers[i][0]]
+            options = {k: v for i in combo for k, v in levers[i][1].items()}
+            kwargs = {**plan_kwargs, **options}
+            if combo:
+                plan = plan_memory(config, prompt_tokens, page_size=page_size, **kwargs)
+                if plan.fits:
+                    out.append(Suggestion(args, options, prompt_tokens, plan.peak))
+                    fits_alone.append(chosen)
+                    continue
+            parts = [v for s, v in best.items() if s < chosen]
+            cp = _smallest_cp(config, prompt_tokens, page_size, kwargs)
+            if cp and all(c is None or cp[0] < c for c, _ in parts):
+                out.append(
+                    Suggestion(
+                        args + ["--cp", str(cp[0])], {**options, "cp_size": cp[0]}, prompt_tokens, cp[1]
+                    )
+                )
+            p = largest_prompt(config, page_size=page_size, **kwargs) if vary_prompt else 0
+            if p and all(p > q for _, q in parts):
+                peak = plan_memory(config, p, page_size=page_size, **kwargs).peak
+                out.append(Suggestion(args + ["--prompt", str(p)], options, p, peak))
+            best[chosen] = (cp[0] if cp else None, p)
+    return out
+
+
+def format_suggestions(suggestions: list[Suggestion], gpu_bytes: int) -> str:
+    """The text ``longstraw plan`` prints under a plan that does not fit."""
+    if not suggestions:
+        return (
+            f"nothing tried fits {gpu_bytes / GiB:.2f} GiB: --checkpoint-layers, --lora-rank {SUGGESTED_LORA_RANK}, "
+            "a larger --cp and a smaller --prompt, alone or together"
+        )
+    width = max(len(" ".join(s.args)) for s in suggestions)
+    lines = [f"to fit {gpu_bytes / GiB:.2f} GiB, change any one of (each re-planned):"]
+    for s in suggestions:
+        lines.append(f"  {' '.join(s.args):<{width}}  ->  peak {s.peak / GiB:.2f} GiB")
+    return "\n".join(lines)
 
 
 def format_plan(plan: MemoryPlan) -> str:
