@@ -140,28 +140,26 @@ def lora_parameters(config, rank: int) -> int:
 
 
 def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 16384, dtype_bytes: int = 2):
-    """Per-rank prompt state by kind, the ``PromptState.nbytes_by_kind`` formulas (pages rounded up)."""
+    """Per-rank prompt state by kind: each layer's ``LayerState.planned_bytes`` (the class its family patch
+    keeps there), for the ``P - 1`` resident tokens on the rank holding the most pages (rank 0)."""
+    from longstraw_trl.model_patches import patch_for_model_type
+    from longstraw_trl.state import owned_tokens
+
     types = _layer_types(config)
+    resident = max(prompt_tokens - 1, 0)
+    on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     out: dict[str, int] = {}
-    pages = -(-prompt_tokens // page_size)
-    tokens_per_rank = min(prompt_tokens, -(-pages // cp_size) * page_size)
-    if getattr(config, "kv_lora_rank", None):  # MLA latent + DSA indexer keys (GLM-5 class)
+    if getattr(config, "kv_lora_rank", None):  # GLM-5 class: planner-only until its family patch lands
         latent = (config.kv_lora_rank + config.qk_rope_head_dim) * dtype_bytes
-        out["mla"] = len(types) * latent * tokens_per_rank
+        out["mla"] = len(types) * latent * on_rank
         if getattr(config, "index_head_dim", None):
-            out["indexer"] = len(types) * config.index_head_dim * dtype_bytes * tokens_per_rank
+            out["indexer"] = len(types) * config.index_head_dim * dtype_bytes * on_rank
         return out
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    full = sum(t == "full_attention" for t in types)
-    out["kv"] = 2 * full * config.num_key_value_heads * head_dim * dtype_bytes * tokens_per_rank
-    gdn = sum(t == "linear_attention" for t in types)
-    if gdn:
-        hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
-        hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
-        conv_dim = 2 * hk * dk + hv * dv
-        conv = conv_dim * (config.linear_conv_kernel_dim - 1) * dtype_bytes
-        recurrent = hv * dk * dv * 4  # fp32
-        out["gdn"] = gdn * (conv + recurrent)
+    patch = patch_for_model_type(config.model_type)
+    for i in range(len(types)):
+        cls = patch.layer_state_type(config, i)
+        tokens = on_rank if cls.sharded else resident
+        out[cls.kind] = out.get(cls.kind, 0) + cls.planned_bytes(config, i, tokens, dtype_bytes)
     return out
 
 

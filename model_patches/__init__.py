@@ -44,17 +44,21 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def find_patch(model: nn.Module) -> FamilyPatch:
-    base = unwrap_model(model)
-    config = getattr(base, "config", None)
-    model_type = getattr(config, "model_type", None)
+def patch_for_model_type(model_type: str | None, what: str = "") -> FamilyPatch:
+    """The family patch serving ``config.model_type`` (``what`` names the model in the error)."""
     for patch in _PATCHES:
         if model_type in patch.model_types:
             return patch
     raise UnsupportedModelError(
-        f"model_type {model_type!r} ({type(base).__name__}) is not supported by LongStraw-TRL; "
+        f"model_type {model_type!r}{what} is not supported by LongStraw-TRL; "
         f"supported model types: {', '.join(supported_model_types())}"
     )
+
+
+def find_patch(model: nn.Module) -> FamilyPatch:
+    base = unwrap_model(model)
+    config = getattr(base, "config", None)
+    return patch_for_model_type(getattr(config, "model_type", None), f" ({type(base).__name__})")
 
 
 def patch_model(model: nn.Module) -> nn.Module:
@@ -91,6 +95,7 @@ __all__ = [
     "apply_longstraw_to_qwen3_5_moe",
     "apply_longstraw_to_qwen3_next",
     "find_patch",
+    "patch_for_model_type",
     "patch_model",
     "register_family",
     "supported_model_types",
