@@ -5,7 +5,8 @@
   prefill never holds more than one block of intermediates, and a response replayed under autograd can
   recompute each block in backward (``checkpoint``) instead of keeping all of its intermediates.
   The initial state is a constant: it is detached, never written, and gets no gradient.
-* :func:`gated_delta_rule`: dispatcher. flash-linear-attention on CUDA for graph-free calls (and for
+* :func:`gated_delta_step`: one token without autograd (decoding), fixed shapes, CUDA-graph safe.
+* :func:`gated_delta_rule`: dispatcher (one graph-free token: the step). flash-linear-attention on CUDA for graph-free calls (and for
   calls that need backward only when ``LONGSTRAW_FLA_BACKWARD=1`` and the installed Triton is not in fla's
   Hopper miscompile range); the torch chunked rule otherwise.
 
@@ -33,6 +34,7 @@ __all__ = [
     "fla_available",
     "fla_backward_allowed",
     "gated_delta_rule",
+    "gated_delta_step",
 ]
 
 logger = logging.getLogger(__name__)
@@ -331,6 +333,46 @@ def _fla_call(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# one decode step
+# ---------------------------------------------------------------------------------------------------------
+def gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule for one token (``T == 1``: decoding), without autograd: a handful of batched ops with
+    fixed shapes and no host synchronisation (CUDA-graph safe), instead of a chunked kernel padded to 64.
+
+    Shapes as :func:`chunk_gated_delta_rule_torch`; returns ``(o [B, 1, Hv, V] in q.dtype, state fp32)``.
+    Grouped value heads are served by viewing, not repeating, the q/k heads.
+    """
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[-2:]
+    if T != 1:
+        raise ValueError(f"gated_delta_step takes one token, got T={T}")
+    rep = Hv // Hk
+    qf, kf = q[:, 0].float(), k[:, 0].float()  # [B, Hk, K]
+    if use_qk_l2norm_in_kernel:
+        qf, kf = l2norm(qf), l2norm(kf)
+    qf = qf * (K**-0.5 if scale is None else scale)
+    if initial_state is None:
+        S = q.new_zeros(B, Hk, rep, K, V, dtype=torch.float32)
+    else:
+        S = initial_state.detach().float().reshape(B, Hk, rep, K, V)
+    S = S * g[:, 0].float().exp().reshape(B, Hk, rep, 1, 1)
+    pred = torch.einsum("bhrkv,bhk->bhrv", S, kf)  # S^T k
+    delta = (v[:, 0].float().reshape(B, Hk, rep, V) - pred) * beta[:, 0].float().reshape(B, Hk, rep, 1)
+    S = S + kf[:, :, None, :, None] * delta[:, :, :, None, :]
+    o = torch.einsum("bhrkv,bhk->bhrv", S, qf)
+    return o.reshape(B, 1, Hv, V).to(q.dtype), S.reshape(B, Hv, K, V)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # dispatcher
 # ---------------------------------------------------------------------------------------------------------
 def gated_delta_rule(
@@ -357,13 +399,16 @@ def gated_delta_rule(
     Shapes and returns as :func:`chunk_gated_delta_rule_torch`. The initial state is never written and
     gets no gradient on either path.
     """
-    _, _, _, K, _, _ = _check_shapes(q, k, v, g, beta, initial_state)
+    _, T, _, K, _, _ = _check_shapes(q, k, v, g, beta, initial_state)
     if backend not in ("auto", "fla", "torch"):
         raise ValueError(f"backend must be 'auto', 'fla' or 'torch'; got {backend!r}")
     scale = K**-0.5 if scale is None else float(scale)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    if backend == "auto" and T == 1 and not needs_grad:
+        o, final = gated_delta_step(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, scale)
+        return o, (final if output_final_state else None)
     use_fla = backend == "fla"
     if backend == "auto":
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
         use_fla = (
             q.is_cuda
             and chunk_size == 64

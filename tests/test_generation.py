@@ -34,13 +34,40 @@ def test_generate_matches_stock_generate(family, mode):
 
 
 def test_eos_pads_and_stops_early():
+    """Rows that finish on different steps: the early one is padded after its EOS, the other keeps sampling, and
+    the output ends on the step the last row finished (before max_new_tokens)."""
     model = build("qwen3")
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(1))
     state = capture_prompt(model, prompt)
-    greedy = state.generate(model, 1, 6, do_sample=False)
-    eos = int(greedy[0, 2])  # make the 3rd greedy token the EOS
-    ids = state.generate(model, 2, 6, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    assert ids.shape == (2, 3) and (ids[:, 2] == eos).all()
+    steps = 24
+    a, b = state.generate(model, 2, steps, generator=torch.Generator().manual_seed(0)).tolist()
+    # EOS ids: row 0's token at step i and row 1's at step j (i + 2 <= j < steps / 2), each drawn by neither row
+    # before, so row 0 gets >= 2 pads and decoding could run on well past step j
+    i, j = next(
+        (i, j)
+        for i in range(1, steps)
+        for j in range(i + 2, steps // 2)
+        if a[i] not in a[:i] + b[: j + 1] and b[j] not in b[:j] + a[: i + 1]
+    )
+    pad = min(set(range(97)) - set(a) - set(b))
+    decode_steps = []  # decoder passes: shows whether decoding stopped (the output width alone is trimmed)
+    hook = model.model.layers[0].register_forward_hook(lambda *_: decode_steps.append(1))
+    try:
+        ids = state.generate(
+            model,
+            2,
+            steps,
+            eos_token_id=[a[i], b[j]],
+            pad_token_id=pad,
+            generator=torch.Generator().manual_seed(0),
+        )
+    finally:
+        hook.remove()
+    assert ids.shape == (2, j + 1)  # ends on the step row 1 finished
+    assert len(decode_steps) < steps - 1  # and stopped before max_new_tokens
+    assert ids[0].tolist() == a[: i + 1] + [pad] * (j - i)  # row 0: its EOS, then only padding
+    # row 1 is not disturbed by row 0 finishing: it draws what it drew without EOS ids
+    assert ids[1].tolist() == b[: j + 1]
 
 
 def test_generate_rejects_bad_arguments():
@@ -53,14 +80,15 @@ def test_generate_rejects_bad_arguments():
 
 
 def test_decode_past_announced_capacity_grows_the_buffer():
-    from longstraw_trl.engine import ReplayContext, run_decoder
+    from longstraw_trl.engine import ReplayContext, forward_model
 
     model = build("qwen3")
     state = capture_prompt(model, torch.randint(0, 97, (11,)))
     toks = torch.randint(0, 97, (2, 5))
+    start = state.resident_tokens
     with torch.no_grad():
-        full = run_decoder(model, toks, 11, ReplayContext("replay", state))
-        ctx = ReplayContext("decode", state)
-        ctx.extra["capacity"] = 2  # too small on purpose
-        steps = [run_decoder(model, toks[:, i : i + 1], 11 + i, ctx)[:, -1] for i in range(5)]
+        full = forward_model(model, toks, start, ReplayContext("replay", state))
+        ctx = ReplayContext("decode", state, capacity=2)  # too small on purpose
+        steps = [forward_model(model, toks[:, i : i + 1], start + i, ctx)[:, -1] for i in range(5)]
+    assert ctx.running[0].k.shape[2] >= 5  # it grew
     assert (torch.stack(steps, 1) - full).abs().max() <= 1e-5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import longstraw_trl.kernels.attention as attn
 from longstraw_trl.kernels.attention import attention_lse, merge_partials, prompt_response_attention
 from longstraw_trl.kernels.logprob import token_logprobs, token_logprobs_reference
 
@@ -80,10 +81,20 @@ def test_chunked_logprobs_match_full_logits(monkeypatch):
         assert (a - b).abs().max() <= 1e-5  # fp32 summation order differs across chunks
 
 
+def _math_path_called(name):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{name} was called: the flash path fell back to the plain math")
+
+    return fail
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_flash_path_matches_math_on_cuda(dtype):
+@pytest.mark.parametrize("forward", ["flash", "cudnn"])
+def test_flash_path_matches_math_on_cuda(dtype, forward):
+    """The CUDA fast paths against the fp32 math: forward by flash (few query rows) or cuDNN (many), backward
+    by flash. Each must actually run: the math path is disabled, and cuDNN's use is counted."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, hq, hkv, t, d, p = 2, 8, 2, 128, 128, 1000
     q = torch.randn(b, hq, t, d, generator=gen, device="cuda", dtype=dtype, requires_grad=True)
@@ -95,9 +106,24 @@ def test_flash_path_matches_math_on_cuda(dtype):
     def pages():
         return [(kp[0, :, s : s + 256], vp[0, :, s : s + 256]) for s in range(0, p, 256)]
 
-    out = prompt_response_attention(q, k, v, pages, d**-0.5)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # The math path is the oracle and gives the same numbers, so a silent fallback would pass the comparison:
+    # these inputs must be flash-eligible, the flash backward must pass its self-check (run now, before the
+    # math path is disabled: it is its oracle), and then the math path must not run at all.
+    assert attn._flash_ok(q, k) and attn._flash_ok(q, kp), "these inputs should be flash-eligible"
+    assert attn.flash_backward_ok(q), "the flash backward failed its self-check on this PyTorch"
+    if forward == "cudnn":
+        assert attn.cudnn_attention_ok(q), "cuDNN attention failed its self-check on this PyTorch"
+    cudnn_calls = []
+    cudnn = attn._cudnn_lse
+    with pytest.MonkeyPatch.context() as m:
+        for name in ("attention_lse_reference", "attention_grad_reference"):
+            m.setattr(attn, name, _math_path_called(name))
+        m.setattr(attn, "CUDNN_MIN_QUERY_ROWS", 1 if forward == "cudnn" else 1 << 30)
+        m.setattr(attn, "_cudnn_lse", lambda *a: cudnn_calls.append(1) or cudnn(*a))
+        out = prompt_response_attention(q, k, v, pages, d**-0.5)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert bool(cudnn_calls) == (forward == "cudnn")
     args = [x.detach().float().requires_grad_() for x in (q, k, v)]
     ref = full_softmax_reference(args[0], kp.float(), vp.float(), args[1], args[2], d**-0.5)
     ref_grads = torch.autograd.grad(ref, args, dout.float())

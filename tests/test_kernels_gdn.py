@@ -16,6 +16,7 @@ from longstraw_trl.kernels.gated_delta_rule import (
     fla_available,
     fla_backward_allowed,
     gated_delta_rule,
+    gated_delta_step,
 )
 from longstraw_trl.kernels.gated_delta_rule_naive import recurrent_gated_delta_rule_ref
 
@@ -134,6 +135,28 @@ def test_chaining_equals_one_call(splits):
         s0 += n
     _close(torch.cat(outs, dim=1), o_full)
     _close(state, s_full)
+
+
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("h0", [False, True])
+@pytest.mark.parametrize("Hk,Hv", [(2, 4), (3, 3)])
+def test_decode_step_matches_naive(l2, h0, Hk, Hv):
+    """One token at a time through `gated_delta_step` (what decoding uses) equals the naive rule."""
+    (q, k, v, g, beta), state = _inputs(T=7, Hk=Hk, Hv=Hv, l2=l2, h0=h0)
+    ref_o, ref_s = recurrent_gated_delta_rule_ref(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2
+    )
+    s, outs = state, []
+    for t in range(7):
+        sl = slice(t, t + 1)
+        o, s = gated_delta_step(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s, l2)
+        outs.append(o)
+    _close(torch.cat(outs, 1), ref_o)
+    _close(s, ref_s)
+    # the dispatcher takes the step for one graph-free token
+    o1, s1 = gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], state, True, l2)
+    o2, s2 = gated_delta_step(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], state, l2)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
 
 
 def test_empty_sequence_returns_fresh_state():

@@ -5,6 +5,7 @@ Loss/gradient parity with TRL is in `test_trainer_parity.py`, learning in `test_
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import warnings
@@ -239,35 +240,50 @@ def test_refresh_policy_unit():
 
 
 def test_checkpoint_resume_gives_the_same_next_loss(tmp_path):
+    """The resumed run makes the refresh decisions of the uninterrupted one, which need the checkpointed policy.
+
+    num_iterations=2: each generation batch serves two optimizer steps; the second replays on a state one step stale.
+    Three prompts, one per generation batch (one epoch), so no prompt state crosses the checkpoint (states are not
+    saved). Stale uses at steps 2 (reuse), 4 (probe: drift > 0 halves the interval to 0; checkpoint) and 6: with the
+    restored interval 0 step 6 re-captures, while a policy rebuilt from the config (interval 1, no stale use yet)
+    would reuse the stale state, and its loss would differ.
+    """
+    prompts = [*PROMPTS, "needle in a haystack " * 3]
     kwargs = dict(
         output_dir=str(tmp_path),
         save_strategy="steps",
-        save_steps=2,
+        save_steps=4,
         gradient_accumulation_steps=1,
+        num_iterations=2,
         refresh_policy="adaptive",
+        refresh_interval=1,
+        refresh_probe_period=2,
+        refresh_drift_threshold=0.0,
+        train_dataset=_dataset(3, prompts),
     )
-    _, logs = _train(max_steps=3, **kwargs)
-    checkpoint = tmp_path / "checkpoint-2"
-    assert (checkpoint / REFRESH_STATE_FILE).exists()
+    trainer, logs = _train(max_steps=6, **kwargs)
+    checkpoint = tmp_path / "checkpoint-4"
+    saved = json.loads((checkpoint / REFRESH_STATE_FILE).read_text())
+    assert [h["longstraw/refresh/capture"] for h in logs] == [1, 0, 1, 0, 1, 0]  # no state crosses a batch
+    assert logs[3]["longstraw/refresh/probe"] == 1 and saved["interval"] == 0 and saved["stale_uses"] == 2
+    assert logs[5]["longstraw/refresh/recapture"] == 1
+    forgetful = RefreshPolicy("adaptive", interval=1, drift_threshold=0.0, probe_period=2)
+    assert forgetful.decide(1).action == "reuse"  # what a resume that forgot the policy would do at step 6
+
     resumed = make_tiny_longstraw_trainer(
-        max_steps=3,
-        learning_rate=1e-2,
-        seed=0,
-        reward_funcs=_digit_reward,
-        train_dataset=_dataset(),
-        **kwargs,
+        max_steps=6, learning_rate=1e-2, seed=0, reward_funcs=_digit_reward, **kwargs
     )
     resumed.train(resume_from_checkpoint=str(checkpoint))
     resumed_logs = [h for h in resumed.state.log_history if "loss" in h]
-    assert [h["step"] for h in resumed_logs] == [
-        1,
-        2,
-        3,
-    ]  # steps 1-2 come from the checkpoint's trainer state
-    assert resumed_logs[:2] == logs[:2]
-    assert resumed_logs[2]["reward"] == logs[2]["reward"]  # same completions
-    assert resumed_logs[2]["loss"] == pytest.approx(logs[2]["loss"], abs=1e-6)
-    assert resumed_logs[2]["grad_norm"] == pytest.approx(logs[2]["grad_norm"], rel=1e-5)
+    assert [h["step"] for h in resumed_logs] == list(range(1, 7))  # 1-4: the checkpoint's trainer state
+    assert resumed_logs[:4] == logs[:4]
+    for before, after in zip(logs[4:], resumed_logs[4:], strict=True):
+        refresh = {n for n in (*before, *after) if n.startswith("longstraw/refresh/")}
+        assert {n: after.get(n) for n in refresh} == {n: before.get(n) for n in refresh}
+        assert after["loss"] == pytest.approx(before["loss"], abs=1e-6)
+        assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=1e-5)
+    assert resumed_logs[4]["reward"] == logs[4]["reward"]  # same completions
+    assert resumed.refresh_policy.state_dict() == trainer.refresh_policy.state_dict()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
