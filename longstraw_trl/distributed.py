@@ -5,7 +5,8 @@ states, weights and the response are replicated. Every rank runs every prompt ch
 an attention layer computes ``(out, lse)`` over its own pages, all-gathers the partials and merges them
 in rank order (so every rank holds the same result), then adds the causal response part. Backward
 needs the page part's dQ only: each rank computes it from its pages and the all-reduce sums it, so
-parameter gradients come out identical on every rank.
+parameter gradients come out identical on every rank (docs/design.md, "Distributed, model-native
+ownership").
 """
 
 from __future__ import annotations
@@ -13,7 +14,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from longstraw_trl.kernels.attention import merge_partials
+
+def merge_gathered(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of partial attentions over disjoint key sets, in list order, without host sync.
+
+    ``outs[r]`` is ``[..., T, D]`` and ``lses[r]`` ``[..., T]`` (fp32). A partial with ``lse = -inf``
+    on a row (no keys: e.g. a rank that holds no pages yet) has weight ``exp(-inf - m) = 0`` there. The
+    row maximum ``m`` is replaced by 0 where every partial is empty, so such a row comes out as
+    ``out = 0, lse = -inf`` (no NaN). The same inputs in the same order give the same bits on every rank.
+    """
+    m = lses[0]
+    for s in lses[1:]:
+        m = torch.maximum(m, s)
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    total, acc = None, None
+    for o, s in zip(outs, lses, strict=True):
+        w = torch.exp(s - m)
+        wo = w.unsqueeze(-1) * o
+        total, acc = (w, wo) if total is None else (total + w, acc + wo)
+    lse = m + torch.log(total)  # total = 0 (every partial empty): lse = -inf
+    out = acc / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
+    return out, lse
 
 
 class ContextParallel:
@@ -25,30 +46,32 @@ class ContextParallel:
         self.size = dist.get_world_size(group)
 
     def reduce_partial(self, out: torch.Tensor | None, lse: torch.Tensor | None, q: torch.Tensor):
-        """Exact merge of every rank's prompt-part ``(out, lse)`` (``None``: this rank has no pages)."""
+        """Exact merge of every rank's prompt-part ``(out, lse)`` (``None``: this rank has no pages).
+
+        Every rank contributes one fp32 tensor ``[B, H, T, D + 1]`` (``out`` with ``lse`` as its last
+        column), whatever its pages: partials can be bf16 (CPU autocast) or fp32 (flash-attention's
+        LSE, the plain-math path), and a rank without pages sends ``out = 0, lse = -inf``, which
+        :func:`merge_gathered` weighs by 0 (the placeholder assumes the value head dim equals the
+        query's, as in every supported family). No host sync: nothing here reads a tensor's values.
+        """
         if out is None:
             b, h, t, d = q.shape
-            out = q.new_zeros((b, h, t, d), dtype=torch.float32)
-            lse = q.new_full((b, h, t), float("-inf"), dtype=torch.float32)
-        outs = [torch.empty_like(out) for _ in range(self.size)]
-        lses = [torch.empty_like(lse) for _ in range(self.size)]
-        dist.all_gather(outs, out.contiguous(), group=self.group)
-        dist.all_gather(lses, lse.contiguous(), group=self.group)
-        merged_out, merged_lse = None, None
-        for o, s in zip(outs, lses, strict=True):
-            if torch.isinf(s).all():  # that rank holds no pages yet (every page has >= 1 key)
-                continue
-            merged_out, merged_lse = merge_partials(merged_out, merged_lse, o, s)
-        return merged_out, merged_lse
+            part = q.new_zeros((b, h, t, d + 1), dtype=torch.float32)
+            part[..., -1] = float("-inf")
+        else:
+            part = torch.cat([out.float(), lse.float().unsqueeze(-1)], dim=-1)
+        parts = [torch.empty_like(part) for _ in range(self.size)]
+        dist.all_gather(parts, part, group=self.group)
+        return merge_gathered([p[..., :-1] for p in parts], [p[..., -1] for p in parts])
 
     def reduce_dq(self, dq_pages: torch.Tensor, dq_self: torch.Tensor) -> torch.Tensor:
-        """Sum of every rank's page dQ plus the response part's dQ, bit-identical on every rank.
+        """Sum of every rank's page dQ plus the response part's dQ (fp32), bit-identical on every rank.
 
         The response part is computed redundantly on every rank, and GPU attention backward kernels
         accumulate dQ with atomics, so ranks can differ in the last bits: only the first rank's copy
         enters the all-reduce, whose result is the same on all ranks.
         """
-        dq = dq_pages + dq_self if self.rank == 0 else dq_pages.contiguous()
+        dq = dq_pages.float() + dq_self.float() if self.rank == 0 else dq_pages.float().contiguous()
         dist.all_reduce(dq, group=self.group)
         return dq
 

@@ -4,6 +4,10 @@
     accelerate launch --config_file examples/accelerate/cp2.yaml --mixed_precision no tests/_cp_step.py \
         --cp-size 2 --out cp.json
 
+``--bf16`` trains under TRL's default ``bf16=True`` (on CPU: bf16 autocast; launch with
+``--mixed_precision bf16`` then); ``--prompt`` replaces the default ~7-page prompt (a prompt shorter than
+one 32-token page leaves every rank but the first without pages).
+
 Rank 0 writes the logged loss, every parameter's gradient just before the optimizer step (clipping off)
 and every parameter after it; each other rank writes its gradients to ``<out>.rank<N>`` (the CP test
 compares the files: the gradients are what CP must get right; a one-step update at TRL's learning rate
@@ -58,14 +62,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cp-size", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--prompt", default="the long straw holds a long history. " * 6)
     a = ap.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    prompt = "the long straw holds a long history. " * 6
     trainer = make_tiny_longstraw_trainer(
         loss_type="dapo",
         cp_size=a.cp_size,
-        train_dataset=Dataset.from_dict({"prompt": [prompt] * 16}),
+        train_dataset=Dataset.from_dict({"prompt": [a.prompt] * 16}),
         reward_funcs=length_reward,
         max_steps=1,
         per_device_train_batch_size=16,  # four groups per micro-batch: their order must agree across CP ranks
@@ -75,6 +80,7 @@ def main() -> None:
         page_size=32,
         seed=0,
         max_grad_norm=0.0,  # no clipping: the recorded gradients are the raw ones
+        bf16=a.bf16,
     )
     record = RecordGradients(trainer.model)
     trainer.add_callback(record)

@@ -67,7 +67,7 @@ def response_only_reference(model, prompt, completion, weights):
     ``[prompt[P-1], completion[:-1]]`` run with autograd on a (rebinding) copy of that cache; the log-prob of
     completion token j is read at input position j, so token 0 carries gradient through every layer.
 
-    This is the response-only reference of docs/design.md: it uses only the stock HF model and its own cache."""
+    This is the response-only reference of docs/design.md ("Correctness references"): it uses only the stock HF model and its own cache."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tokens = torch.cat([prompt[-1:], completion[:-1]])[None]
     if prompt.numel() > 1:

@@ -235,11 +235,12 @@ def make_tiny_longstraw_trainer(loss_type: str = "dapo", beta: float = 0.0, **kw
 def patch_response_only_logps(trainer: GRPOTrainer, prompt_ids: torch.Tensor) -> None:
     """Make TRL's `_get_per_token_logps_and_entropies` compute the *response-only* log-probs on the stock model.
 
-    The reference of DESIGN.md: the prompt is prefilled into the stock HF cache under `no_grad`, then each completion
-    row is run with autograd on a copy of that cache (its token 0 is scored from the no-grad last prompt hidden state).
-    Every row shares `prompt_ids` (one group). TRL's `_compute_loss` then runs unchanged on these log-probs.
+    The response-only reference of docs/design.md ("Correctness references"): `prompt[:P-1]` is prefilled into the stock HF cache under
+    `no_grad`, then each completion row runs as `[prompt[P-1], completion[:-1]]` with autograd on a (rebinding)
+    copy of that cache, so its token 0 is scored through every layer. Every row shares `prompt_ids` (one group).
+    TRL's `_compute_loss` then runs unchanged on these log-probs.
     """
-    import copy
+    from _reference import rebinding_copy
 
     def response_only(
         model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kw
@@ -247,16 +248,12 @@ def patch_response_only_logps(trainer: GRPOTrainer, prompt_ids: torch.Tensor) ->
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         completions = input_ids[:, -logits_to_keep:]
         with torch.no_grad():
-            out = base.model(prompt_ids[None], use_cache=True)
-        h_last = out.last_hidden_state[:, -1:]
+            cache = base.model(prompt_ids[None, :-1], use_cache=True).past_key_values
         logps, entropies = [], []
         for i in range(completions.size(0)):
             row = completions[i : i + 1]
-            h = h_last
-            if row.size(1) > 1:
-                cache = copy.deepcopy(out.past_key_values)
-                rest = base.model(row[:, :-1], past_key_values=cache, use_cache=True).last_hidden_state
-                h = torch.cat([h_last, rest], dim=1)
+            tokens = torch.cat([prompt_ids[None, -1:], row[:, :-1]], dim=1)
+            h = base.model(tokens, past_key_values=rebinding_copy(cache), use_cache=True).last_hidden_state
             logp = torch.log_softmax(base.lm_head(h).float() / trainer.temperature, dim=-1)
             logps.append(logp.gather(-1, row[..., None])[..., 0])
             entropies.append(-(logp.exp() * logp).sum(-1))

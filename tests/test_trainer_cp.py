@@ -3,6 +3,8 @@
 Launched with ``accelerate launch --config_file examples/accelerate/cp2.yaml`` (the shipped config, with
 ``--mixed_precision no`` so both runs compute in fp32). On a CPU-only machine its MULTI_GPU launcher starts
 the processes through torchrun, and the script's ``use_cpu=True`` turns them into a gloo MULTI_CPU group.
+A second test keeps TRL's default ``bf16=True`` (CPU bf16 autocast: bf16 page partials) with a prompt
+shorter than one page, so the second rank holds no pages at all.
 """
 
 from __future__ import annotations
@@ -41,7 +43,31 @@ def test_cp2_trainer_step_equals_single_process(tmp_path):
     assert worst <= 1e-5
 
 
-def _launch(out: Path, cp_size: int) -> dict:
+def test_cp2_bf16_step_with_a_rank_without_pages(tmp_path):
+    """Under bf16 autocast the ranks with pages send bf16 partials; a rank without pages must still send
+    the same dtype and shape (it used to send fp32 placeholders: gloo aborted with "op.preamble.length <=
+    op.nbytes"), and its empty partial must weigh nothing."""
+    prompt = "short prompt"  # 12 tokens < page_size 32: every page lives on rank 0
+    single = _launch(tmp_path / "single.json", cp_size=1, bf16=True, prompt=prompt)
+    cp = _launch(tmp_path / "cp.json", cp_size=2, bf16=True, prompt=prompt)
+    other = json.loads((tmp_path / "cp.json.rank1").read_text())
+    assert set(single["grads"]) == set(cp["grads"]) == set(other["grads"]) and single["grads"]
+    for name, got in cp["grads"].items():
+        assert got == other["grads"][name], f"{name}: rank gradients differ"
+    assert abs(single["loss"][0] - cp["loss"][0]) <= 1e-3
+    # CP merges the prompt part in fp32, the single process in bf16: they differ by bf16 rounding (about
+    # as much as the single-process bf16 step differs from the fp32 one, 1.5e-2 here)
+    worst = max(
+        float(
+            (torch.tensor(cp["grads"][n]) - torch.tensor(r)).norm() / torch.tensor(r).norm().clamp_min(1e-12)
+        )
+        for n, r in single["grads"].items()
+    )
+    print(f"cp2 bf16 vs single bf16: worst grad rel L2 {worst:.2e}")
+    assert worst <= 5e-2
+
+
+def _launch(out: Path, cp_size: int, bf16: bool = False, prompt: str | None = None) -> dict:
     cmd = [sys.executable]
     if cp_size > 1:
         assert cp_size == 2, "only the shipped cp2.yaml is launched here"
@@ -51,9 +77,13 @@ def _launch(out: Path, cp_size: int) -> dict:
             "--config_file",
             str(CP2_CONFIG),
             "--mixed_precision",
-            "no",
+            "bf16" if bf16 else "no",
         ]
     cmd += [str(STEP), "--cp-size", str(cp_size), "--out", str(out)]
+    if bf16:
+        cmd.append("--bf16")
+    if prompt is not None:
+        cmd += ["--prompt", prompt]
     proc = subprocess.run(
         cmd,
         capture_output=True,

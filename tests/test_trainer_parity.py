@@ -1,7 +1,7 @@
 """The trainer's streamed per-response loss against TRL's real `GRPOTrainer._compute_loss` (CPU, fp32).
 
 Same tiny model, same inputs (prompt, completions, advantages, old and reference log-probs, `num_items_in_batch`):
-- TRL: `_compute_loss` on the stock model with the prompt path detached (the response-only reference of DESIGN.md:
+- TRL: `_compute_loss` on the stock model with the prompt path detached (the response-only reference of docs/design.md, "Correctness references":
   prompt prefilled into the stock cache under `no_grad`, each response run with autograd on a copy), then
   `backward()`;
 - ours: `LongStrawGRPOTrainer._streamed_loss`: capture, then per response replay + `response_loss` + backward.
