@@ -83,6 +83,12 @@ class ResponseKV:
         self.length = n + t
         return self.k[:, :, : n + t], self.v[:, :, : n + t]
 
+    def write_at(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one token's ``k, v [G, Hkv, 1, D]`` at slot ``index`` (a 0-dim device tensor): fixed
+        shapes and no host synchronisation, so a decode step can be replayed as a CUDA graph."""
+        self.k.index_copy_(2, index.view(1), k)
+        self.v.index_copy_(2, index.view(1), v)
+
 
 class ReplayContext:
     """What a layer needs during one LongStraw call, passed down as the ``longstraw`` keyword.
@@ -95,6 +101,9 @@ class ReplayContext:
         checkpoint_layers: recompute each decoder layer in backward instead of storing its activations.
         capacity: decode: response tokens to size the per-sequence buffers for.
         reserve_tokens: capture: prompt tokens this call appends, so each layer allocates once.
+        step: decode with fixed shapes (CUDA graphs): a 0-dim device tensor counting the tokens each
+            sequence has decoded before this call (one token per call). The buffers keep ``capacity``
+            slots and attention masks the unfilled ones. ``None``: buffers grow with each call.
 
     Attributes:
         running: decode only: layer index -> that layer's state for the G sequences (:class:`ResponseKV`
@@ -109,6 +118,7 @@ class ReplayContext:
         checkpoint_layers: bool = False,
         capacity: int = 0,
         reserve_tokens: int = 0,
+        step: torch.Tensor | None = None,
     ):
         if mode not in MODES:
             raise LongStrawError(f"unknown LongStraw mode {mode!r}; one of {', '.join(MODES)}")
@@ -118,6 +128,7 @@ class ReplayContext:
         self.checkpoint_layers = checkpoint_layers
         self.capacity = capacity
         self.reserve_tokens = reserve_tokens
+        self.step = step
         self.running: dict[int, object] = {}
         self._reserved: set[int] = set()
 
@@ -159,21 +170,33 @@ class ReplayContext:
         """``q [B, Hq, T, D]``, ``k, v [B, Hkv, T, D]`` -> attention output ``[B, T, Hq, D]``."""
         idx = module.layer_idx
         layer = self.layer_state(idx, KVPages, lambda: self._new_kv(k, v))
+        self_length = None
         if self.mode == "decode":
             running = self.running.get(idx)
             if running is None:
                 cap = max(self.capacity, k.shape[2])
                 running = self.running[idx] = ResponseKV(
-                    k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+                    k.new_zeros(*k.shape[:2], cap, k.shape[3]), v.new_zeros(*v.shape[:2], cap, v.shape[3])
                 )
-            k, v = running.append(k, v)
+            if self.step is not None:
+                running.write_at(self.step, k, v)
+                k, v, self_length = running.k, running.v, self.step + 1
+            else:
+                k, v = running.append(k, v)
         device = q.device
 
         def pages():
             return layer.stream(device) if layer is not None else iter(())
 
         out = prompt_response_attention(
-            q, k, v, pages, scale, reduce_partial=self.cp.reduce_partial, reduce_dq=self.cp.reduce_dq
+            q,
+            k,
+            v,
+            pages,
+            scale,
+            reduce_partial=self.cp.reduce_partial,
+            reduce_dq=self.cp.reduce_dq,
+            self_length=self_length,
         )
         if self.mode == "capture":
             layer.append(k[0], v[0])
@@ -279,13 +302,13 @@ class _TokenLogprobs:
 def forward_model(
     model: nn.Module,
     input_ids: torch.Tensor,
-    start: int,
+    start: int | torch.Tensor,
     ctx: ReplayContext,
     head: Callable | None = None,
     logits_to_keep: int = 0,
 ) -> torch.Tensor:
-    """Run ``input_ids [B, T]`` at positions ``start...`` through the model's root forward (its wrappers
-    included: peft, DDP) with ``ctx`` passed down; returns what the output head computed under ``head``
+    """Run ``input_ids [B, T]`` at positions ``start...`` (an int, or a 0-dim device tensor for fixed-shape
+    decoding) through the model's root forward (its wrappers included: peft, DDP) with ``ctx`` passed down; returns what the output head computed under ``head``
     (``None``: logits of the last ``logits_to_keep`` positions, 0 = all)."""
     base = unwrap_model(model)
     patch = find_patch(base)

@@ -22,7 +22,7 @@ each group (one prompt, `G = num_generations` completions) goes through:
    Under DDP, only the last backward of an optimizer step synchronises gradients (the others run under
    `accelerator.no_sync`).
 
-The gradient is the *response-only* gradient: the prompt state is a constant (see DESIGN.md, "Objective").
+The gradient is the *response-only* gradient: the prompt state is a constant (see docs/design.md, "Objective").
 
 Prompt states live from generation until the generation batch has been consumed (`steps_per_generation` micro-batches,
 `num_iterations` times); after an optimizer step they are stale, and [`~longstraw_trl.refresh.RefreshPolicy`] decides
@@ -46,13 +46,11 @@ without a `prompt` column and models `patch_model` does not support.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
 import os
 import time
-import types
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,7 +83,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REPLAY_KWARG = "longstraw_replay"
 """Keyword the trainer passes through the wrapped model's `forward` (DDP) to run a response replay there."""
 
 REFRESH_STATE_FILE = "longstraw_refresh.json"
@@ -431,7 +428,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
             if not isinstance(func, nn.Module):
                 self.reward_funcs[i] = _named_reward_function(func, name)
-        self._install_replay_entry(self.model)
         self.cp_group = self._context_parallel_group(args.cp_size)
 
     def _context_parallel_group(self, cp_size: int):
@@ -801,69 +797,22 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------------
     # The policy loss, one response at a time
     # ------------------------------------------------------------------------------------------------------------------
-    def _install_replay_entry(self, model) -> None:
-        """Let `model(longstraw_replay=fn)` run `fn()` through the model's wrappers (DDP's reducer hooks).
-
-        The response replay calls the decoder layers directly; under DDP the replay therefore runs inside a call of the
-        DDP-wrapped model, so that DDP prepares its gradient reduction exactly as for an ordinary forward.
-        """
-        base = unwrap_model(model)
-        if getattr(base, "_longstraw_replay_entry", False):
-            return
-        original = base.forward
-
-        @functools.wraps(type(base).forward)
-        def forward(self_, *args, **kwargs):
-            replay = kwargs.pop(REPLAY_KWARG, None)
-            if replay is not None:
-                return replay()
-            return original(*args, **kwargs)
-
-        base.forward = types.MethodType(forward, base)
-        base._longstraw_replay_entry = True
-
-    @contextlib.contextmanager
-    def _entropy_sink(self, model, sink: list):
-        """Collect the per-token entropy of the LM head outputs computed inside the block (no gradient)."""
-        lm_head = unwrap_model(model).get_output_embeddings()
-        temperature = self.temperature
-
-        def hook(module, args, output):
-            with torch.no_grad():
-                logits = output.detach().float()
-                if temperature != 1.0:
-                    logits = logits / temperature
-                logp = torch.log_softmax(logits, dim=-1)
-                sink.append(-(logp.exp() * logp).sum(-1))
-
-        handle = lm_head.register_forward_hook(hook)
-        try:
-            yield
-        finally:
-            handle.remove()
-
     def _policy_replay(self, model, state: PromptState, ids: torch.Tensor, mask: torch.Tensor):
-        """`[L]` log-probs (with autograd when enabled) and `[L]` entropies (no gradient) of one response."""
-        entropies: list[torch.Tensor] = []
+        """`[L]` log-probs (with autograd when enabled) and `[L]` entropies (no gradient) of one response.
 
-        def replay():
-            with self._entropy_sink(model, entropies):
-                return state.logprobs(
-                    model,
-                    ids,
-                    mask,
-                    self.temperature,
-                    grad=torch.is_grad_enabled(),
-                    checkpoint_layers=self.args.replay_checkpoint_layers,
-                )
-
+        `model` may be DDP-wrapped: the engine enters it through its root forward, so DDP prepares its gradient
+        reduction as for any forward."""
         with self.accelerator.autocast():
-            if torch.is_grad_enabled() and isinstance(model, nn.parallel.DistributedDataParallel):
-                logps = model(**{REPLAY_KWARG: replay})
-            else:
-                logps = replay()
-        entropy = torch.cat(entropies).reshape(-1)[: ids.size(1)] if entropies else None
-        return logps[0], entropy
+            logps, entropy = state.logprobs(
+                model,
+                ids,
+                mask,
+                self.temperature,
+                grad=torch.is_grad_enabled(),
+                checkpoint_layers=self.args.replay_checkpoint_layers,
+                return_entropy=True,
+            )
+        return logps[0], entropy.reshape(-1)
 
     def _streamed_loss(self, model, inputs: dict[str, Any], backward: bool) -> torch.Tensor:
         """TRL's `_compute_loss` value for this micro-batch, computed (and back-propagated) one response at a time."""

@@ -48,8 +48,9 @@ class FamilyPatch:
         padding: nothing). Families whose forward takes a prepared mapping return one of no masks."""
         return None
 
-    def position_ids(self, start: int, length: int, batch: int, device: torch.device) -> torch.Tensor:
-        pos = torch.arange(start, start + length, device=device)
+    def position_ids(self, start, length: int, batch: int, device: torch.device) -> torch.Tensor:
+        """``[batch, length]`` positions from ``start`` (an int or a 0-dim device tensor)."""
+        pos = torch.arange(length, device=device) + start
         return pos.unsqueeze(0).expand(batch, length)
 
     def max_positions(self, model: nn.Module) -> int | None:

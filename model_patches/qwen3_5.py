@@ -121,7 +121,13 @@ def _store_state(ctx, idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> 
     if ctx.mode == "capture":
         ctx.state.layers[idx].append(conv, recurrent)
     elif ctx.mode == "decode":
-        ctx.running[idx] = GDNState(conv, recurrent)
+        running = ctx.running.get(idx)
+        if ctx.step is not None and running is not None:
+            # fixed-shape decoding: the next step (a replayed CUDA graph) reads these very tensors
+            running.conv.copy_(conv)
+            running.recurrent.copy_(recurrent)
+        else:
+            ctx.running[idx] = GDNState(conv, recurrent)
 
 
 def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Projection) -> torch.Tensor:
@@ -286,9 +292,9 @@ class Qwen3_5Patch(GatedDeltaNetHybridPatch):
         inner = model.model
         return getattr(inner, "language_model", inner)  # ForConditionalGeneration -> its text model
 
-    def position_ids(self, start: int, length: int, batch: int, device: torch.device) -> torch.Tensor:
+    def position_ids(self, start, length: int, batch: int, device: torch.device) -> torch.Tensor:
         """The three mrope rows (temporal, height, width) the rotary embedding takes; equal for text."""
-        pos = torch.arange(start, start + length, device=device)
+        pos = torch.arange(length, device=device) + start
         return pos.view(1, 1, length).expand(3, batch, length)
 
     def project(self, module: nn.Module, hidden_states: torch.Tensor):
