@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -136,3 +137,74 @@ def print_table(rows: list[dict]) -> None:
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(f"{r.get(c, '')}".ljust(w) for c, w in zip(cols, widths, strict=True)))
+
+
+# Device-agnostic rates (``--tiny`` measures them on the CPU at its own small shapes, same code path).
+def gemm_tflops_at(
+    shapes: list[tuple[int, int, int]], device: str, dtype: torch.dtype, iters: int = 10
+) -> float:
+    """Measured GEMM rate over ``(M, K, N)`` shapes: their total FLOPs over their total time."""
+    flops = seconds = 0.0
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        a @ b
+        with Timer() as t:
+            for _ in range(iters):
+                a @ b
+        flops += 2 * m * k * n * iters
+        seconds += t.seconds
+    return flops / seconds / 1e12
+
+
+def attention_tflops_at(
+    heads: int,
+    head_dim: int,
+    queries: int,
+    keys: int,
+    causal: bool,
+    device: str,
+    dtype: torch.dtype,
+    iters: int = 3,
+) -> dict[str, float]:
+    """Measured SDPA forward rate (4 x heads x head_dim FLOPs per visible q-k pair) per backend that runs it:
+    cuDNN and flash on CUDA; SDPA's own choice on the CPU, or where neither runs.
+
+    Keys carry all query heads (GQA expanded): the same FLOPs, and cuDNN takes no ``enable_gqa``. Causal
+    runs take ``keys == queries`` (SDPA's mask is top-left aligned).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, heads, queries, head_dim, device=device, dtype=dtype)
+    k = torch.randn(1, heads, keys, head_dim, device=device, dtype=dtype)
+    pairs = queries * keys / 2 if causal else queries * keys
+    f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=causal)  # noqa: E731
+    named = (
+        {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION} if device != "cpu" else {}
+    )
+    rates = {}
+    for name, backend in [*named.items(), ("default", None)]:
+        if backend is None and rates:
+            break
+        try:
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                f()
+                with Timer() as t:
+                    for _ in range(iters):
+                        f()
+        except RuntimeError:  # this backend does not take these shapes on this device
+            continue
+        rates[name] = 4 * heads * head_dim * pairs * iters / t.seconds / 1e12
+    return rates
+
+
+def bandwidth_gbs_at(nbytes: int, device: str, iters: int = 10) -> float:
+    """Measured memory bandwidth (bytes read + written per second by a large copy), in GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    with Timer() as t:
+        for _ in range(iters):
+            dst.copy_(src)
+    del src, dst
+    return 2 * nbytes * iters / t.seconds / 1e9

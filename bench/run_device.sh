@@ -6,9 +6,10 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh compare    # CP gradient check (gloo), then (a)+(b)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh final      # the 2M point of (c); stock 128K/256K, 1 seq
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cp8-2m     # on nvidia-h200-x8 (then cp8-4m)
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full [args] # whole 64-layer 27B + LoRA (full_model.py)
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
 # fla importable, the stock HF Qwen3.5 layers train through fla's backward, which refuses on Triton < 3.7.1
-# (DESIGN.md), so both sides of the stock comparison run without it (torch GDN rule).
+# (docs/design.md, "Device figures the code relies on"), so both sides of the stock comparison run without it (torch GDN rule).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -52,5 +53,15 @@ cp8-4m)  # issue 7: P = 4,456,448, eight G = 8 replay cycles on the same prefix 
   cd bench
   timeout 560 python3 -m torch.distributed.run --nproc_per_node 8 cp_slice.py --preset qwen3.6-27b \
     --prompt 4456448 --cycles 8 2>&1 | grep -v -i warn | tee "$OUT/cp8_4m.log" | tail -16
+  ;;
+full)  # the whole Qwen3.6-27B with LoRA r=64: LongStraw steps vs floors, then stock TRL until OOM. Extra
+       # arguments go to full_model.py: `full --skip-stock` (with fla: no stock layer trains through it) and
+       # `full --skip-longstraw --tag _stock` (without fla) each fit one command; both sides at once may not
+  shift
+  path=/tmp/site
+  if [[ " $* " == *" --skip-stock "* ]]; then path=/tmp/site:/tmp/fla; fi
+  cd bench
+  PYTHONPATH=$path timeout 590 python3 -u full_model.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/full.log" \
+    | tail -16
   ;;
 esac

@@ -64,3 +64,28 @@ def test_cp_slice_dry_run_two_ranks(tmp_path):
     assert set(data["planner_full_model"]) and all(
         v["layers"] == 64 for v in data["planner_full_model"].values()
     )
+
+
+def test_full_model_dry_run(tmp_path):
+    # the 4M points must be skipped by their time estimates (and never built): the budget logic runs too
+    _run(tmp_path, "full_model.py", "--tiny", "--prompts", "512", "1024", "4194304",
+         "--stock-prompts", "256", "512", "4194304", "--tag", "_t")  # fmt: skip
+    data = json.loads((tmp_path / "full_model_qwen3.6-27b_tiny_t.json").read_text())
+    assert data["command"] and data["git_revision"] and data["date"] and data["device"].startswith("cpu")
+    assert data["params"]["lora_params"] > 0 and data["rates"]["attention_tflops"] > 0
+    assert data["longstraw_warmup"]["ok"]
+    *measured, skipped = data["longstraw"]
+    assert [r["prompt_tokens"] for r in measured] == [512, 1024] and skipped["skipped"] == "budget"
+    for r in measured:
+        assert r["ok"] and r["prompt_tokens_captured"] == r["prompt_tokens"]
+        assert r["response_tokens_min_max"] == [8, 8]  # no reachable EOS: every response has R tokens
+        assert r["state_bytes"] == sum(r["state_bytes_by_kind"].values()) > 0
+        for phase in ("capture", "generation", "replay"):
+            p = r["phases"][phase]
+            assert p["seconds"] > 0 and p["floor_s"] > 0 and p["over_floor"] == p["seconds"] / p["floor_s"]
+        assert r["planner"]["peak_gib"] > 0 and "peak_gib" in r
+    assert measured[1]["estimate_s"] > 0  # from the first measured step
+    stock = data["stock"]
+    assert stock["largest_fitting_prompt"] == 512 and stock["largest_fitting_step_s"] > 0
+    assert stock["first_oom_prompt"] is None and stock["stopped_by"] == "budget"
+    assert [r.get("ok") for r in stock["results"]] == [True, True, False] and stock["results"][2]["skipped"]

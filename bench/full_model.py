@@ -1,0 +1,577 @@
+"""The whole model: Qwen3.6-27B (64 layers, 48 GDN + 16 full attention), LoRA r=64, one H200.
+
+LongStraw: ``LongStrawGRPOTrainer.train()`` runs one GRPO step per prompt length P (capture, G = 8
+generations of exactly R tokens, G replays with backward, optimizer step), after one warm-up step at a
+small P that takes compilation and first calls out of the measurement. A fresh trainer per P shares the
+PEFT model of the first one (LoRA goes in through its ``peft_config``). Phase seconds are the trainer's
+own ``longstraw/*`` metrics; each stands beside its floor, from rates measured in this process:
+
+- capture: 2 FLOP per decoder parameter (LoRA included, no output head) per token at the GEMM rate,
+  plus the causal attention of the full-attention layers (2 P^2 Hq d FLOPs each) at the attention rate;
+- generation: R decode steps, each reading every weight but the input embedding, and the prompt state
+  (K/V pages + GDN states), once for all G rows, at the copy bandwidth;
+- replay (per response, x G): the larger of FLOPs (forward + input gradient, 4 per frozen parameter per
+  token, 6 per LoRA parameter; attention 10 Hq d per response-prompt pair: forward and dQ, the prompt
+  K/V are constants) and bytes (weights read three times, the state twice).
+GDN recurrences and the optimizer (LoRA parameters only) are not counted. The peak stands beside
+``longstraw_trl.planner.plan_memory``'s prediction.
+
+Stock: TRL's ``GRPOTrainer`` (its defaults: activation checkpointing on) on the same PEFT model, one
+``prompt + completion`` sequence per step (``compute_loss`` + backward, ``compare_stock.stock_step``), at
+growing P until it runs out of memory. Random weights (transformers' init, ``initializer_range``), bf16.
+
+Under ``--budget-s`` (the whole script) a step whose estimate exceeds the time left is recorded as
+skipped. LongStraw: each phase's seconds over floor at the previous measured P, times this P's floors; the
+first measured P always runs (the warm-up's timings hold the compilation). Stock: the previous step's
+seconds (the first: a warm-up at 1K) scaled by the forward floor. JSON is written before (``running``)
+and after every step, so a run cut short keeps what it measured.
+
+    python bench/full_model.py                       # LongStraw at 512K and 1M, then stock from 32K
+    python bench/full_model.py --skip-stock --prompts 524288 --response 256
+    python bench/full_model.py --tiny                # CPU dry run of the same code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import importlib.util
+import random
+import shutil
+import string
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import defaultdict
+
+import torch
+from common import (
+    GiB,
+    Timer,
+    attention_tflops_at,
+    bandwidth_gbs_at,
+    gemm_tflops_at,
+    peak_gib,
+    print_table,
+    reset_peak,
+    write_result,
+)
+from compare_stock import attempt, build_trainers, stock_step
+from datasets import Dataset
+from engine_slice import full_attention_layers, slice_config
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers.trainer_callback import PrinterCallback
+
+from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from longstraw_trl.planner import plan_memory
+from longstraw_trl.planner import state_bytes as planned_state_bytes
+from longstraw_trl.toy_tokenizer import build_toy_tokenizer
+
+TINY = dict(  # --tiny defaults (explicit flags still win)
+    prompts=[512, 1024],
+    stock_prompts=[256, 512],
+    generations=2,
+    response=8,
+    warmup_prompt=256,
+    warmup_response=4,
+    chunk=128,
+    page=128,
+    lora_rank=8,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen3.6-27b", choices=["qwen3.6-27b", "qwen3-8b"])
+    ap.add_argument("--prompts", type=int, nargs="+", default=[524288, 1048576])
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--response", type=int, default=256)
+    ap.add_argument("--warmup-prompt", type=int, default=16384)
+    ap.add_argument("--warmup-response", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=16384, help="capture_chunk_size")
+    ap.add_argument("--page", type=int, default=16384, help="page_size")
+    ap.add_argument("--lora-rank", type=int, default=64)
+    ap.add_argument("--stock-prompts", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288])
+    ap.add_argument("--budget-s", type=float, default=540.0, help="deadline for the whole script")
+    ap.add_argument("--skip-stock", action="store_true")
+    ap.add_argument("--skip-longstraw", action="store_true")
+    ap.add_argument("--tag", default="", help="suffix of the JSON name (keeps earlier runs' files)")
+    ap.add_argument("--tiny", action="store_true", help="dry run on CPU, fp32, tiny dimensions and P")
+    args = ap.parse_args()
+    if args.tiny:
+        ap.set_defaults(**TINY)
+        args = ap.parse_args()
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model, rates, floors
+# ----------------------------------------------------------------------------------------------------
+def build_model(config, dev: str, dtype: torch.dtype):
+    """Random weights built in place on the device (transformers' init: normal(0, initializer_range))."""
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        raise RuntimeError("random init produced non-finite weights")
+    return model
+
+
+def measure_rates(config, chunk: int, dev: str, dtype: torch.dtype) -> dict:
+    """The floors' denominators, at the model's shapes: MLP GEMMs and attention over one capture chunk."""
+    h, hd = config.num_attention_heads, config.head_dim
+    shapes = [
+        (chunk, config.hidden_size, config.intermediate_size),
+        (chunk, config.intermediate_size, config.hidden_size),
+    ]
+    keys = 8 * chunk
+    causal = attention_tflops_at(h, hd, chunk, chunk, True, dev, dtype)
+    noncausal = attention_tflops_at(h, hd, chunk, keys, False, dev, dtype)
+    return {
+        "matmul_tflops": gemm_tflops_at(shapes, dev, dtype),
+        "matmul_shapes_mkn": shapes,
+        "attention_causal_tflops": causal,
+        "attention_noncausal_tflops": noncausal,
+        "attention_queries": chunk,
+        "attention_noncausal_keys": keys,
+        # the floors take the fastest attention measured: a floor must not be beaten by the engine's own kernel
+        "attention_tflops": max([*causal.values(), *noncausal.values()]),
+        "copy_gbs": bandwidth_gbs_at((4 * GiB) if dev == "cuda" else 64 * 2**20, dev),
+    }
+
+
+class Floors:
+    """Lower bounds of each phase from parameter counts, state bytes and the measured rates."""
+
+    def __init__(self, peft_model, config, rates: dict, dtype_bytes: int):
+        base = peft_model.get_base_model()
+        embed, head = base.get_input_embeddings().weight, base.get_output_embeddings().weight
+        params = [p for p in peft_model.parameters() if p is not embed]
+        self.lora = sum(p.numel() for p in params if p.requires_grad)
+        self.head = head.numel()
+        self.decoder = sum(p.numel() for p in params if not p.requires_grad) - self.head
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in params)  # read per decode step
+        self.config, self.rates, self.dtype_bytes = config, rates, dtype_bytes
+        self.attn_per_pair = config.num_attention_heads * config.head_dim * full_attention_layers(config)
+        self.matmul, self.attn = rates["matmul_tflops"] * 1e12, rates["attention_tflops"] * 1e12
+        self.bandwidth = rates["copy_gbs"] * 1e9
+
+    def state_bytes(self, p: int, page: int) -> int:
+        return sum(planned_state_bytes(self.config, p, page_size=page, dtype_bytes=self.dtype_bytes).values())
+
+    def capture(self, p: int) -> float:
+        return 2 * (self.decoder + self.lora) * p / self.matmul + 2 * p * p * self.attn_per_pair / self.attn
+
+    def generation(self, r: int, state: int) -> float:
+        return r * (self.weight_bytes + state) / self.bandwidth
+
+    def replay(self, p: int, r: int, state: int) -> float:
+        """One response: forward + backward to the LoRA weights."""
+        dense = (4 * (self.decoder + self.head) + 6 * self.lora) * r / self.matmul
+        flops = dense + 10 * self.attn_per_pair * r * p / self.attn
+        return max(flops, (3 * self.weight_bytes + 2 * state) / self.bandwidth)
+
+    def as_dict(self) -> dict:
+        return {
+            "decoder_params": self.decoder,
+            "head_params": self.head,
+            "lora_params": self.lora,
+            "weight_bytes_read_per_decode_step": self.weight_bytes,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------
+# LongStraw: one GRPO step through LongStrawGRPOTrainer.train()
+# ----------------------------------------------------------------------------------------------------
+def _random_reward(completions, **kwargs):
+    return [random.random() for _ in completions]
+
+
+def random_letters(n: int, seed: int) -> str:
+    """n lowercase letters: n tokens of the toy tokenizer (one per character, no special tokens added)."""
+    return "".join(random.Random(seed).choices(string.ascii_lowercase, k=n))
+
+
+def tokenizer_without_reachable_eos(vocab_size: int):
+    """The toy tokenizer with one extra id as EOS: the model cannot sample it, so every response has R tokens."""
+    tokenizer = build_toy_tokenizer(vocab_size + 1)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(vocab_size)
+    return tokenizer
+
+
+class _KeepMetrics(TrainerCallback):
+    """TRL's ``log`` clears ``_metrics`` right after the callbacks' ``on_log``: keep a copy there."""
+
+    def __init__(self, metrics: dict):
+        self.metrics, self.kept = metrics, defaultdict(list)
+
+    def on_log(self, args, state, control, **kwargs):
+        for k, v in self.metrics.items():
+            self.kept[k].extend(v)
+
+
+def longstraw_trainer(model, tokenizer, args, p: int, r: int, peft_config=None) -> LongStrawGRPOTrainer:
+    out_dir = tempfile.mkdtemp(prefix="longstraw_full_")  # nothing is saved there (save_strategy="no")
+    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+    config = LongStrawGRPOConfig(
+        output_dir=out_dir,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        max_steps=1,
+        num_generations=args.generations,
+        per_device_train_batch_size=args.generations,
+        gradient_accumulation_steps=1,
+        max_completion_length=r,
+        capture_chunk_size=args.chunk,
+        page_size=args.page,
+        use_cpu=args.tiny,
+        bf16=not args.tiny,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = LongStrawGRPOTrainer(
+            model=model,
+            reward_funcs=_random_reward,
+            args=config,
+            train_dataset=Dataset.from_dict({"prompt": [random_letters(p, seed=p)]}),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+    trainer.remove_callback(PrinterCallback)
+    assert min(trainer.eos_token_ids) >= trainer.model.config.vocab_size, trainer.eos_token_ids
+    return trainer
+
+
+def _guarded(fn, *args):
+    """``fn(*args)``, or an OOM / error record; the failed call's tensors are freed before returning."""
+    failure = None
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError:
+        failure = {
+            "ok": False,
+            "oom": True,
+            "peak_gib_at_oom": peak_gib() if torch.cuda.is_available() else None,
+        }
+    except Exception as exc:  # noqa: BLE001 - recorded, and the other measurements still run
+        traceback.print_exc()
+        failure = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    gc.collect()  # outside the except block: its traceback held the failed step's tensors
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return failure
+
+
+def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_bytes: int) -> dict:
+    keep = _KeepMetrics(trainer._metrics["train"])
+    trainer.add_callback(keep)
+    trainer.model.zero_grad(set_to_none=True)
+    reset_peak()
+    with Timer() as t:
+        trainer.train()
+    m = keep.kept
+    peak = peak_gib() if torch.cuda.is_available() else None
+    state_by_kind = {
+        k.rsplit("/", 1)[1]: int(v[-1]) for k, v in m.items() if k.startswith("longstraw/state_bytes/")
+    }
+    state = sum(state_by_kind.values())
+    g = args.generations
+    seconds = {k: sum(m[f"longstraw/{k}_seconds"]) for k in ("capture", "generation", "replay")}
+    floor = {
+        "capture": floors.capture(p),
+        "generation": floors.generation(r, state),
+        "replay": g * floors.replay(p, r, state),
+    }
+    phases = {
+        k: {"seconds": seconds[k], "floor_s": floor[k], "over_floor": seconds[k] / floor[k]} for k in seconds
+    }
+    phases["replay"]["per_response_s"] = seconds["replay"] / g
+    phases["replay"]["per_response_floor_s"] = floor["replay"] / g
+    logprob_s = sum(m.get("longstraw/logprob_replay_seconds", []))  # old-policy replays, if TRL asked for any
+    phases["optimizer_and_other"] = {"seconds": t.seconds - sum(seconds.values()) - logprob_s}
+    step_floor = sum(floor.values())
+    plan = plan_memory(
+        floors.config,
+        p,
+        num_generations=g,
+        response_tokens=r,
+        lora_rank=args.lora_rank,
+        capture_chunk_size=args.chunk,
+        page_size=args.page,
+        dtype_bytes=plan_dtype_bytes,
+    )
+    return {
+        "ok": True,
+        "prompt_tokens_captured": int(m["longstraw/prompt_tokens"][-1]),
+        "response_tokens_min_max": [
+            int(min(m["completions/min_length"])),
+            int(max(m["completions/max_length"])),
+        ],
+        "train_s": t.seconds,
+        "trainer_step_time_s": sum(m["step_time"]),  # training_step: generation + loss, no optimizer
+        "step_floor_s": step_floor,
+        "step_over_floor": t.seconds / step_floor,
+        "phases": phases,
+        "logprob_replay_s": logprob_s,
+        "state_bytes": state,
+        "state_bytes_by_kind": state_by_kind,
+        "peak_gib": peak,
+        "trainer_peak_memory_gib": max(m["longstraw/peak_memory_gib"]),  # before the optimizer step
+        "planner": {
+            "peak_gib": plan.peak / GiB,
+            "capture_peak_gib": plan.capture_peak / GiB,
+            "replay_peak_gib": plan.replay_peak / GiB,
+            "fits": plan.fits,
+        },
+        "peak_over_planner": peak / (plan.peak / GiB) if peak is not None else None,
+    }
+
+
+def estimate_longstraw(prev: dict, floors: Floors, args, p: int) -> float:
+    """This P's step from the previous measured step: each phase's seconds over floor times this P's floor."""
+    state = floors.state_bytes(p, args.page)
+    now = {
+        "capture": floors.capture(p),
+        "generation": floors.generation(args.response, state),
+        "replay": args.generations * floors.replay(p, args.response, state),
+    }
+    return prev["phases"]["optimizer_and_other"]["seconds"] + sum(
+        prev["phases"][k]["over_floor"] * now[k] for k in now
+    )
+
+
+def run_longstraw(peft_model, tokenizer, floors, args, results: list, save, deadline, dtype_bytes) -> None:
+    prev = None
+    for p in args.prompts:
+        left = deadline - time.perf_counter()
+        estimate = estimate_longstraw(prev, floors, args, p) if prev else None
+        if left <= 0 or (estimate is not None and estimate > left):
+            results.append(
+                {"prompt_tokens": p, "ok": False, "skipped": "budget", "estimate_s": estimate, "left_s": left}
+            )
+            save()
+            continue
+        results.append({"prompt_tokens": p, "status": "running", "estimate_s": estimate})
+        save()
+        # a fresh trainer (and optimizer) per P, on the same PEFT model
+        trainer = longstraw_trainer(peft_model, tokenizer, args, p, args.response)
+        result = _guarded(longstraw_step, trainer, floors, args, p, args.response, dtype_bytes)
+        del trainer
+        gc.collect()
+        results[-1] = {"prompt_tokens": p, **result, "estimate_s": estimate}
+        save()
+        if result.get("oom"):
+            break  # a larger P needs more memory
+        prev = result if result["ok"] else prev
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stock TRL: one prompt + completion per step at growing P, until out of memory
+# ----------------------------------------------------------------------------------------------------
+def stock_sequence(stock, config, p: int, r: int, dev: str, deadline: float) -> dict:
+    g = torch.Generator(device=dev).manual_seed(p)
+    prompt = torch.randint(0, config.vocab_size, (p,), device=dev, generator=g)
+    comps = torch.randint(0, config.vocab_size, (1, r), device=dev, generator=g)
+    out = attempt(stock_step, stock, prompt, comps, torch.ones(1, device=dev), deadline, 1)
+    return {k: None if v != v else v for k, v in out.items()}  # NaN peaks (CPU) as JSON null
+
+
+def run_stock(
+    peft_model, config, floors: Floors, args, section: dict, save, deadline: float, dev: str
+) -> None:
+    ns = argparse.Namespace(groups=args.generations, response=args.response, chunk=args.chunk, page=args.page)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stock, ours = build_trainers(peft_model, ns, dev)
+    del ours
+    # warm-up twice at a small P (first calls, allocator); the second one anchors the first estimate
+    warm_p = min(1024, min(args.stock_prompts))
+    for _ in range(2):
+        prev = stock_sequence(stock, config, warm_p, args.response, dev, deadline)
+    section["warmup"] = {"prompt_tokens": warm_p, **prev}
+    if not prev["ok"]:
+        return
+    prev_p = warm_p
+    results = section["results"]
+    for p in args.stock_prompts:
+        left = deadline - time.perf_counter()
+        # forward-floor ratio as the cost ratio (dense linear in P, attention quadratic)
+        estimate = prev["step_s"] * floors.capture(p + args.response) / floors.capture(prev_p + args.response)
+        if left <= 0 or estimate > left:
+            results.append(
+                {"prompt_tokens": p, "ok": False, "skipped": "budget", "estimate_s": estimate, "left_s": left}
+            )
+            section["stopped_by"] = section["stopped_by"] or "budget"
+            save()
+            continue
+        results.append({"prompt_tokens": p, "status": "running", "estimate_s": estimate})
+        save()
+        r = stock_sequence(stock, config, p, args.response, dev, deadline)
+        results[-1] = {"prompt_tokens": p, **r, "estimate_s": estimate}
+        if r["ok"]:
+            section.update(
+                largest_fitting_prompt=p,
+                largest_fitting_step_s=r["step_s"],
+                largest_fitting_peak_gib=r["peak_gib"],
+            )
+            prev, prev_p = r, p
+        save()
+        if r.get("oom"):
+            section.update(first_oom_prompt=p, first_oom_peak_gib=r["peak_gib_at_oom"], stopped_by="oom")
+            break
+
+
+# ----------------------------------------------------------------------------------------------------
+def _status(r: dict) -> str:
+    return (
+        "OOM"
+        if r.get("oom")
+        else "skipped"
+        if r.get("skipped")
+        else r.get("error", r.get("status", "ok"))[:40]
+    )
+
+
+def _gib(r: dict) -> str:
+    x = r.get("peak_gib") or r.get("peak_gib_at_oom")
+    return "" if x is None else f"{x:.1f}"
+
+
+def summary_rows(payload: dict) -> list[dict]:
+    rows = []
+    for r in payload["longstraw"]:
+        ph, ok = r.get("phases", {}), r.get("ok")
+        row = {"side": "longstraw", "P": r["prompt_tokens"], "status": _status(r)}
+        row["seconds (x floor)"] = f"{r['train_s']:.1f} ({r['step_over_floor']:.1f}x)" if ok else ""
+        for k in ("capture", "generation", "replay"):
+            row[k] = f"{ph[k]['seconds']:.1f} ({ph[k]['over_floor']:.1f}x)" if ok else ""
+        row["peak GiB"], row["planner GiB"] = _gib(r), f"{r['planner']['peak_gib']:.1f}" if ok else ""
+        rows.append(row)
+    for r in payload["stock"]["results"]:
+        row = {"side": "stock, 1 seq", "P": r["prompt_tokens"], "status": _status(r)}
+        row["seconds (x floor)"] = f"{r['step_s']:.1f}" if "step_s" in r else ""
+        rows.append({**row, "peak GiB": _gib(r)})
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+    dev, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    torch.manual_seed(0)
+    random.seed(0)
+    longest = max([*args.prompts, *args.stock_prompts, args.warmup_prompt])
+    config = slice_config(args.preset, 4 if args.tiny else None, longest + args.response + 16, args.tiny)
+    name = f"full_model_{args.preset}{'_tiny' if args.tiny else ''}{args.tag}"
+
+    rates = measure_rates(config, args.chunk, dev, dtype)  # on an empty device, before the weights
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with Timer() as t_build:
+        model = build_model(config, dev, dtype)
+    tokenizer = tokenizer_without_reachable_eos(config.vocab_size)
+    lora = LoraConfig(
+        r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    # the first trainer wraps the model with the LoRA adapters; later trainers (and stock) share its PEFT model
+    trainer = longstraw_trainer(
+        model, tokenizer, args, args.warmup_prompt, args.warmup_response, peft_config=lora
+    )
+    peft_model = trainer.accelerator.unwrap_model(trainer.model)
+    del model
+    floors = Floors(peft_model, config, rates, dtype_bytes)
+
+    payload = {
+        "preset": args.preset,
+        "layers": config.num_hidden_layers,
+        "full_attention_layers": full_attention_layers(config),
+        "model": f"{args.preset}, {config.num_hidden_layers} layers, random init (initializer_range "
+        f"{config.initializer_range}), {str(dtype).removeprefix('torch.')}, LoRA r={args.lora_rank} "
+        f"alpha={2 * args.lora_rank} all-linear",
+        "generations": args.generations,
+        "response_tokens": args.response,
+        "capture_chunk_size": args.chunk,
+        "page_size": args.page,
+        "budget_s": args.budget_s,
+        "fla_importable": importlib.util.find_spec("fla") is not None,  # GDN kernels of both sides
+        "build_s": t_build.seconds,
+        "weights_finite": True,
+        "params": floors.as_dict(),
+        "rates": rates,
+        "floors": {
+            "capture": "2 (decoder + LoRA params) P / GEMM + 2 P^2 Hq d x full-attention layers / attention",
+            "generation": "R (bytes of all weights but the input embedding + state bytes) / copy bandwidth",
+            "replay_per_response": "max((4 (decoder + head) + 6 LoRA params) R / GEMM + 10 Hq d R P x "
+            "full-attention layers / attention, (3 weight bytes + 2 state bytes) / copy bandwidth)",
+        },
+        "longstraw_description": "LongStrawGRPOTrainer.train(), max_steps=1, a fresh trainer per P on one PEFT "
+        "model: capture + generation (no reachable EOS: R tokens each) + G replays with backward + AdamW step",
+        "longstraw_warmup": None,
+        "longstraw": [],
+        "stock": {
+            "description": "trl.GRPOTrainer defaults (activation checkpointing on), same PEFT model, one "
+            "prompt+completion per step: compute_loss + backward (compare_stock.stock_step), no generation, "
+            "no optimizer step",
+            "results": [],
+            "largest_fitting_prompt": None,
+            "first_oom_prompt": None,
+            "stopped_by": None,  # "oom", or "budget" (a larger P skipped for time), or None: all ran
+        },
+    }
+    save = lambda: write_result(name, payload)  # noqa: E731
+
+    if args.skip_longstraw:
+        payload["longstraw"] = [
+            {"prompt_tokens": p, "ok": False, "skipped": "--skip-longstraw"} for p in args.prompts
+        ]
+    else:
+        payload["longstraw_warmup"] = {
+            "prompt_tokens": args.warmup_prompt,
+            "response_tokens": args.warmup_response,
+        }
+        warm = _guarded(
+            longstraw_step, trainer, floors, args, args.warmup_prompt, args.warmup_response, dtype_bytes
+        )
+        payload["longstraw_warmup"].update(warm)
+        save()
+        run_longstraw(peft_model, tokenizer, floors, args, payload["longstraw"], save, deadline, dtype_bytes)
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    if args.skip_stock:
+        payload["stock"]["results"] = [
+            {"prompt_tokens": p, "ok": False, "skipped": "--skip-stock"} for p in args.stock_prompts
+        ]
+    else:
+        failure = _guarded(run_stock, peft_model, config, floors, args, payload["stock"], save, deadline, dev)
+        if failure:
+            payload["stock"].update(failure)
+    payload["total_s"] = time.perf_counter() - start
+    path = save()
+
+    r = rates
+    print(
+        f"{payload['model']}; G={args.generations}, R={args.response}; GEMM {r['matmul_tflops']:.0f} TFLOP/s, "
+        f"attention {r['attention_tflops']:.0f} TFLOP/s, copy {r['copy_gbs']:.0f} GB/s; built in {t_build.seconds:.0f} s"
+    )
+    print_table(summary_rows(payload))
+    print(f"wrote {path} ({payload['total_s']:.0f} s)")
+    failed = [
+        x
+        for x in [payload["longstraw_warmup"] or {}, *payload["longstraw"], payload["stock"]]
+        if "error" in x
+    ]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
