@@ -22,6 +22,12 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt"
 case "$1" in
+v2smoke)  # engine v2 on a 4-layer slice: GPU tests (CUDA-graph decode, cuDNN/flash paths), then 128K/512K
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 200 python3 -m pytest -q -s -m gpu tests/ > "$OUT/pytest_gpu.log" 2>&1
+  echo "pytest -m gpu: rc=$?"; grep -E "passed|failed|Error|error" "$OUT/pytest_gpu.log" | tail -8
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 300 python3 engine_slice.py --preset qwen3.6-27b \
+    --prompt 131072 524288 --groups 8 --tag _v2smoke 2>&1 | grep -v -i warn | tee "$OUT/engine.log" | tail -14
+  ;;
 engine)
   PYTHONPATH=/tmp/site:/tmp/fla timeout 110 python3 -m pytest -q -s -m gpu tests/ > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest -m gpu: rc=$?"; tail -3 "$OUT/pytest_gpu.log"

@@ -92,3 +92,29 @@ def test_decode_past_announced_capacity_grows_the_buffer():
         steps = [forward_model(model, toks[:, i : i + 1], start + i, ctx)[:, -1] for i in range(5)]
     assert ctx.running[0].k.shape[2] >= 5  # it grew
     assert (torch.stack(steps, 1) - full).abs().max() <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_cuda_graph_decode_equals_eager(family):
+    """Decode steps replayed as one CUDA graph give the eager steps' tokens and log-probs (bf16, greedy), and
+    the graph is really used: after the first step the model's forward is not called again."""
+    from _models import build_hybrid
+
+    from longstraw_trl.generation import DecodeStep
+
+    model = (build(family) if family == "qwen3" else build_hybrid(family)).cuda().to(torch.bfloat16)
+    prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(0)).cuda()
+    state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
+    eager = state.generate(model, 4, 24, do_sample=False, cuda_graphs=False)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    graphed = state.generate(model, 4, 24, do_sample=False, cuda_graphs=True)
+    hook.remove()
+    assert torch.equal(eager, graphed)
+    assert len(calls) == 2  # the eager first step and the capture; the other 22 steps are graph replays
+    step = DecodeStep(model, state, 4, 8, cuda_graphs=True)
+    first = state.last_token.view(1, 1).expand(4, 1)
+    step(first)
+    assert step.graph is not None
