@@ -98,6 +98,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--stock-prompts", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288])
     ap.add_argument("--budget-s", type=float, default=540.0, help="deadline for the whole script")
     ap.add_argument("--skip-stock", action="store_true")
+    ap.add_argument(
+        "--stock-ignore-estimates",
+        action="store_true",
+        help="try every stock P even if its time estimate exceeds the budget (to find the OOM edge: a P that "
+        "runs out of memory fails early; one that does not is cut by the command's timeout, recorded as running)",
+    )
     ap.add_argument("--skip-longstraw", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the JSON name (keeps earlier runs' files)")
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU, fp32, tiny dimensions and P")
@@ -402,7 +408,7 @@ def run_stock(
         left = deadline - time.perf_counter()
         # forward-floor ratio as the cost ratio (dense linear in P, attention quadratic)
         estimate = prev["step_s"] * floors.capture(p + args.response) / floors.capture(prev_p + args.response)
-        if left <= 0 or estimate > left:
+        if left <= 0 or (estimate > left and not args.stock_ignore_estimates):
             results.append(
                 {"prompt_tokens": p, "ok": False, "skipped": "budget", "estimate_s": estimate, "left_s": left}
             )
