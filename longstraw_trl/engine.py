@@ -164,6 +164,7 @@ class ReplayContext:
             storage=_storage_device(k.device, self.state.offload),
             cp_rank=self.cp.rank,
             cp_size=self.cp.size,
+            offloaded=self.state.offload is not None,
         )
 
     def attend(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

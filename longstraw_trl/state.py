@@ -104,7 +104,8 @@ class KVPages(LayerState):
     prompt keys are unmasked). A capture reserves the segment for the whole prompt (:meth:`reserve`), so
     nothing is allocated twice and no slack is left. Segments are never copied: ``fork`` shares them and
     the fork writes later tokens into a new segment (copy-on-write without the copy).
-    ``num_tokens`` counts the tokens of the whole prompt (all ranks).
+    ``num_tokens`` counts the tokens of the whole prompt (all ranks). ``offloaded``: the segments live in
+    host memory (``storage``) and are streamed to the compute device a page at a time.
     """
 
     kind = "kv"
@@ -120,8 +121,10 @@ class KVPages(LayerState):
         storage: torch.device,
         cp_rank: int = 0,
         cp_size: int = 1,
+        offloaded: bool = False,
     ):
         self.num_kv_heads, self.head_dim, self.v_head_dim = num_kv_heads, head_dim, v_head_dim
+        self.offloaded = offloaded
         self.page_size, self.dtype, self.storage = page_size, dtype, storage
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.num_tokens = 0
@@ -179,7 +182,7 @@ class KVPages(LayerState):
         """Yield ``(k, v)`` blocks on ``device``: each resident segment whole (one kernel call each);
         offloaded segments in ``page_size`` pieces, so the device holds one piece at a time."""
         for kb, vb, filled in self.segments:
-            if kb.device == device:
+            if not self.offloaded:
                 yield kb[:, :filled], vb[:, :filled]
                 continue
             for s in range(0, filled, self.page_size):
@@ -212,6 +215,7 @@ class KVPages(LayerState):
             self.storage,
             self.cp_rank,
             self.cp_size,
+            self.offloaded,
         )
         new.num_tokens, new.segments = self.num_tokens, list(self.segments)
         self._writable_tail = False  # neither may write past the shared `filled` any more

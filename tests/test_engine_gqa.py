@@ -96,15 +96,38 @@ def test_nbytes_follows_the_formula():
     assert all(len(layer.segments) == 1 for layer in state.layers.values())
 
 
-def test_offload_cpu_gives_same_logprobs():
+def test_offload_cpu_streams_pages_and_gives_same_logprobs():
+    """Offloaded K/V is streamed a page at a time (on CPU too: the same code path, the copies are no-ops),
+    and the page-by-page merge gives the resident result. On CUDA the pages also live in pinned host memory
+    (``tests/test_engine_gqa.py::test_offload_on_cuda_keeps_pages_on_the_host``)."""
     model = build("qwen3")
     prompt = torch.randint(0, VOCAB, (19,))
     comps = torch.randint(0, VOCAB, (2, 5))
     a = capture_prompt(model, prompt, chunk_size=8, page_size=8)
     b = capture_prompt(model, prompt, chunk_size=8, page_size=8, offload="cpu")
-    assert torch.equal(a.logprobs(model, comps), b.logprobs(model, comps))
+    dev = torch.device("cpu")
+    resident = [blk for layer in a.layers.values() for blk in layer.stream(dev)]
+    streamed = [blk for layer in b.layers.values() for blk in layer.stream(dev)]
+    n = len(a.layers)
+    assert [k.shape[1] for k, _ in resident] == [18] * n  # one segment a layer: one kernel call
+    assert [k.shape[1] for k, _ in streamed] == [8, 8, 2] * n  # pages of 8 of the 18 resident tokens
+    assert (a.logprobs(model, comps) - b.logprobs(model, comps)).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="offload"):
         capture_prompt(model, prompt, offload="disk")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_on_cuda_keeps_pages_on_the_host():
+    model = build("qwen3").cuda()
+    prompt = torch.randint(0, VOCAB, (40,)).cuda()
+    comps = torch.randint(0, VOCAB, (2, 5)).cuda()
+    a = capture_prompt(model, prompt, chunk_size=16, page_size=8)
+    b = capture_prompt(model, prompt, chunk_size=16, page_size=8, offload="cpu")
+    for layer in b.layers.values():
+        for k, v, _ in layer.segments:
+            assert k.device.type == "cpu" and k.is_pinned() and v.is_pinned()
+    assert (a.logprobs(model, comps) - b.logprobs(model, comps)).abs().max() <= 1e-4
 
 
 def test_patch_is_idempotent_and_leaves_stock_forward_alone():
