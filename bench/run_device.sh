@@ -22,6 +22,11 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt"
 case "$1" in
+profile)  # where a replay + backward spends its time (whole model, LoRA, HF checkpointing); args to the script
+  shift
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 400 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
+    | tee "$OUT/profile.log" | tail -45
+  ;;
 v2smoke)  # engine v2 on a 4-layer slice: GPU tests (CUDA-graph decode, cuDNN/flash paths), then 128K/512K
   PYTHONPATH=/tmp/site:/tmp/fla timeout 200 python3 -m pytest -q -s -m gpu tests/ > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest -m gpu: rc=$?"; grep -E "passed|failed|Error|error" "$OUT/pytest_gpu.log" | tail -8

@@ -1,0 +1,79 @@
+"""Where a replay + backward spends its time: the whole model (or a slice), LoRA, one response, profiled.
+
+Builds the preset with random bf16 weights on the GPU, LoRA on every linear layer, HF gradient
+checkpointing on (TRL's default), captures a random prompt, then times ``state.logprobs(grad=True)`` +
+``backward`` of one random response (warm) and prints the CUDA ops that take the most time.
+
+    python bench/profile_replay.py --prompt 32768 --response 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from common import Timer, write_result
+from peft import LoraConfig, get_peft_model
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM
+
+from longstraw_trl import capture_prompt
+from longstraw_trl.presets import preset_config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3.6-27b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--prompt", type=int, default=32768)
+    ap.add_argument("--response", type=int, default=256)
+    ap.add_argument("--lora-rank", type=int, default=64)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    config = preset_config(args.preset, args.layers)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
+    model = get_peft_model(model, lora)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    prompt = torch.randint(0, config.vocab_size, (args.prompt,), device="cuda")
+    completion = torch.randint(0, config.vocab_size, (1, args.response), device="cuda")
+    with Timer() as t_cap:
+        state = capture_prompt(model, prompt, chunk_size=16384, progress=False)
+
+    def replay() -> None:
+        (-state.logprobs(model, completion, grad=True).mean()).backward()
+
+    for _ in range(2):
+        replay()
+    times = []
+    for _ in range(3):
+        with Timer() as t:
+            replay()
+        times.append(t.seconds)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60)
+    print(f"capture {t_cap.seconds:.1f} s; replay + backward per response: {[round(x, 3) for x in times]} s")
+    print(table)
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "profile_replay.txt"), "w") as f:
+        f.write(table)
+    write_result(
+        f"profile_replay_{args.preset}",
+        {
+            "prompt_tokens": args.prompt,
+            "response_tokens": args.response,
+            "replay_s": times,
+            "capture_s": t_cap.seconds,
+        },
+    )
+    print(json.dumps({"replay_s": times}))
+
+
+if __name__ == "__main__":
+    main()
