@@ -119,6 +119,8 @@ def write_result(name: str, payload: dict) -> Path:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_revision": git_revision(),
         "torch": torch.__version__,
+        # engine v2: the state holds the first P - 1 prompt tokens (results before it lack this key)
+        "state_holds_last_prompt_token": False,
         **payload,
     }
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")

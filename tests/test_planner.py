@@ -25,9 +25,9 @@ def _arg(command: str, flag: str, default=None):
 
 
 def _planned_state(config, data: dict, prompt_tokens: int, cp_size: int = 1) -> dict:
-    """The planner's state for a measured run. Runs before engine v2 (no ``resident_tokens`` in the JSON)
-    held all P prompt tokens; since then the state holds P - 1 (the last one is replayed)."""
-    held = prompt_tokens if "resident_tokens" not in data else prompt_tokens - 1
+    """The planner's state for a measured run. Runs before engine v2 (without the key below) held all P
+    prompt tokens; since then the state holds P - 1 (the last one is replayed)."""
+    held = prompt_tokens if data.get("state_holds_last_prompt_token", True) else prompt_tokens - 1
     return state_bytes(config, held + 1, cp_size, data["page_size"])
 
 
@@ -195,3 +195,27 @@ def test_plan_reproduces_trainer_peaks(path):
         )
         peak = r["longstraw"]["peak_gib"]
         assert abs(plan.peak / GiB - peak) <= 0.10 * peak, (r["prompt_tokens"], plan.peak / GiB, peak)
+
+
+def test_plan_reproduces_the_whole_model_peak():
+    """`longstraw plan` against the peak of one `LongStrawGRPOTrainer.train()` step of the whole 64-layer
+    Qwen3.6-27B with LoRA r=64 on the H200 (`bench/full_model.py`), within 10%."""
+    data = json.loads((RESULTS[0].parent / "full_model_qwen3.6-27b_P512K.json").read_text())
+    run = data["longstraw"][0]
+    plan = plan_memory(
+        preset_config(data["preset"]),
+        run["prompt_tokens"],
+        num_generations=data["generations"],
+        response_tokens=data["response_tokens"],
+        lora_rank=64,
+        capture_chunk_size=data["capture_chunk_size"],
+        page_size=data["page_size"],
+    )
+    assert (
+        _planned_state(preset_config(data["preset"]), data, run["prompt_tokens"])
+        == run["state_bytes_by_kind"]
+    )
+    assert abs(plan.peak / GiB - run["peak_gib"]) <= 0.10 * run["peak_gib"], (
+        plan.peak / GiB,
+        run["peak_gib"],
+    )
