@@ -32,7 +32,10 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    config = preset_config(args.preset, args.layers)
+    # positions for the prompt and the response (the preset keeps the model's own 32K limit)
+    config = preset_config(
+        args.preset, args.layers, max_position_embeddings=max(32768, args.prompt + args.response)
+    )
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
