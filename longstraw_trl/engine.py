@@ -1,12 +1,14 @@
 """The prompt-boundary engine: capture a prompt once, replay responses on its read-only state.
 
-How the state reaches the model: the engine runs the model's own decoder layers (so LoRA, MoE blocks,
-norms and HF gradient checkpointing all behave as usual) and passes a :class:`ReplayContext` down as the
-``longstraw`` keyword. HF attention modules forward unknown keywords to their attention interface; the
-engine wraps every registered interface so that, when the keyword is present, attention runs over the
-prompt pages plus the response's own causal keys (``kernels.attention``), and otherwise falls through to
-the original implementation untouched. Because the context travels as a call argument, a checkpointed
-layer recomputed during ``backward()`` sees the same context.
+How the state reaches the model: the engine calls the model's root forward (so peft, DDP and accelerate
+wrappers, LoRA, MoE blocks, norms and HF gradient checkpointing all behave as usual) with a
+:class:`ReplayContext` as the ``longstraw`` keyword, which HF passes down to every decoder layer. HF
+attention modules forward unknown keywords to their attention interface; the engine wraps every registered
+interface so that, when the keyword is present, attention runs over the prompt K/V plus the response's own
+causal keys (``kernels.attention``), and otherwise falls through to the original implementation untouched.
+Because the context travels as a call argument, a checkpointed layer recomputed during ``backward()`` sees
+the same context. The output head is bound per instance so that, inside a LongStraw call, it computes what
+the engine asks for (token log-probs, or nothing during capture) instead of full logits.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def install_attention_dispatch() -> None:
 # ----------------------------------------------------------------------------------------------------
 # Context passed down the decoder layers
 # ----------------------------------------------------------------------------------------------------
+MODES = ("capture", "replay", "decode")
+
+
 @dataclass
 class ResponseKV:
     """Decode: the G sequences' own K/V of one attention layer, in a buffer sized for the generation."""
@@ -204,9 +209,6 @@ class ReplayContext:
         return out.transpose(1, 2)
 
 
-MODES = ("capture", "replay", "decode")
-
-
 class _SingleRank:
     rank, size = 0, 1
 
@@ -309,8 +311,9 @@ def forward_model(
     logits_to_keep: int = 0,
 ) -> torch.Tensor:
     """Run ``input_ids [B, T]`` at positions ``start...`` (an int, or a 0-dim device tensor for fixed-shape
-    decoding) through the model's root forward (its wrappers included: peft, DDP) with ``ctx`` passed down; returns what the output head computed under ``head``
-    (``None``: logits of the last ``logits_to_keep`` positions, 0 = all)."""
+    decoding) through the model's root forward (its wrappers included: peft, DDP) with ``ctx`` passed
+    down. Returns what the output head computed under ``head`` (``None``: logits of the last
+    ``logits_to_keep`` positions, 0 = all)."""
     base = unwrap_model(model)
     patch = find_patch(base)
     _install_head(base)  # peft may have wrapped the head since patch_model

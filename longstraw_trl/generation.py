@@ -107,14 +107,14 @@ def generate_from_state(
         if eos:
             done |= torch.isin(nxt, eos_t)
             if (step + 1) % DONE_CHECK_INTERVAL == 0 and bool(done.all()):
-                return out[:, : _width(out, done, step, eos_t)]
+                return out[:, : _width(out, step, eos_t)]
         tokens = nxt[:, None]
     if eos and bool(done.all()):
-        return out[:, : _width(out, done, max_new_tokens - 1, eos_t)]
+        return out[:, : _width(out, max_new_tokens - 1, eos_t)]
     return out
 
 
-def _width(out: torch.Tensor, done: torch.Tensor, step: int, eos_t: torch.Tensor) -> int:
+def _width(out: torch.Tensor, step: int, eos_t: torch.Tensor) -> int:
     """Columns up to the step on which the last row finished (what stopping at once would have kept)."""
     is_eos = torch.isin(out[:, : step + 1], eos_t)
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), step)

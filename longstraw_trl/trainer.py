@@ -83,8 +83,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-"""Keyword the trainer passes through the wrapped model's `forward` (DDP) to run a response replay there."""
-
 REFRESH_STATE_FILE = "longstraw_refresh.json"
 _NULL_CONTEXT = contextlib.nullcontext()
 

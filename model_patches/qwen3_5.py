@@ -17,8 +17,9 @@ it, :func:`gdn_forward` reuses the module's own submodules (projections, conv we
 - ``capture``: the chunk continues from ``state.layers[i]`` (a :class:`GDNState`, fixed size), which then
   takes the new tensors (rebound, never written in place, so forks and earlier states stay valid);
 - ``replay``: the prompt state, expanded to the batch, is a read-only constant (no gradient reaches it);
-- ``decode``: the G sequences' states live in ``ctx.running[i]``, started from the prompt state and
-  rebound after every call; the prompt state is not touched.
+- ``decode``: the G sequences' states live in ``ctx.running[i]``, started from the prompt state; after
+  each call they are rebound, or, when decoding with fixed shapes (``ctx.step``, CUDA graphs), updated in
+  place; the prompt state is not touched.
 """
 
 from __future__ import annotations
