@@ -1,10 +1,13 @@
-"""Where a replay + backward spends its time: the whole model (or a slice), LoRA, one response, profiled.
+"""Where a replay + backward (or a capture) spends its time: the whole model (or a slice), LoRA, profiled.
 
 Builds the preset with random bf16 weights on the GPU, LoRA on every linear layer, HF gradient
 checkpointing on (TRL's default), captures a random prompt, then times ``state.logprobs(grad=True)`` +
-``backward`` of one random response (warm) and prints the CUDA ops that take the most time.
+``backward`` of one random response (warm) and prints the CUDA ops that take the most time. With
+``--phase capture`` it profiles the capture itself instead (warm: a first capture runs before), and
+reports its GPU-busy time beside its wall time.
 
     python bench/profile_replay.py --prompt 32768 --response 256
+    python bench/profile_replay.py --phase capture --prompt 65536
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--phase", choices=("replay", "capture"), default="replay")
+    ap.add_argument("--chunk", type=int, default=16384, help="capture chunk size")
     args = ap.parse_args()
     # positions for the prompt and the response (the preset keeps the model's own 32K limit)
     config = preset_config(
@@ -45,37 +50,50 @@ def main() -> None:
     prompt = torch.randint(0, config.vocab_size, (args.prompt,), device="cuda")
     completion = torch.randint(0, config.vocab_size, (1, args.response), device="cuda")
     with Timer() as t_cap:
-        state = capture_prompt(model, prompt, chunk_size=16384, progress=False)
+        state = capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
 
     def replay() -> None:
+        if args.phase == "capture":
+            capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
+            return
         (-state.logprobs(model, completion, grad=True).mean()).backward()
 
-    for _ in range(2):
+    if args.phase == "capture":
+        del state  # the measured captures allocate their own
+    for _ in range(2 if args.phase == "replay" else 0):
         replay()
     times = []
-    for _ in range(3):
+    for _ in range(3 if args.phase == "replay" else 1):
         with Timer() as t:
             replay()
         times.append(t.seconds)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         replay()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60)
-    print(f"capture {t_cap.seconds:.1f} s; replay + backward per response: {[round(x, 3) for x in times]} s")
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=60)
+    cuda_s = sum(e.self_device_time_total for e in averages) / 1e6
+    calls = sum(e.count for e in averages if e.key.startswith("aten::"))
+    print(f"first capture {t_cap.seconds:.1f} s; {args.phase} (warm): {[round(x, 3) for x in times]} s")
+    print(f"profiled {args.phase}: {cuda_s:.3f} s of CUDA kernels, {calls} aten calls")
     print(table)
     out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "profile_replay.txt"), "w") as f:
+    with open(os.path.join(out, f"profile_{args.phase}.txt"), "w") as f:
         f.write(table)
     write_result(
-        f"profile_replay_{args.preset}",
+        f"profile_{args.phase}_{args.preset}",
         {
+            "phase": args.phase,
             "prompt_tokens": args.prompt,
             "response_tokens": args.response,
-            "replay_s": times,
-            "capture_s": t_cap.seconds,
+            "capture_chunk_size": args.chunk,
+            f"{args.phase}_s": times,
+            "first_capture_s": t_cap.seconds,
+            "profiled_cuda_kernel_s": cuda_s,
+            "profiled_aten_calls": calls,
         },
     )
-    print(json.dumps({"replay_s": times}))
+    print(json.dumps({f"{args.phase}_s": times, "cuda_s": cuda_s}))
 
 
 if __name__ == "__main__":
