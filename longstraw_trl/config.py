@@ -79,6 +79,12 @@ class LongStrawGRPOConfig(GRPOConfig):
         refresh_drift_threshold (`float`, *optional*, defaults to `0.02`):
             For `"adaptive"`: the mean absolute log-prob difference (nats per response token) above which the interval
             is narrowed.
+        graph_free_adapters_in_model_dtype (`bool`, *optional*, defaults to `True`):
+            During the capture and generation (no autograd), run PEFT adapter weights (which PEFT keeps in fp32 beside a
+            bf16 model) in the model's dtype: the fp32 GEMMs and casts of every adapted layer go (about a quarter of a
+            whole-model capture with LoRA on every linear layer). The adapter's contribution is rounded to bf16 before
+            it is added to the bf16 layer output. Replays (training, old and reference log-probs) always run the
+            adapters as PEFT does. No effect without adapters or on fp32 models.
         refresh_probe_period (`int`, *optional*, defaults to `4`):
             For `"adaptive"`: measure the drift on every k-th stale use of a state.
         refresh_max_interval (`int`, *optional*, defaults to `16`):
@@ -102,6 +108,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             "help": "Where the K/V pages of the prompt state live: None (the model's device) or 'cpu' (pinned host "
             "memory, streamed to the device page by page).",
             "choices": ["cpu"],
+        },
+    )
+    graph_free_adapters_in_model_dtype: bool = field(
+        default=True,
+        metadata={
+            "help": "During capture and generation (no autograd), run PEFT adapters (fp32 by PEFT's default) in the "
+            "model's dtype. Replays always run them as PEFT does."
         },
     )
     replay_checkpoint_layers: bool = field(

@@ -64,6 +64,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
 
+from .adapters import adapters_in_model_dtype
 from .config import LongStrawGRPOConfig, check_whole_groups
 from .distributed import new_cp_groups
 from .engine import capture_prompt
@@ -447,12 +448,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
 
-    def _no_grad_context(self, model):
-        """No autograd, no activation checkpointing (nothing to recompute), the accelerator's autocast."""
+    def _no_grad_context(self, model, cast_adapters: bool = False):
+        """No autograd, no activation checkpointing (nothing to recompute), the accelerator's autocast; with
+        `cast_adapters` (capture, generation: nothing is scored) adapters in the model's dtype if configured."""
         stack = contextlib.ExitStack()
         stack.enter_context(torch.no_grad())
         stack.enter_context(_checkpointing_off(model))
         stack.enter_context(self.accelerator.autocast())
+        enabled = cast_adapters and self.args.graph_free_adapters_in_model_dtype
+        stack.enter_context(adapters_in_model_dtype(model, enabled))
         return stack
 
     def _capture(self, model, prompt_ids: torch.Tensor, role: str = "policy") -> PromptState:
@@ -462,7 +466,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """
         mode = self._mode
         start = time.perf_counter()
-        with self._no_grad_context(model):
+        with self._no_grad_context(model, cast_adapters=True):
             state = capture_prompt(
                 model,
                 prompt_ids,
@@ -616,7 +620,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """`[G, R]` completions sampled from one prompt state (rows padded after their EOS)."""
         kwargs = self._sampling_kwargs()
         max_new_tokens = kwargs.pop("max_new_tokens")
-        with self._no_grad_context(self.model):
+        with self._no_grad_context(self.model, cast_adapters=True):
             return state.generate(self.model, num_generations, max_new_tokens, **kwargs)
 
     def _truncate_after_eos(self, completion_ids: torch.Tensor) -> list[list[int]]:

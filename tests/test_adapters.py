@@ -1,0 +1,112 @@
+"""Adapters in the model's dtype during graph-free passes (``longstraw_trl.adapters``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import build
+from _reference import VOCAB
+from peft import LoraConfig, get_peft_model
+
+from longstraw_trl import LongStrawError, capture_prompt
+from longstraw_trl.adapters import adapters_in_model_dtype
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _lora(model, seed: int = 1):
+    """LoRA on every linear layer; B random (PEFT starts it at zero, which would hide the adapter)."""
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return peft_model
+
+
+def _kv(state) -> torch.Tensor:
+    return torch.cat(
+        [
+            torch.cat([k.flatten(), v.flatten()])
+            for layer in state.layers.values()
+            for k, v in layer.stream("cpu")
+        ]
+    )
+
+
+def test_casts_inside_and_restores_the_same_tensors():
+    model = _lora(build("qwen3").to(torch.bfloat16))
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert params and all(p.dtype == torch.float32 for p in params)  # PEFT's upcast
+    before = [(p.data.data_ptr(), p.detach().clone()) for p in params]
+    with torch.no_grad(), adapters_in_model_dtype(model) as n:
+        assert n == len(params)
+        assert all(p.dtype == torch.bfloat16 for p in params)
+    for p, (ptr, value) in zip(params, before, strict=False):
+        assert p.dtype == torch.float32 and p.data.data_ptr() == ptr and torch.equal(p, value)
+
+
+def test_nothing_to_cast_and_no_autograd():
+    fp32 = _lora(build("qwen3"))
+    with torch.no_grad(), adapters_in_model_dtype(fp32) as n:
+        assert n == 0
+    with adapters_in_model_dtype(fp32, enabled=False) as n:  # disabled: allowed under autograd
+        assert n == 0
+    with pytest.raises(LongStrawError, match="graph-free"):
+        with adapters_in_model_dtype(_lora(build("qwen3").to(torch.bfloat16))):
+            pass
+
+
+def test_capture_error_stays_at_bf16_level():
+    """The cast's capture differs from PEFT's exact bf16 capture by no more than that one differs from fp32."""
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
+    truth = _lora(build("qwen3"))
+    model = _lora(build("qwen3").to(torch.bfloat16))
+    with torch.no_grad():
+        exact32 = _kv(capture_prompt(truth, prompt, chunk_size=16))
+        peft16 = _kv(capture_prompt(model, prompt, chunk_size=16)).float()
+        with adapters_in_model_dtype(model) as n:
+            assert n > 0
+            cast16 = _kv(capture_prompt(model, prompt, chunk_size=16)).float()
+    assert not torch.equal(cast16, peft16)  # the cast did change the computation
+    err_peft = (peft16 - exact32).norm() / exact32.norm()
+    err_cast = (cast16 - exact32).norm() / exact32.norm()
+    assert err_peft < 2e-2
+    print(f"capture rel. error vs fp32: PEFT bf16 {err_peft:.2e}, cast {err_cast:.2e}")
+    assert err_cast < 1.5 * err_peft, (err_cast, err_peft)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_trainer_casts_in_capture_and_generation_only(enabled, monkeypatch):
+    from _trl_helpers import make_tiny_longstraw_trainer, tiny_model_dir
+    from transformers import Qwen3ForCausalLM
+
+    import longstraw_trl.trainer as trainer_module
+
+    model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.bfloat16)
+    trainer = make_tiny_longstraw_trainer(
+        model=model,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        graph_free_adapters_in_model_dtype=enabled,
+    )
+    params = [p for n, p in trainer.model.named_parameters() if "lora_" in n]
+    assert params and all(p.dtype == torch.float32 for p in params)
+    seen = {}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            seen[name] = {p.dtype for p in params}
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(trainer_module, "capture_prompt", spy("capture", trainer_module.capture_prompt))
+    state = trainer._capture(trainer.model, torch.tensor([3, 4, 5, 6]))
+    monkeypatch.setattr(state, "generate", spy("generate", state.generate))
+    monkeypatch.setattr(state, "logprobs", spy("logprobs", state.logprobs))
+    completions = trainer._sample_group(state, 2)
+    state.logprobs(trainer.model, completions)
+    cast = torch.bfloat16 if enabled else torch.float32
+    assert seen == {"capture": {cast}, "generate": {cast}, "logprobs": {torch.float32}}
+    assert all(p.dtype == torch.float32 for p in params)
