@@ -19,6 +19,7 @@ import os
 import torch
 from common import Timer, write_result
 from peft import LoraConfig, get_peft_model
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
@@ -72,7 +73,10 @@ def main() -> None:
         torch.cuda.synchronize()
     averages = prof.key_averages()
     table = averages.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=60)
-    cuda_s = sum(e.self_device_time_total for e in averages) / 1e6
+    # kernels only: CPU-side ops report their children's device time too, and the profiler's own
+    # "Command Buffer Full" entries overlap the kernels they wait for
+    kernels = [e for e in averages if e.device_type == DeviceType.CUDA and "Command Buffer" not in e.key]
+    cuda_s = sum(e.self_device_time_total for e in kernels) / 1e6
     calls = sum(e.count for e in averages if e.key.startswith("aten::"))
     print(f"first capture {t_cap.seconds:.1f} s; {args.phase} (warm): {[round(x, 3) for x in times]} s")
     print(f"profiled {args.phase}: {cuda_s:.3f} s of CUDA kernels, {calls} aten calls")
