@@ -39,8 +39,8 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from longstraw_trl.state_cache import prompt_key as _prompt_key
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
-from longstraw_trl.trainer import _prompt_key
 
 
 def _zero_reward(completions, **kwargs):

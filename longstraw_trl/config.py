@@ -79,6 +79,11 @@ class LongStrawGRPOConfig(GRPOConfig):
         refresh_drift_threshold (`float`, *optional*, defaults to `0.02`):
             For `"adaptive"`: the mean absolute log-prob difference (nats per response token) above which the interval
             is narrowed.
+        prompt_cache_gib (`float` or `None`, *optional*, defaults to `4.0`):
+            GiB of prompt states kept between batches beyond the ones the current batch uses (`None`: no limit). A
+            prompt whose prefix is cached (an agent's history grown by some turns) is extended from it instead of
+            captured again; the least recently used states go first. The planner does not count these bytes: set 0
+            when a plan is at the edge of the device's memory.
         graph_free_adapters_in_model_dtype (`bool`, *optional*, defaults to `True`):
             During the capture and generation (no autograd), run PEFT adapter weights (which PEFT keeps in fp32 beside a
             bf16 model) in the model's dtype: the fp32 GEMMs and casts of every adapted layer go (about a quarter of a
@@ -108,6 +113,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             "help": "Where the K/V pages of the prompt state live: None (the model's device) or 'cpu' (pinned host "
             "memory, streamed to the device page by page).",
             "choices": ["cpu"],
+        },
+    )
+    prompt_cache_gib: float | None = field(
+        default=4.0,
+        metadata={
+            "help": "GiB of prompt states kept between batches beyond the current batch's (None: no limit). Prompts "
+            "whose prefix is cached are extended from it instead of captured again."
         },
     )
     graph_free_adapters_in_model_dtype: bool = field(

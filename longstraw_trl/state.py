@@ -71,6 +71,16 @@ class LayerState(ABC):
         """Allocated but unused bytes on this rank."""
         return 0
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor the state holds (shared ones included), e.g. to count memory once across forks.
+
+        The default walks the instance's attributes: tensors, and tensors inside lists or tuples of them."""
+        for value in vars(self).values():
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                parts = item if isinstance(item, tuple) else (item,)
+                yield from (t for t in parts if isinstance(t, torch.Tensor))
+
     @classmethod
     @abstractmethod
     def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:

@@ -46,14 +46,12 @@ without a `prompt` column and models `patch_model` does not support.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,6 +71,7 @@ from .loss import GRPOLossSpec, aggregate_metrics, batch_loss_context, response_
 from .model_patches import patch_model, unwrap_model
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
 from .state import PromptState
+from .state_cache import EXTEND, CachedPrompt, PromptStateCache, prompt_key
 
 __all__ = [
     "LongStrawGRPOConfig",
@@ -118,17 +117,6 @@ class RewardFunctionError(LongStrawTrainingError):
 
 class NonFiniteLossError(LongStrawTrainingError):
     """A response's loss term is NaN or infinite; training stops before it is back-propagated."""
-
-
-@dataclass
-class _PromptEntry:
-    """One captured prompt: its token ids (to re-capture it) and its current state."""
-
-    key: str
-    prompt_ids: torch.Tensor  # 1-D, on the CPU
-    state: PromptState | None
-    captured_at: int  # `state.global_step` at capture: the optimizer steps the weights had seen
-    probe_stale: PromptState | None = None  # "adaptive" probe: the stale state, until the drift is measured
 
 
 def _named_reward_function(func: Callable, name: str) -> Callable:
@@ -276,12 +264,6 @@ def _check_model(model) -> None:
     patch_model(model)
 
 
-def _prompt_key(ids: list[int] | torch.Tensor) -> str:
-    t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
-    digest = hashlib.blake2b(t.to(torch.int64).cpu().numpy().tobytes(), digest_size=8).hexdigest()
-    return f"{digest}:{t.numel()}"
-
-
 @contextlib.contextmanager
 def _checkpointing_off(model):
     """Switch HF activation checkpointing off in every layer for a graph-free pass (TRL does the same)."""
@@ -392,7 +374,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         # Set before `super().__init__` (TRL's `__init__` may already call overridden methods).
         self._batch_groups: list[str] | None = None
         self.cp_group = None
-        self._states: dict[str, _PromptEntry] = {}
+        self.prompt_cache: PromptStateCache | None = None  # built once the refresh policy exists
         self._train_keys: set[str] = set()
         self._step_counts: dict[str, dict[str, float]] = {
             "train": defaultdict(float),
@@ -423,6 +405,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             args.refresh_drift_threshold,
             args.refresh_probe_period,
             args.refresh_max_interval,
+        )
+        cache_bytes = None if args.prompt_cache_gib is None else int(args.prompt_cache_gib * 2**30)
+        self.prompt_cache = PromptStateCache(
+            self._capture_policy, self._extend, self.refresh_policy, cache_bytes
         )
         for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
             if not isinstance(func, nn.Module):
@@ -491,58 +477,31 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         return state
 
-    def _evict(self, keep: set[str]) -> None:
-        """Free the states not in `keep`; under `recapture`, also free stale ones (they would be re-captured)."""
-        for key in list(self._states):
-            entry = self._states[key]
-            if key not in keep:
-                del self._states[key]
-            elif self.args.refresh_policy == "recapture" and entry.captured_at != self.state.global_step:
-                entry.state = None
-                entry.probe_stale = None
+    def _capture_policy(self, prompt_ids: torch.Tensor) -> PromptState:
+        return self._capture(self.model, prompt_ids)
 
-    def _acquire(self, key: str, prompt_ids, purpose: str) -> _PromptEntry:
-        """The policy state of a prompt, captured now or reused according to the refresh policy."""
-        mode = self._mode
-        counts = self._step_counts[mode]
-        entry = self._states.get(key)
-        if entry is None or entry.state is None:
-            ids = (
-                prompt_ids
-                if isinstance(prompt_ids, torch.Tensor)
-                else torch.tensor(prompt_ids, dtype=torch.long)
-            )
-            ids = ids.detach().to("cpu", torch.long).reshape(-1)
-            action = "capture" if entry is None else RECAPTURE
-            if entry is None:
-                entry = _PromptEntry(key, ids, None, self.state.global_step)
-                self._states[key] = entry
-            entry.state = self._capture(self.model, ids)
-            entry.captured_at = self.state.global_step
-            counts[action] += 1
-            logger.info("LongStraw refresh: prompt %s (%s) -> %s", key, purpose, action)
-            return entry
-        decision = self.refresh_policy.decide(self.state.global_step - entry.captured_at)
-        counts[decision.action] += 1
-        counts["_age_sum"] += decision.age
-        counts["_age_n"] += 1
-        logger.info(
-            "LongStraw refresh: prompt %s (%s) age %d, interval %d -> %s",
-            key,
-            purpose,
-            decision.age,
-            decision.interval,
-            decision.action,
-        )
-        if decision.needs_capture:
-            stale, entry.state = entry.state, None
-            entry.probe_stale = stale if decision.action == PROBE else None
-            del stale
-            entry.state = self._capture(self.model, entry.prompt_ids)
-            entry.captured_at = self.state.global_step
+    def _extend(self, state: PromptState, more_ids: torch.Tensor) -> PromptState:
+        """A fork of `state` with `more_ids` appended (the prompt-state cache's prefix reuse)."""
+        start = time.perf_counter()
+        with self._no_grad_context(self.model, cast_adapters=True):
+            new = state.extend(self.model, more_ids)
+        metrics = self._metrics[self._mode]
+        metrics["longstraw/extend_seconds"].append(time.perf_counter() - start)
+        metrics["longstraw/extend_tokens"].append(float(more_ids.numel()))
+        return new
+
+    def _acquire(self, key: str, prompt_ids, purpose: str) -> CachedPrompt:
+        """The policy state of a prompt: reused, extended from a cached prefix, or captured (refresh policy)."""
+        counts = self._step_counts[self._mode]
+        entry, action, age = self.prompt_cache.get(prompt_ids, self.state.global_step, key)
+        counts[action] += 1
+        if age is not None:
+            counts["_age_sum"] += age
+            counts["_age_n"] += 1
+        logger.info("LongStraw refresh: prompt %s (%s) age %s -> %s", key, purpose, age, action)
         return entry
 
-    def _finish_probe(self, entry: _PromptEntry, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    def _finish_probe(self, entry: CachedPrompt, ids: torch.Tensor, mask: torch.Tensor) -> None:
         """`adaptive` probe: drift of one response's log-probs between the stale and the fresh state."""
         stale, entry.probe_stale = entry.probe_stale, None
         n = int(mask.sum())
@@ -561,11 +520,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def free_prompt_states(self) -> None:
         """Drop every captured prompt state (they are re-captured when needed)."""
-        self._states.clear()
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
         self._train_keys = set()
 
     def live_state_bytes(self) -> int:
-        return sum(e.state.nbytes() for e in self._states.values() if e.state is not None)
+        """Bytes of the prompt states held (forks' shared pages counted once)."""
+        return self.prompt_cache.nbytes() if self.prompt_cache is not None else 0
 
     # ------------------------------------------------------------------------------------------------------------------
     # Generation: TRL's `_generate_and_score_completions`, with the model work routed to the prompt states
@@ -644,16 +605,23 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         mode = self._mode
         groups = self._group_rows(prompt_ids, num_generations)
-        keys = [_prompt_key(ids) for ids in groups]
+        keys = [prompt_key(ids) for ids in groups]
         keep = set(keys) | (self._train_keys if mode == "eval" else set())
-        self._evict(keep)  # before capturing: never hold the old batch's states and the new ones at once
+        # before capturing: free what will not be used (the old batch's states beyond the cache's budget)
+        self.prompt_cache.pin(keep)
+        self.prompt_cache.evict(self.state.global_step)
         if mode == "train":
             self._train_keys = set(keys)
 
+        # shortest prompts first, so a prompt that extends another one of this batch finds its state
+        entries = {}
+        for i in sorted(range(len(groups)), key=lambda i: len(groups[i])):
+            if keys[i] not in entries:
+                entries[keys[i]] = self._acquire(keys[i], groups[i], purpose="generation")
         completion_ids: list[list[int]] = []
         seconds, new_tokens = 0.0, 0
-        for key, ids in zip(keys, groups, strict=True):
-            entry = self._acquire(key, ids, purpose="generation")
+        for key in keys:
+            entry = entries[key]
             start = time.perf_counter()
             sampled = self._sample_group(entry.state, num_generations)
             seconds += time.perf_counter() - start
@@ -724,7 +692,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             length = int((mask[rows].sum(0) > 0).sum())  # right padding: the longest row of the group
             if length == 0:
                 continue
-            entry = self._states[key]
+            entry = self.prompt_cache[key]
             state = self._capture(model, entry.prompt_ids, role="reference") if reference else entry.state
             with self._no_grad_context(model):
                 logps = state.logprobs(model, ids[rows, :length], mask[rows, :length], self.temperature)
@@ -753,7 +721,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         # The prompt states stand for the (B, P) prompt tensors: keep each group's token ids once, on the CPU.
         output.pop("prompt_ids", None)
         output.pop("prompt_mask", None)
-        output["longstraw_prompts"] = [(key, self._states[key].prompt_ids) for key in groups]
+        output["longstraw_prompts"] = [(key, self.prompt_cache[key].prompt_ids) for key in groups]
         return output
 
     def _split_by_groups(self, batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
@@ -992,13 +960,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         finally:
             self._flush_step_counts("eval")
-            self._evict(self._train_keys)  # evaluation states are not kept
+            # evaluation states are not pinned: the cache keeps them only within its budget
+            self.prompt_cache.pin(self._train_keys)
+            self.prompt_cache.evict(self.state.global_step)
 
     def _flush_step_counts(self, mode: str) -> None:
         counts = self._step_counts[mode]
         metrics = self._metrics[mode]
-        for action in ("capture", "fresh", "reuse", RECAPTURE, PROBE):
+        for action in ("capture", EXTEND, "fresh", "reuse", RECAPTURE, PROBE):
             metrics[f"longstraw/refresh/{action}"].append(counts.get(action, 0.0))
+        if self.prompt_cache is not None:
+            for name, tokens in self.prompt_cache.pop_stats().items():
+                metrics[f"longstraw/{name}"].append(float(tokens))
         if counts.get("_age_n"):
             metrics["longstraw/refresh/state_age"].append(counts["_age_sum"] / counts["_age_n"])
         metrics["longstraw/refresh/interval"].append(float(self.refresh_policy.interval))

@@ -78,7 +78,7 @@ def test_completions_equal_state_generate_and_stock_trl():
     width = mask.size(1)
     assert torch.equal(raw[:, :width][mask], out["completion_ids"][mask])
     # the prompt state replaces TRL's (B, P) prompt tensors
-    assert "prompt_ids" not in out and ours._states[key].state is not None
+    assert "prompt_ids" not in out and ours.prompt_cache[key].state is not None
 
 
 def test_conversational_prompts_use_the_chat_template():
@@ -184,7 +184,7 @@ def test_train_logs_trl_and_longstraw_metrics_with_gradient_checkpointing():
         sum(len(p) for p in PROMPTS) / 2, abs=len(PROMPTS[1])
     )
     assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in logs)
-    assert not trainer._states  # freed after training
+    assert not len(trainer.prompt_cache)  # freed after training
 
 
 def unwrap_checkpointing(trainer):
@@ -193,12 +193,16 @@ def unwrap_checkpointing(trainer):
 
 def test_evaluate_generates_scores_and_frees_its_states():
     trainer = make_tiny_longstraw_trainer(
-        reward_funcs=_digit_reward, per_device_eval_batch_size=4, num_generations_eval=2, eval_strategy="no"
+        reward_funcs=_digit_reward,
+        per_device_eval_batch_size=4,
+        num_generations_eval=2,
+        eval_strategy="no",
+        prompt_cache_gib=0,  # nothing kept beyond the batch in use
     )
     metrics = trainer.evaluate(eval_dataset=_dataset(4))
     for name in ("eval_loss", "eval_reward", "eval_entropy", "eval_longstraw/prompt_tokens"):
         assert name in metrics and math.isfinite(metrics[name]), name
-    assert not trainer._states
+    assert trainer.live_state_bytes() == 0 and not len(trainer.prompt_cache)
 
 
 @pytest.mark.parametrize("policy", ["recapture", "reuse", "adaptive"])

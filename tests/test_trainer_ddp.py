@@ -18,7 +18,7 @@ import torch.distributed as dist
 from _spawn import exit_worker, run_processes
 from _trl_helpers import make_tiny_longstraw_trainer, random_grpo_inputs
 
-from longstraw_trl.trainer import _prompt_key
+from longstraw_trl.state_cache import prompt_key as _prompt_key
 
 LENGTHS = [6, 2, 5, 1]
 

@@ -23,7 +23,7 @@ from _trl_helpers import (
 )
 
 from longstraw_trl.loss import LOSS_TYPES
-from longstraw_trl.trainer import _prompt_key
+from longstraw_trl.state_cache import prompt_key as _prompt_key
 
 LENGTHS = [7, 3, 5, 1]  # one group of G = 4 completions, right-padded to 7
 PROMPT_LEN = 24

@@ -1,0 +1,236 @@
+"""The trainer's prompt states: one per prompt, found by longest cached prefix, kept within a byte budget.
+
+An agent's history grows turn by turn: the prompt of a decision point is the prompt of the previous one plus
+the turns since. :class:`PromptStateCache` looks a prompt up by its tokens. An exact match is reused (or
+re-captured) under the :class:`~longstraw_trl.refresh.RefreshPolicy`; otherwise the longest cached prompt that
+is a prefix of it, if its state may still be used, is *extended* (``PromptState.extend``: a fork that shares
+the prefix's K/V segments and prefills only the new tokens); only when no prefix is usable is the prompt
+captured from its first token.
+
+Staleness: a state extended from a prefix holds the prefix's part as the prefix's weights saw it, so its age
+is the prefix's (``captured_at`` is inherited), and the refresh policy treats it as that old. A re-capture of
+a stale state looks for a *fresh* prefix (captured with the current weights) to extend before capturing
+everything again.
+
+Memory: states of the prompts in use are pinned (``pin``); the others are kept, least recently used first to
+go, while the bytes the cache holds stay within ``max_bytes`` (counted once per tensor: forks share their
+prefix's segments). ``max_bytes=0`` keeps nothing between batches (every batch starts from captures).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from .refresh import PROBE, RECAPTURE, RefreshPolicy
+from .state import PromptState
+
+logger = logging.getLogger(__name__)
+
+CAPTURE, EXTEND = "capture", "extend"
+
+
+def prompt_key(ids: list[int] | torch.Tensor) -> str:
+    """A short identity of a token sequence (hash of its ids and its length)."""
+    t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+    digest = hashlib.blake2b(t.to(torch.int64).cpu().numpy().tobytes(), digest_size=8).hexdigest()
+    return f"{digest}:{t.numel()}"
+
+
+@dataclass
+class CachedPrompt:
+    """One prompt of the cache: its token ids (to re-capture or extend it) and its current state.
+
+    Attributes:
+        key: :func:`prompt_key` of ``prompt_ids``.
+        prompt_ids: 1-D LongTensor on the CPU.
+        state: the prompt state, ``None`` once freed (it is rebuilt when needed).
+        captured_at: the optimizer step whose weights captured the oldest part of the state.
+        probe_stale: ``"adaptive"`` refresh: the stale state kept until the drift is measured.
+        last_used: the cache's clock at the last lookup (least recently used states are evicted first).
+    """
+
+    key: str
+    prompt_ids: torch.Tensor
+    state: PromptState | None
+    captured_at: int
+    probe_stale: PromptState | None = None
+    last_used: int = 0
+    parent: str | None = field(default=None, repr=False)  # the prefix it was extended from, if any
+
+
+class Lookup(NamedTuple):
+    """What :meth:`PromptStateCache.get` found: the entry, the action taken, the age decided on."""
+
+    entry: CachedPrompt
+    action: str
+    age: int | None
+
+
+def _state_tensors(state: PromptState) -> Iterable[torch.Tensor]:
+    for layer in state.layers.values():
+        yield from layer.tensors()
+
+
+class PromptStateCache:
+    """Prompt states by longest cached prefix, under a refresh policy and a byte budget (module docstring).
+
+    Args:
+        capture: ``ids -> PromptState``: capture a whole prompt with the current weights.
+        extend: ``(state, more_ids) -> PromptState``: a fork of ``state`` with ``more_ids`` appended.
+        policy: when to re-capture a stale state.
+        max_bytes: bytes of state kept beyond the pinned ones (``None``: no limit).
+        min_reuse_tokens: shortest prefix worth extending (shorter ones are captured again).
+    """
+
+    def __init__(
+        self,
+        capture: Callable[[torch.Tensor], PromptState],
+        extend: Callable[[PromptState, torch.Tensor], PromptState],
+        policy: RefreshPolicy,
+        max_bytes: int | None = None,
+        min_reuse_tokens: int = 1,
+    ):
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+        self._capture, self._extend, self.policy = capture, extend, policy
+        self.max_bytes, self.min_reuse_tokens = max_bytes, max(1, min_reuse_tokens)
+        self.entries: dict[str, CachedPrompt] = {}
+        self.pinned: set[str] = set()
+        self._clock = 0
+        self.tokens_captured = 0  # prompt tokens prefilled (whole captures and extensions), since `pop_stats`
+        self.tokens_reused = 0  # prompt tokens served from an existing state without prefill
+
+    # --- lookup -----------------------------------------------------------------------------------------------------
+    def get(
+        self, ids: torch.Tensor | list[int], step: int, key: str | None = None
+    ) -> tuple[CachedPrompt, str]:
+        """The state of prompt ``ids`` at optimizer step ``step``, and what was done to get it: ``"capture"``,
+        ``"extend"``, or the refresh policy's ``"fresh"`` / ``"reuse"`` / ``"recapture"`` / ``"probe"``."""
+        ids = torch.as_tensor(ids).detach().to("cpu", torch.long).reshape(-1)
+        key = key or prompt_key(ids)
+        self._clock += 1
+        entry = self.entries.get(key)
+        if entry is not None and entry.state is not None:
+            entry.last_used = self._clock
+            decision = self.policy.decide(step - entry.captured_at)
+            if not decision.needs_capture:
+                self.tokens_reused += ids.numel()
+                return Lookup(entry, decision.action, decision.age)
+            stale, entry.state = entry.state, None
+            entry.probe_stale = stale if decision.action == PROBE else None
+            del stale
+            self._build(entry, step, fresh_only=True)
+            return Lookup(entry, decision.action, decision.age)
+        first = entry is None
+        if first:
+            entry = self.entries[key] = CachedPrompt(key, ids, None, step)
+        entry.last_used = self._clock
+        action = self._build(entry, step, fresh_only=not first)
+        return Lookup(entry, action if first else RECAPTURE, None if first else step - entry.captured_at)
+
+    def _usable_prefix(self, entry: CachedPrompt, step: int, fresh_only: bool) -> CachedPrompt | None:
+        """The longest other cached prompt that is a prefix of ``entry``'s and whose state may be used now."""
+        ids, best = entry.prompt_ids, None
+        for other in self.entries.values():
+            n = other.prompt_ids.numel()
+            if other is entry or other.state is None or n >= ids.numel() or n < self.min_reuse_tokens:
+                continue
+            if best is not None and n <= best.prompt_ids.numel():
+                continue
+            age = step - other.captured_at
+            if age > 0 and (fresh_only or self.policy.policy == "recapture" or age > self.policy.interval):
+                continue
+            if torch.equal(other.prompt_ids, ids[:n]):
+                best = other
+        return best
+
+    def _build(self, entry: CachedPrompt, step: int, fresh_only: bool) -> str:
+        prefix = self._usable_prefix(entry, step, fresh_only)
+        if prefix is None:
+            entry.state = self._capture(entry.prompt_ids)
+            entry.captured_at, entry.parent = step, None
+            self.tokens_captured += entry.prompt_ids.numel()
+            return CAPTURE
+        n = prefix.prompt_ids.numel()
+        prefix.last_used = self._clock
+        entry.state = self._extend(prefix.state, entry.prompt_ids[n:])
+        entry.captured_at, entry.parent = prefix.captured_at, prefix.key
+        self.tokens_reused += n
+        self.tokens_captured += entry.prompt_ids.numel() - n
+        logger.info(
+            "LongStraw cache: prompt %s extends %s by %d tokens",
+            entry.key,
+            prefix.key,
+            entry.prompt_ids.numel() - n,
+        )
+        return EXTEND
+
+    def __getitem__(self, key: str) -> CachedPrompt:
+        return self.entries[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    # --- memory -----------------------------------------------------------------------------------------------------
+    def pin(self, keys: Iterable[str]) -> None:
+        """The prompts the current batch uses: never evicted until the next ``pin``."""
+        self.pinned = set(keys)
+
+    def nbytes(self, keys: Iterable[str] | None = None) -> int:
+        """Bytes held by the states of ``keys`` (default: all), each tensor counted once (forks share)."""
+        seen, total = set(), 0
+        for key in self.entries if keys is None else keys:
+            entry = self.entries.get(key)
+            for state in (entry.state, entry.probe_stale) if entry is not None else ():
+                if state is None:
+                    continue
+                for t in _state_tensors(state):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in seen:
+                        seen.add(ptr)
+                        total += t.untyped_storage().nbytes()
+        return total
+
+    def evict(self, step: int, keep: Iterable[str] = ()) -> None:
+        """Before a batch: free states the refresh policy would not use again (every stale state under
+        ``"recapture"``; unkept ones past the reuse interval otherwise), forget prompts with no state that are
+        not kept, then drop the least recently used unkept states while they hold more than ``max_bytes``.
+        ``keep`` (and the pinned prompts) are never dropped."""
+        keep = set(keep) | self.pinned
+        for entry in self.entries.values():
+            age = step - entry.captured_at
+            if entry.state is None or age == 0:
+                continue
+            if self.policy.policy == "recapture" or (entry.key not in keep and age > self.policy.interval):
+                entry.state = entry.probe_stale = None
+        for key in [k for k, e in self.entries.items() if e.state is None and k not in keep]:
+            del self.entries[key]
+        if self.max_bytes is None:
+            return
+        unkept = sorted((e for e in self.entries.values() if e.key not in keep), key=lambda e: e.last_used)
+        held = self.nbytes([e.key for e in unkept])
+        while unkept and held > self.max_bytes:
+            del self.entries[unkept.pop(0).key]
+            held = self.nbytes([e.key for e in unkept])
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.pinned = set()
+
+    def pop_stats(self) -> dict[str, int]:
+        """Tokens captured and reused since the last call."""
+        out = {"tokens_captured": self.tokens_captured, "tokens_reused": self.tokens_reused}
+        self.tokens_captured = self.tokens_reused = 0
+        return out
+
+
+__all__ = ["CAPTURE", "EXTEND", "CachedPrompt", "Lookup", "PromptStateCache", "prompt_key"]
