@@ -12,17 +12,31 @@ REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
 OFFLOAD_CHOICES = (None, "cpu")
 
 
-def check_whole_groups(batch_size: int, num_generations: int, batch_name: str, generations_name: str) -> None:
-    """Raise unless a micro-batch of `batch_size` completions holds whole groups of `num_generations`."""
+def check_whole_groups(
+    batch_size: int, num_generations: int, batch_name: str, generations_name: str, what: str = "micro-batch"
+) -> None:
+    """Raise unless a `what` of `batch_size` completions holds whole groups of `num_generations`."""
     if num_generations and batch_size % num_generations != 0:
         lower = max(num_generations * (batch_size // num_generations), num_generations)
         raise LongStrawError(
-            f"LongStrawGRPOTrainer computes the loss of one prompt group at a time, so every micro-batch must hold "
-            f"whole groups: {batch_name}={batch_size} is not a multiple of {generations_name}={num_generations}. "
-            f"Set {batch_name} to a multiple of {num_generations} (e.g. {lower} or {lower + num_generations}), "
-            f"or set {generations_name} to a divisor of {batch_size}; use gradient_accumulation_steps to grow the "
-            "effective batch."
+            f"LongStrawGRPOTrainer samples each prompt group from one captured prompt state, so every {what} of a "
+            f"process must hold whole groups: {batch_name}={batch_size} is not a multiple of "
+            f"{generations_name}={num_generations}. Set {batch_name} to a multiple of {num_generations} (e.g. {lower} "
+            f"or {lower + num_generations}), or set {generations_name} to a divisor of {batch_size}."
         )
+
+
+def check_train_groups(args) -> None:
+    """A process's generation batch (`per_device_train_batch_size * steps_per_generation` completions) must hold
+    whole groups; a micro-batch may hold part of one (its state is kept across the micro-batches)."""
+    steps = args.steps_per_generation or args.gradient_accumulation_steps
+    check_whole_groups(
+        args.per_device_train_batch_size * steps,
+        args.num_generations,
+        f"per_device_train_batch_size * steps_per_generation ({args.per_device_train_batch_size} * {steps})",
+        "num_generations",
+        what="generation batch",
+    )
 
 
 @dataclass
@@ -32,8 +46,10 @@ class LongStrawGRPOConfig(GRPOConfig):
 
     The trainer captures each prompt once (no autograd, in chunks) into a read-only prompt state, samples the
     `num_generations` completions of its group from that state, and computes the policy loss one response at a time
-    on top of it. Every micro-batch must therefore hold whole groups: `per_device_train_batch_size` (and
-    `per_device_eval_batch_size` when evaluating) must be a multiple of `num_generations` (`num_generations_eval`).
+    on top of it. A process's generation batch must therefore hold whole groups: `per_device_train_batch_size *
+    steps_per_generation` must be a multiple of `num_generations` (a micro-batch may hold part of a group, as in TRL:
+    e.g. `per_device_train_batch_size=4, num_generations=8, gradient_accumulation_steps=2`), and when evaluating
+    `per_device_eval_batch_size` a multiple of `num_generations_eval` (TRL generates each evaluation batch on its own).
 
     Parameters:
         > Prompt state
@@ -177,14 +193,8 @@ class LongStrawGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        # Before GRPOConfig's own checks: say what a micro-batch needs, not only what the generation batch needs.
-        check_whole_groups(
-            self.per_device_train_batch_size,
-            self.num_generations,
-            "per_device_train_batch_size",
-            "num_generations",
-        )
         super().__post_init__()
+        check_train_groups(self)  # after GRPOConfig has derived steps_per_generation
         if self.offload_prompt_state in ("none", "None", ""):
             self.offload_prompt_state = None
         if self.offload_prompt_state not in OFFLOAD_CHOICES:

@@ -28,8 +28,10 @@ Prompt states live from generation until the generation batch has been consumed 
 `num_iterations` times); after an optimizer step they are stale, and [`~longstraw_trl.refresh.RefreshPolicy`] decides
 whether to re-capture or reuse them (`refresh_policy`).
 
-Micro-batch layout: a micro-batch holds whole groups (`per_device_train_batch_size` a multiple of `num_generations`).
-TRL shuffles the rows of a generation batch before splitting it into micro-batches; here the *groups* are shuffled.
+Micro-batch layout: a process's generation batch holds whole groups; TRL shuffles its rows before splitting it into
+micro-batches, here the *groups* are shuffled and their rows split in that order, so a micro-batch holds whole
+groups, or parts of at most a few (`longstraw_row_group` maps each row to its prompt; the group's state stays
+cached until the generation batch has been consumed).
 
 A cost inherited from reusing TRL's `_generate_and_score_completions`: while it scores a generation batch of `B`
 completions it still builds its `(B, P)` prompt tensors and `(B, P + R)` sequence tensors (int64, about `32·B·P`
@@ -63,7 +65,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
 
 from .adapters import adapters_in_model_dtype
-from .config import LongStrawGRPOConfig, check_whole_groups
+from .config import LongStrawGRPOConfig, check_train_groups
 from .distributed import new_cp_groups
 from .engine import capture_prompt
 from .errors import LongStrawError, UnsupportedModelError
@@ -355,12 +357,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "e.g. LongStrawGRPOConfig(**your_grpo_kwargs)."
             )
         _refuse_unsupported(args, tools, rollout_func, environment_factory, processing_class)
-        check_whole_groups(
-            args.per_device_train_batch_size,
-            args.num_generations,
-            "per_device_train_batch_size",
-            "num_generations",
-        )
+        check_train_groups(args)
         _check_prompt_column(train_dataset, "train_dataset")
         _check_prompt_column(eval_dataset, "eval_dataset")
         if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
@@ -725,25 +722,31 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return output
 
     def _split_by_groups(self, batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
-        """Shuffle the groups of a generation batch and split it into `num_chunks` micro-batches of whole groups."""
+        """Shuffle the groups of a generation batch, then split its rows in that order into `num_chunks` micro-batches.
+
+        A micro-batch holds the prompts of the groups it has rows of (`longstraw_prompts`) and, per row, the index of
+        its prompt among them (`longstraw_row_group`); a group cut by a micro-batch boundary is replayed from the same
+        cached state in both micro-batches."""
         prompts = batch["longstraw_prompts"]
         rows = batch["completion_ids"].size(0)
         size = rows // len(prompts)
-        if len(prompts) % num_chunks != 0:
+        if rows % num_chunks != 0:
             raise LongStrawError(
-                f"a generation batch of {len(prompts)} groups cannot be split into {num_chunks} micro-batches of "
-                "whole groups; make per_device_train_batch_size a multiple of num_generations."
+                f"a generation batch of {rows} completions cannot be split into {num_chunks} equal micro-batches"
             )
         order = torch.randperm(len(prompts)).tolist()
         if self.cp_group is not None:  # the ranks of a CP group must replay the same responses in step
             box = [order]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.cp_group, 0), group=self.cp_group)
             order = box[0]
-        per_chunk = len(prompts) // num_chunks
+        row_order = torch.cat([torch.arange(g * size, (g + 1) * size) for g in order])
+        per_chunk = rows // num_chunks
         chunks = []
         for c in range(num_chunks):
-            group_ids = order[c * per_chunk : (c + 1) * per_chunk]
-            index = torch.cat([torch.arange(g * size, (g + 1) * size) for g in group_ids])
+            index = row_order[c * per_chunk : (c + 1) * per_chunk]
+            row_groups = (index // size).tolist()
+            group_ids = list(dict.fromkeys(row_groups))  # in order of appearance
+            position = {g: j for j, g in enumerate(group_ids)}
             chunk = {}
             for name, value in batch.items():
                 if name == "longstraw_prompts":
@@ -752,6 +755,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     chunk[name] = value[index.to(value.device)]
                 else:
                     chunk[name] = value
+            chunk["longstraw_row_group"] = torch.tensor([position[g] for g in row_groups])
             chunks.append(chunk)
         return chunks
 
@@ -800,7 +804,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         prompts = inputs["longstraw_prompts"]
         num_rows, width = completion_ids.shape
-        size = num_rows // len(prompts)
+        row_group = inputs.get("longstraw_row_group")
+        if row_group is None:  # whole groups, in order
+            row_group = torch.arange(num_rows) // (num_rows // len(prompts))
+        row_group = row_group.tolist()
+        rows_of = [[i for i in range(num_rows) if row_group[i] == g] for g in range(len(prompts))]
         old = inputs.get("old_per_token_logps")
         ref = inputs.get("ref_per_token_logps")
         sampling = inputs.get("sampling_per_token_logps")
@@ -816,8 +824,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if backward and self.accelerator.num_processes > 1:
             with_tokens = [i for i in range(num_rows) if ctx.lengths[i] > 0]
             sync_row = max(with_tokens, key=lambda i: ctx.lengths[i]) if with_tokens else 0
-            group_order.remove(sync_row // size)
-            group_order.append(sync_row // size)
+            group_order.remove(row_group[sync_row])
+            group_order.append(row_group[sync_row])
 
         def cut(x, i, length):
             return None if x is None else x[i, :length]
@@ -828,7 +836,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         for g in group_order:
             key, prompt_ids = prompts[g]
             entry = self._acquire(key, prompt_ids, purpose="loss")
-            rows = list(range(g * size, (g + 1) * size))
+            rows = list(rows_of[g])
             if entry.probe_stale is not None:
                 probe = next((i for i in rows if ctx.lengths[i] > 0), None)
                 if probe is not None:

@@ -237,8 +237,8 @@ def patch_response_only_logps(trainer: GRPOTrainer, prompt_ids: torch.Tensor) ->
 
     The response-only reference of docs/design.md ("Correctness references"): `prompt[:P-1]` is prefilled into the stock HF cache under
     `no_grad`, then each completion row runs as `[prompt[P-1], completion[:-1]]` with autograd on a (rebinding)
-    copy of that cache, so its token 0 is scored through every layer. Every row shares `prompt_ids` (one group).
-    TRL's `_compute_loss` then runs unchanged on these log-probs.
+    copy of that cache, so its token 0 is scored through every layer. `prompt_ids` is one prompt that every row
+    shares (1-D), or one per row (`[B, P]`). TRL's `_compute_loss` then runs unchanged on these log-probs.
     """
     from _reference import rebinding_copy
 
@@ -247,13 +247,20 @@ def patch_response_only_logps(trainer: GRPOTrainer, prompt_ids: torch.Tensor) ->
     ):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         completions = input_ids[:, -logits_to_keep:]
-        with torch.no_grad():
-            cache = base.model(prompt_ids[None, :-1], use_cache=True).past_key_values
+        per_row = prompt_ids.dim() == 2
+        caches = {}
         logps, entropies = [], []
         for i in range(completions.size(0)):
+            prompt = prompt_ids[i] if per_row else prompt_ids
+            key = tuple(prompt.tolist())
+            if key not in caches:
+                with torch.no_grad():
+                    caches[key] = base.model(prompt[None, :-1], use_cache=True).past_key_values
             row = completions[i : i + 1]
-            tokens = torch.cat([prompt_ids[None, -1:], row[:, :-1]], dim=1)
-            h = base.model(tokens, past_key_values=rebinding_copy(cache), use_cache=True).last_hidden_state
+            tokens = torch.cat([prompt[None, -1:], row[:, :-1]], dim=1)
+            h = base.model(
+                tokens, past_key_values=rebinding_copy(caches[key]), use_cache=True
+            ).last_hidden_state
             logp = torch.log_softmax(base.lm_head(h).float() / trainer.temperature, dim=-1)
             logps.append(logp.gather(-1, row[..., None])[..., 0])
             entropies.append(-(logp.exp() * logp).sum(-1))

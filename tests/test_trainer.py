@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from transformers import MistralConfig, MistralForCausalLM, Qwen3ForCausalLM
 from trl import GRPOConfig
 
 from longstraw_trl import LongStrawError, LongStrawGRPOConfig, UnsupportedModelError, capture_prompt
+from longstraw_trl.config import check_train_groups
 from longstraw_trl.refresh import RefreshPolicy
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
 from longstraw_trl.trainer import (
@@ -293,11 +295,32 @@ def test_checkpoint_resume_gives_the_same_next_loss(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------------------------------
-def test_micro_batch_splitting_a_group_is_refused(tmp_path):
-    with pytest.raises(LongStrawError, match=r"per_device_train_batch_size=6.*num_generations=4"):
-        LongStrawGRPOConfig(
-            output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=4, use_cpu=True
+def test_micro_batch_may_hold_part_of_a_group_not_the_generation_batch(tmp_path):
+    args = LongStrawGRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=8,
+        gradient_accumulation_steps=2,
+        use_cpu=True,
+    )
+    assert args.steps_per_generation == 2
+    with pytest.raises(LongStrawError, match=r"generation batch.*\(6 \* 1\).*num_generations=4"):
+        check_train_groups(
+            SimpleNamespace(per_device_train_batch_size=6, steps_per_generation=1, num_generations=4)
         )
+
+
+def test_stock_batch_shape_with_a_group_split_over_micro_batches_trains():
+    """TRL's own example shape scaled down: 2 rows a micro-batch, groups of 4, 2 micro-batches per generation."""
+    trainer, logs = _train(
+        max_steps=1,
+        per_device_train_batch_size=2,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        train_dataset=_dataset(4, PROMPTS[:1]),
+    )
+    assert logs[0]["longstraw/refresh/capture"] == 0.5  # one capture over the two micro-batches
+    assert math.isfinite(logs[0]["loss"])
 
 
 def test_missing_prompt_column_is_refused():

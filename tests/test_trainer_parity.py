@@ -113,6 +113,41 @@ def test_streamed_loss_and_grads_match_trl(loss_type, level, setting):
         ), (name, metrics[name], value)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo"])
+def test_micro_batches_holding_parts_of_groups_match_trl(loss_type):
+    """Three groups of 4 split into 2 micro-batches of 6 (stock TRL's `per_device_train_batch_size` need not be a
+    multiple of `num_generations`): each micro-batch's loss and the accumulated gradients equal TRL's on the same rows.
+    """
+    trl = make_tiny_grpo_trainer(loss_type=loss_type, beta=0.04)
+    ours = make_tiny_longstraw_trainer(loss_type=loss_type, beta=0.04)
+    inputs, _, _ = random_grpo_inputs(LENGTHS * 3, seed=11, beta=0.04, prompt_len=PROMPT_LEN)
+    prompts = inputs["prompt_ids"][::4]  # rows 4g .. 4g + 3 share prompt g
+    inputs["prompt_ids"] = prompts.repeat_interleave(4, dim=0)
+    batch = {k: v for k, v in inputs.items() if k not in ("prompt_ids", "prompt_mask")}
+    batch["longstraw_prompts"] = [(_prompt_key(p), p) for p in prompts]
+    batch["row"] = torch.arange(12)  # which rows each micro-batch got
+    torch.manual_seed(3)
+    chunks = ours._split_by_groups(batch, 2)
+    assert any(
+        len(c["longstraw_prompts"]) > 1 and len(set(c["longstraw_row_group"].tolist())) > 1 for c in chunks
+    )
+    for model in (trl.model, ours.model):
+        model.train()
+        model.zero_grad()
+    for chunk in chunks:
+        rows = chunk.pop("row")
+        assert len(rows) == 6
+        ref_inputs = {
+            k: (v[rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in inputs.items()
+        }
+        patch_response_only_logps(trl, ref_inputs["prompt_ids"])
+        ref_loss = trl._compute_loss(trl.model, ref_inputs)
+        ref_loss.backward()
+        loss = ours._streamed_loss(ours.model, chunk, backward=True)
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
+    assert_grads_close(_grads(ours.model), _grads(trl.model))
+
+
 def test_hf_gradient_checkpointing_and_layer_checkpointing_keep_parity():
     """TRL turns HF gradient checkpointing on by default; the replay passes its context through the layer call."""
     trl = make_tiny_grpo_trainer(loss_type="grpo", beta=0.04)
