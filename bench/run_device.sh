@@ -65,6 +65,11 @@ cp8-4m)  # issue 7: P = 4,456,448, eight G = 8 replay cycles on the same prefix 
   timeout 560 python3 -m torch.distributed.run --nproc_per_node 8 cp_slice.py --preset qwen3.6-27b \
     --prompt 4456448 --cycles 8 2>&1 | grep -v -i warn | tee "$OUT/cp8_4m.log" | tail -16
   ;;
+agents)  # issue 12: P = 512K, G = 8, three tool turns per rollout on the Qwen3.6-27B slice; args to the script
+  shift
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 500 python3 -u agent_turns.py "$@" 2>&1 | grep -v -i warn \
+    | tee "$OUT/agents.log" | tail -12
+  ;;
 full)  # the whole Qwen3.6-27B with LoRA r=64: LongStraw steps vs floors, then stock TRL until OOM. Extra
        # arguments go to full_model.py: `full --skip-stock` (with fla: no stock layer trains through it) and
        # `full --skip-longstraw --tag _stock` (without fla) each fit one command; both sides at once may not

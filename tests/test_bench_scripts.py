@@ -89,3 +89,17 @@ def test_full_model_dry_run(tmp_path):
     assert stock["largest_fitting_prompt"] == 512 and stock["largest_fitting_step_s"] > 0
     assert stock["first_oom_prompt"] is None and stock["stopped_by"] == "budget"
     assert [r.get("ok") for r in stock["results"]] == [True, True, False] and stock["results"][2]["skipped"]
+
+
+def test_agent_turns_dry_run(tmp_path):
+    _run(tmp_path, "agent_turns.py", "--tiny", "--prompt", "600", "--generations", "2", "--turns", "2",
+         "--response", "6", "--tool-tokens", "10", "--chunk", "256", "--page", "128")  # fmt: skip
+    data = json.loads((tmp_path / "agent_turns_qwen3.6-27b_4L_tiny.json").read_text())
+    assert data["captures"] == [600]  # the prompt, once
+    turns = data["turns_table"]
+    assert [t["prefilled_tokens"] for t in turns] == [
+        600,
+        2 * 16,
+        2 * 16,
+    ]  # then only completion + tool tokens
+    assert data["replay"]["tokens"] == 6 + 2 * (10 + 6)
