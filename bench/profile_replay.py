@@ -4,9 +4,7 @@ Builds the preset with random bf16 weights on the GPU, LoRA on every linear laye
 checkpointing on (TRL's default), captures a random prompt, then times ``state.logprobs(grad=True)`` +
 ``backward`` of one random response (warm) and prints the CUDA ops that take the most time. With
 ``--phase capture`` it profiles the capture itself instead (warm: a first capture runs before), and
-reports its GPU-busy time beside its wall time. ``--phase decode`` times generation of G = 8 sequences
-(``--response`` steps, adapters in bf16 as the trainer runs them) with and without CUDA graphs, and
-profiles the eager one (kernels per step, kernel time per step).
+reports its GPU-busy time beside its wall time.
 
     python bench/profile_replay.py --prompt 32768 --response 256
     python bench/profile_replay.py --phase capture --prompt 65536
@@ -26,7 +24,6 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
 from longstraw_trl import capture_prompt
-from longstraw_trl.adapters import adapters_in_model_dtype
 from longstraw_trl.presets import preset_config
 
 
@@ -38,7 +35,7 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--phase", choices=("replay", "capture", "decode"), default="replay")
+    ap.add_argument("--phase", choices=("replay", "capture"), default="replay")
     ap.add_argument("--chunk", type=int, default=16384, help="capture chunk size")
     args = ap.parse_args()
     # positions for the prompt and the response (the preset keeps the model's own 32K limit)
@@ -56,13 +53,7 @@ def main() -> None:
     with Timer() as t_cap:
         state = capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
 
-    graphs = {"on": False}
-
     def replay() -> None:
-        if args.phase == "decode":
-            with torch.no_grad(), adapters_in_model_dtype(model):
-                state.generate(model, 8, args.response, cuda_graphs=graphs["on"])
-            return
         if args.phase == "capture":
             capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
             return
@@ -70,8 +61,6 @@ def main() -> None:
 
     if args.phase == "capture":
         del state  # the measured captures allocate their own
-    if args.phase == "decode":
-        model.eval()
     for _ in range(2 if args.phase == "replay" else 0):
         replay()
     times = []
@@ -79,14 +68,6 @@ def main() -> None:
         with Timer() as t:
             replay()
         times.append(t.seconds)
-    graph_times = []
-    if args.phase == "decode":
-        graphs["on"] = True
-        for _ in range(2):  # the first captures the graph
-            with Timer() as t:
-                replay()
-            graph_times.append(t.seconds)
-        graphs["on"] = False
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         replay()
         torch.cuda.synchronize()
@@ -99,13 +80,6 @@ def main() -> None:
     calls = sum(e.count for e in averages if e.key.startswith("aten::"))
     print(f"first capture {t_cap.seconds:.1f} s; {args.phase} (warm): {[round(x, 3) for x in times]} s")
     print(f"profiled {args.phase}: {cuda_s:.3f} s of CUDA kernels, {calls} aten calls")
-    kernel_calls = sum(e.count for e in kernels)
-    if args.phase == "decode":
-        steps = args.response
-        print(
-            f"decode per step: eager {1e3 * times[0] / steps:.1f} ms, CUDA graph {1e3 * graph_times[-1] / steps:.1f} ms, "
-            f"kernels {kernel_calls / steps:.0f} a step adding up to {1e3 * cuda_s / steps:.1f} ms"
-        )
     print(table)
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, f"profile_{args.phase}.txt"), "w") as f:
@@ -121,8 +95,6 @@ def main() -> None:
             "first_capture_s": t_cap.seconds,
             "profiled_cuda_kernel_s": cuda_s,
             "profiled_aten_calls": calls,
-            "profiled_kernel_calls": kernel_calls,
-            "cuda_graph_s": graph_times,
         },
     )
     print(json.dumps({f"{args.phase}_s": times, "cuda_s": cuda_s}))
