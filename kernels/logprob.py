@@ -1,4 +1,4 @@
-"""Per-token log-probs from hidden states without materialising ``[N, vocab]`` fp32 logits at once.
+"""Per-token log-probs (and entropies) from hidden states without materialising ``[N, vocab]`` fp32 logits at once.
 
 Rows are processed in chunks; under autograd each chunk is checkpointed, so backward recomputes its
 logits instead of keeping them. ``token_logprobs_reference`` is the plain full-logits version.
@@ -17,7 +17,12 @@ LOGITS_CHUNK_ELEMENTS = 1 << 26
 
 
 def _chunk_logprobs(
-    h: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool = False
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    lm_head: nn.Module,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
 ):
     logits = lm_head(h).float()
     if temperature != 1.0:
@@ -26,7 +31,8 @@ def _chunk_logprobs(
     picked = logp.gather(-1, targets[:, None])[:, 0]
     if not with_entropy:
         return picked
-    with torch.no_grad():  # logged, never differentiated
+    # Differentiated only for an entropy bonus; otherwise logged (or compared), so no graph is kept for it.
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp.exp() * logp).sum(-1)
     return picked, entropy
 
@@ -37,11 +43,14 @@ def token_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax(lm_head(hidden) / temperature)[targets]`` for ``hidden [..., H]``, ``targets [...]``.
 
-    With ``with_entropy`` also the per-token entropy of the same distribution (no gradient), computed from
-    the same chunk of logits.
+    With ``with_entropy`` also the per-token entropy ``-sum_v p_v log p_v`` of the same distribution, computed
+    from the same chunk of logits: without gradient, unless ``entropy_grad`` (under autograd, the entropies are
+    then differentiable in ``hidden`` and the head's parameters, through the same checkpointed chunks: backward
+    recomputes one chunk's logits at a time for both outputs).
 
     ``lm_head`` is the output projection (a module, or a module's bound forward); rows are chunked so that
     one chunk's logits stay under ``LOGITS_CHUNK_ELEMENTS`` (1,024 rows when the vocabulary is unknown).
@@ -53,7 +62,7 @@ def token_logprobs(
     parts: list = []
 
     def run(s: int, e: int):
-        args = (h[s:e], t[s:e], lm_head, temperature, with_entropy)
+        args = (h[s:e], t[s:e], lm_head, temperature, with_entropy, entropy_grad)
         return checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
 
     vocab = getattr(getattr(lm_head, "weight", None), "shape", (None,))[0]

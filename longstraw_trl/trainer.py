@@ -823,7 +823,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             loss_mask,
             num_items_in_batch=inputs["num_items_in_batch"],
             num_processes=self.accelerator.num_processes,
-            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+            # eval: never read (TRL does not either), and unset before the first `train()`
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps if mode == "train" else 1,
             training=mode == "train",
         )
         prompts = inputs["longstraw_prompts"]
