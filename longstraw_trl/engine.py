@@ -296,7 +296,11 @@ class _TokenLogprobs:
     ``entropy_grad``."""
 
     def __init__(
-        self, targets: torch.Tensor, temperature: float, with_entropy: bool = False, entropy_grad: bool = False
+        self,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
     ):
         self.targets, self.temperature = targets, temperature
         self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
