@@ -112,6 +112,7 @@ __all__ = [
     "batch_loss",
     "batch_loss_context",
     "high_entropy_mask",
+    "loss_lengths",
     "response_loss",
 ]
 
@@ -346,6 +347,12 @@ class LossNormalizer:
     entropy_coef: float = 0.0
 
 
+def loss_lengths(mask: torch.Tensor) -> tuple[int, ...]:
+    """Per row of a `(B, R)` loss mask, its last loss position + 1 (0 without loss tokens): one host sync."""
+    positions = torch.arange(1, mask.size(1) + 1, device=mask.device)
+    return tuple(int(v) for v in (positions * (mask != 0)).amax(dim=1).tolist()) if mask.numel() else ()
+
+
 def batch_loss_context(
     spec: GRPOLossSpec,
     completion_mask: torch.Tensor,
@@ -395,9 +402,7 @@ def batch_loss_context(
     )
     ga_normalizer = ga if training else 1.0  # TRL: no accumulation in eval
 
-    # One host sync per micro-batch: the valid length of every row (for truncated per-token inputs).
-    positions = torch.arange(1, mask.size(1) + 1, device=mask.device)
-    lengths = tuple(int(v) for v in (positions * (mask != 0)).amax(dim=1).tolist()) if mask.numel() else ()
+    lengths = loss_lengths(mask)
 
     token_normalizer = None
     if spec.loss_type in TOKEN_NORMALIZED_LOSS_TYPES:
