@@ -16,6 +16,30 @@ from torch.utils.checkpoint import checkpoint
 LOGITS_CHUNK_ELEMENTS = 1 << 26
 
 
+class _LogprobAndEntropy(torch.autograd.Function):
+    """``(log p[target], H)`` of ``softmax(z)`` per row, with a hand-written backward that keeps only ``log p``.
+
+    ``d log p_t / dz = onehot_t - p`` and ``dH / dz = -p * (log p + H)``, so ``dz = g1 * onehot - p * (g1 + g2 *
+    (log p + H))``: backward holds three ``[rows, vocab]`` fp32 tensors (``log p``, ``p``, the gradient), as the
+    log-prob-only path does, where autograd through ``-(p * log p).sum()`` would keep and build several more."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, targets: torch.Tensor):
+        logp = torch.log_softmax(z, dim=-1)
+        picked = logp.gather(-1, targets[:, None])[:, 0]
+        entropy = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logp, entropy, targets)
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, g_picked: torch.Tensor, g_entropy: torch.Tensor):
+        logp, entropy, targets = ctx.saved_tensors
+        grad = logp + entropy[:, None]
+        grad.mul_(g_entropy[:, None]).add_(g_picked[:, None]).mul_(logp.exp()).neg_()
+        grad.scatter_add_(-1, targets[:, None], g_picked[:, None])
+        return grad, None
+
+
 def _chunk_logprobs(
     h: torch.Tensor,
     targets: torch.Tensor,
@@ -27,12 +51,13 @@ def _chunk_logprobs(
     logits = lm_head(h).float()
     if temperature != 1.0:
         logits = logits / temperature
+    if with_entropy and entropy_grad and torch.is_grad_enabled():
+        return _LogprobAndEntropy.apply(logits, targets)
     logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(-1, targets[:, None])[:, 0]
     if not with_entropy:
         return picked
-    # Differentiated only for an entropy bonus; otherwise logged (or compared), so no graph is kept for it.
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+    with torch.no_grad():  # logged (or compared with a quantile), never differentiated
         entropy = -(logp.exp() * logp).sum(-1)
     return picked, entropy
 
