@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from _trl_helpers import make_tiny_grpo_trainer, make_tiny_longstraw_trainer
+from _trl_helpers import make_tiny_grpo_trainer, make_tiny_longstraw_trainer, tiny_model_dir
 from datasets import Dataset
 from transformers import TrainerCallback
 
@@ -231,7 +231,7 @@ def _public(trainer) -> set[str]:
     return {name for name in vars(trainer) if not name.startswith("_")}
 
 
-@pytest.mark.parametrize("when", ["constructed", "trained"])
+@pytest.mark.parametrize("when", ["constructed", "from_path", "trained"])
 def test_public_attributes_of_stock_trl_exist(when):
     """Every public instance attribute of a stock `GRPOTrainer` on the same model and config exists on ours (a
     callback or `rollout_func`-style code reads e.g. `trainer.eos_token_ids`), and the key ones are equal."""
@@ -241,6 +241,8 @@ def test_public_attributes_of_stock_trl_exist(when):
     if when == "trained":
         kwargs.update(max_steps=1, learning_rate=0.0)
     stock = make_tiny_grpo_trainer(**kwargs)
+    if when == "from_path":  # TRL loads the model itself
+        kwargs["model"] = tiny_model_dir()
     ours = make_tiny_longstraw_trainer(**kwargs)
     for trainer in (stock, ours):
         del trainer.current_gradient_accumulation_steps  # set by the helpers, not by the constructor
