@@ -35,6 +35,11 @@ class LongStrawGRPOConfig(GRPOConfig):
     on top of it. Every micro-batch must therefore hold whole groups: `per_device_train_batch_size` (and
     `per_device_eval_batch_size` when evaluating) must be a multiple of `num_generations` (`num_generations_eval`).
 
+    TRL's entropy options keep their meaning: `entropy_coef` (the bonus back-propagates differentiable entropies of
+    the replay), `use_adaptive_entropy` with `entropy_target` / `entropy_coef_delta` / `entropy_coef_min` /
+    `entropy_coef_max`, and `top_entropy_quantile` (each micro-batch is then first replayed once without autograd to
+    compute the entropies its quantile is taken over; not with `cp_size > 1`).
+
     Parameters:
         > Prompt state
 

@@ -38,7 +38,9 @@ last, partial window of an epoch) and `ga = 1` in eval mode (`model.training == 
   count of the whole *generation batch* (all `steps_per_generation` micro-batches) gathered over all processes
   (`_generate_and_score_completions`), so `N` is the mean per-process token count of one accumulation window.
 
-plus, when `entropy_coef != 0` (static entropy bonus), `- entropy_coef * sum_bt H*m / max(sum_bt m, 1) / ga`.
+plus, while the entropy bonus is enabled (`entropy_coef != 0` or `use_adaptive_entropy`),
+`- c * sum_bt H*m' / max(sum_bt m', 1) / ga` with `c` the applied coefficient and `m' = m * E`, `E` the
+high-entropy token mask when `top_entropy_quantile < 1` (which also multiplies the per-token loss), else `m' = m`.
 `batch_loss_context` computes every one of these micro-batch-wide quantities once, from the masks.
 
 Supported
@@ -56,15 +58,20 @@ Supported
   sequence `[1]` level); it multiplies the per-token loss, or enters VESPO's gamma weights.
 - `tool_mask` / `env_mask`: pass `completion_mask * tool_mask` as the mask (TRL does the same).
 - Per-token advantages (`[R]` per response, TRL's `(B, T)` advantages for subclasses) besides the usual scalar.
-- Static entropy bonus (`entropy_coef != 0`, `use_adaptive_entropy=False`): pass the differentiable
-  per-token entropies of the response as `entropies_i`.
+- Entropy bonus (`entropy_coef != 0`): pass the differentiable per-token entropies of the response as
+  `entropies_i`.
+- `top_entropy_quantile < 1.0`: TRL's mask is a quantile over the entropies of the whole micro-batch (all
+  processes), so it must be known before the first response's term: compute it once per micro-batch with
+  [`high_entropy_mask`] (TRL's `get_high_entropy_mask`) from entropies without gradient (the trainer replays the
+  micro-batch graph-free for them) and pass it as `batch_loss_context(entropy_mask=)`.
+- `use_adaptive_entropy=True` (Skywork-OR1 controller): the caller keeps TRL's state (coefficient, entropy of the
+  previous optimizer step, window sums). Per micro-batch: `batch_loss_context(entropy_coef=applied_entropy_coef(...))`;
+  the window's `[entropy sum, token count]` is the sum of the responses' `ResponseMetrics.bonus_entropy`; at the
+  optimizer-step boundary, summed over processes, it gives the new coefficient through [`adaptive_entropy_coef`].
 - Train and eval mode (`training=` in `batch_loss_context`).
 
 Not supported (`NotImplementedError` from `GRPOLossSpec`)
 ---------------------------------------------------------
-- `top_entropy_quantile < 1.0`: TRL masks tokens below an entropy quantile taken over *all* completions of all
-  processes, from the same differentiable forward; a response-at-a-time replay does not know it in advance.
-- `use_adaptive_entropy=True`: a stateful controller updated across micro-batches and processes.
 - A MoE router load-balancing loss (`router_aux_loss_coef != 0` on a model that returns router logits): it is a
   non-linear function of the router statistics of the whole micro-batch (prompt tokens included), not a sum over
   responses. Set `router_aux_loss_coef=0.0`. `GRPOLossSpec.from_args(args, model=model)` checks the model like
@@ -848,7 +855,8 @@ def aggregate_metrics(
     Returns:
         `dict[str, float]`: keyed by TRL's metric names (`policy_loss` only when the entropy bonus is on,
         `kl` only when `beta != 0`, `entropy` only when entropies were passed, then the loss type's clip metrics).
-        TRL also logs `entropy_coef` (a trainer-level value) and `aux_loss` (unsupported); those are not here.
+        TRL also logs `entropy_coef` (the controller's value, at optimizer-step boundaries) and `aux_loss`
+        (unsupported); those are not here.
     """
     reduce_sum = reduce_sum or (lambda t: t)
     gather = gather or (lambda t: t)
