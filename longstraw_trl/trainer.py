@@ -361,7 +361,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     Metrics (besides TRL's own; all under `longstraw/`): `prompt_tokens`, `state_bytes/<kind>` (per captured state),
     `live_state_bytes`, `peak_memory_gib` (CUDA max allocated, or the process's peak RSS on CPU), `capture_seconds`,
     `capture_tokens_per_second`, `generation_seconds`, `generation_tokens_per_second`, `logprob_replay_seconds`
-    (graph-free old/reference replays), `replay_seconds` and `replay_tokens_per_second` (policy replay + backward),
+    (graph-free old/reference replays), `entropy_pass_seconds` (the graph-free entropy replays of
+    `top_entropy_quantile < 1`), `replay_seconds` and `replay_tokens_per_second` (policy replay + backward),
     `refresh/<action>` (per step: `fresh`, `reuse`, `recapture`, `probe`, and `capture` for first captures),
     `refresh/state_age`, `refresh/interval`, `refresh/drift`.
     """

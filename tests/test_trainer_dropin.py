@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -259,3 +260,33 @@ def test_public_attributes_of_stock_trl_exist(when):
     assert ours.generation_config.to_dict() == stock.generation_config.to_dict()
     if when == "trained":
         assert ours.current_gradient_accumulation_steps == stock.current_gradient_accumulation_steps
+
+
+def test_adaptive_entropy_controller_is_checkpointed(tmp_path):
+    """TRL saves its controller (`entropy_ctrl_state.json`) and restores it on resume; ours keeps TRL's attributes,
+    so the same files carry it: the resumed trainer starts from the checkpoint's coefficient, not the config's."""
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        gradient_accumulation_steps=1,
+        use_adaptive_entropy=True,
+        entropy_coef=0.05,
+        entropy_target=10.0,  # every step raises the coefficient
+        learning_rate=1e-2,
+        seed=0,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}),
+    )
+    trainer = make_tiny_longstraw_trainer(**kwargs)
+    trainer.train()
+    saved = json.loads((tmp_path / "checkpoint-1" / "entropy_ctrl_state.json").read_text())
+    assert saved["entropy_coef"] == pytest.approx(0.055) and math.isfinite(saved["last_world_entropy"])
+    assert trainer.entropy_coef == pytest.approx(0.06)
+    resumed = make_tiny_longstraw_trainer(**kwargs)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    # a resume that rebuilt the controller from the config would end at 0.055, and apply nothing at step 2
+    assert resumed.entropy_coef == pytest.approx(0.06)
+    last, resumed_last = trainer.state.log_history[-2], resumed.state.log_history[-2]
+    assert last["step"] == resumed_last["step"] == 2
+    assert resumed_last["loss"] == pytest.approx(last["loss"], abs=1e-6) and last["loss"] != 0.0
