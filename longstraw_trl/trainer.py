@@ -1093,6 +1093,21 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._current_train_step_time = 0.0
         return loss.detach()
 
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """TRL's `evaluate()`; the eval micro-batches must hold whole groups of `num_generations_eval` completions
+        (checked here too: the config checks it only when an `eval_strategy` is set)."""
+        check_whole_groups(
+            self.args.per_device_eval_batch_size,
+            self.num_generations_eval,
+            "per_device_eval_batch_size",
+            "num_generations_eval",
+        )
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            _check_prompt_column(eval_dataset, "eval_dataset")
+        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         try:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

@@ -16,6 +16,8 @@ from _trl_helpers import make_tiny_grpo_trainer, make_tiny_longstraw_trainer, ti
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from longstraw_trl import LongStrawError
+
 PROMPTS = ["hello world", "the cat sat", "on the mat", "long straw"]
 # Values that depend on wall-clock time or on the implementation, not on the training semantics.
 UNTIMED = ("_runtime", "_per_second", "model_preparation_time", "step_time")
@@ -61,6 +63,17 @@ def test_evaluate_on_a_fresh_trainer():
     del trainer.current_gradient_accumulation_steps  # set by the helper, not by the constructor
     metrics = trainer.evaluate(eval_dataset=Dataset.from_dict({"prompt": PROMPTS}))
     assert math.isfinite(metrics["eval_loss"]) and math.isfinite(metrics["eval_entropy"])
+
+
+def test_evaluate_refuses_eval_batches_that_split_a_group():
+    trainer = make_tiny_longstraw_trainer(per_device_eval_batch_size=3, num_generations_eval=2)
+    with pytest.raises(
+        LongStrawError, match=r"per_device_eval_batch_size=3 is not a multiple of num_generations_eval=2"
+    ):
+        trainer.evaluate(eval_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    trainer = make_tiny_longstraw_trainer(per_device_eval_batch_size=4, num_generations_eval=2)
+    with pytest.raises(LongStrawError, match=r"eval_dataset has no 'prompt' column"):
+        trainer.evaluate(eval_dataset=Dataset.from_dict({"text": PROMPTS}))
 
 
 def test_evaluate_before_train_matches_stock_trl():
