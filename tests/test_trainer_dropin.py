@@ -147,6 +147,7 @@ TRAIN = dict(
     entropy_coef=0.05,
     use_adaptive_entropy=True,
     entropy_target=10.0,  # the adaptive coefficient applies and grows from the second step on
+    top_entropy_quantile=0.5,  # in training and in evaluation
     reward_funcs=_length_reward,
     per_device_eval_batch_size=4,
     num_generations_eval=2,
