@@ -51,6 +51,11 @@ class LongStrawGRPOConfig(GRPOConfig):
     e.g. `per_device_train_batch_size=4, num_generations=8, gradient_accumulation_steps=2`), and when evaluating
     `per_device_eval_batch_size` a multiple of `num_generations_eval` (TRL generates each evaluation batch on its own).
 
+    TRL's entropy options keep their meaning: `entropy_coef` (the bonus back-propagates differentiable entropies of
+    the replay), `use_adaptive_entropy` with `entropy_target` / `entropy_coef_delta` / `entropy_coef_min` /
+    `entropy_coef_max`, and `top_entropy_quantile` (each micro-batch is then first replayed once without autograd to
+    compute the entropies its quantile is taken over; not with `cp_size > 1`).
+
     Parameters:
         > Prompt state
 

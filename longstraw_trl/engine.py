@@ -292,13 +292,23 @@ def _skip_head(stock, hidden):
 
 class _TokenLogprobs:
     """Head request: log-probs of ``targets`` (chunked, checkpointed under autograd), not logits; with
-    ``with_entropy`` a pair (log-probs, entropies without gradient) from the same logits."""
+    ``with_entropy`` a pair (log-probs, entropies) from the same logits, the entropies differentiable only with
+    ``entropy_grad``."""
 
-    def __init__(self, targets: torch.Tensor, temperature: float, with_entropy: bool = False):
-        self.targets, self.temperature, self.with_entropy = targets, temperature, with_entropy
+    def __init__(
+        self,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+    ):
+        self.targets, self.temperature = targets, temperature
+        self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
 
     def __call__(self, stock, hidden):
-        out = token_logprobs(hidden, stock, self.targets, self.temperature, self.with_entropy)
+        out = token_logprobs(
+            hidden, stock, self.targets, self.temperature, self.with_entropy, self.entropy_grad
+        )
         return torch.stack(out) if self.with_entropy else out  # one tensor: HF returns it as `logits`
 
 
@@ -472,9 +482,11 @@ def replay_logprobs(
     grad: bool = False,
     checkpoint_layers: bool = False,
     return_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``[G, R]`` log-probs of ``completion_ids`` continuing the captured prompt (fp32); with
-    ``return_entropy`` also ``[G, R]`` entropies of the same distributions (no gradient).
+    ``return_entropy`` also ``[G, R]`` entropies of the same distributions (without gradient unless
+    ``entropy_grad``: with ``grad=True`` too, they then carry the graph like the log-probs, for an entropy bonus).
 
     The model runs ``[last prompt token, completion[:-1]]`` (R positions) on the read-only state; the
     log-prob of completion token ``j`` is read at position ``j``. Positions past a row's mask are computed
@@ -494,6 +506,6 @@ def replay_logprobs(
     inputs = torch.cat([state.last_token.view(1, 1).expand(g, 1), ids[:, :-1]], dim=1)
     with torch.set_grad_enabled(grad):
         ctx = ReplayContext("replay", state, checkpoint_layers=checkpoint_layers)
-        head = _TokenLogprobs(ids, temperature, return_entropy)
+        head = _TokenLogprobs(ids, temperature, return_entropy, entropy_grad)
         out = forward_model(model, inputs, state.resident_tokens, ctx, head=head)
     return (out[0], out[1]) if return_entropy else out

@@ -38,7 +38,9 @@ last, partial window of an epoch) and `ga = 1` in eval mode (`model.training == 
   count of the whole *generation batch* (all `steps_per_generation` micro-batches) gathered over all processes
   (`_generate_and_score_completions`), so `N` is the mean per-process token count of one accumulation window.
 
-plus, when `entropy_coef != 0` (static entropy bonus), `- entropy_coef * sum_bt H*m / max(sum_bt m, 1) / ga`.
+plus, while the entropy bonus is enabled (`entropy_coef != 0` or `use_adaptive_entropy`),
+`- c * sum_bt H*m' / max(sum_bt m', 1) / ga` with `c` the applied coefficient and `m' = m * E`, `E` the
+high-entropy token mask when `top_entropy_quantile < 1` (which also multiplies the per-token loss), else `m' = m`.
 `batch_loss_context` computes every one of these micro-batch-wide quantities once, from the masks.
 
 Supported
@@ -56,15 +58,20 @@ Supported
   sequence `[1]` level); it multiplies the per-token loss, or enters VESPO's gamma weights.
 - `tool_mask` / `env_mask`: pass `completion_mask * tool_mask` as the mask (TRL does the same).
 - Per-token advantages (`[R]` per response, TRL's `(B, T)` advantages for subclasses) besides the usual scalar.
-- Static entropy bonus (`entropy_coef != 0`, `use_adaptive_entropy=False`): pass the differentiable
-  per-token entropies of the response as `entropies_i`.
+- Entropy bonus (`entropy_coef != 0`): pass the differentiable per-token entropies of the response as
+  `entropies_i`.
+- `top_entropy_quantile < 1.0`: TRL's mask is a quantile over the entropies of the whole micro-batch (all
+  processes), so it must be known before the first response's term: compute it once per micro-batch with
+  [`high_entropy_mask`] (TRL's `get_high_entropy_mask`) from entropies without gradient (the trainer replays the
+  micro-batch graph-free for them) and pass it as `batch_loss_context(entropy_mask=)`.
+- `use_adaptive_entropy=True` (Skywork-OR1 controller): the caller keeps TRL's state (coefficient, entropy of the
+  previous optimizer step, window sums). Per micro-batch: `batch_loss_context(entropy_coef=applied_entropy_coef(...))`;
+  the window's `[entropy sum, token count]` is the sum of the responses' `ResponseMetrics.bonus_entropy`; at the
+  optimizer-step boundary, summed over processes, it gives the new coefficient through [`adaptive_entropy_coef`].
 - Train and eval mode (`training=` in `batch_loss_context`).
 
 Not supported (`NotImplementedError` from `GRPOLossSpec`)
 ---------------------------------------------------------
-- `top_entropy_quantile < 1.0`: TRL masks tokens below an entropy quantile taken over *all* completions of all
-  processes, from the same differentiable forward; a response-at-a-time replay does not know it in advance.
-- `use_adaptive_entropy=True`: a stateful controller updated across micro-batches and processes.
 - A MoE router load-balancing loss (`router_aux_loss_coef != 0` on a model that returns router logits): it is a
   non-linear function of the router statistics of the whole micro-batch (prompt tokens included), not a sum over
   responses. Set `router_aux_loss_coef=0.0`. `GRPOLossSpec.from_args(args, model=model)` checks the model like
@@ -91,6 +98,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -105,9 +113,13 @@ __all__ = [
     "GRPOLossSpec",
     "LossNormalizer",
     "ResponseMetrics",
+    "adaptive_entropy_coef",
     "aggregate_metrics",
+    "applied_entropy_coef",
     "batch_loss",
     "batch_loss_context",
+    "high_entropy_mask",
+    "loss_lengths",
     "response_loss",
 ]
 
@@ -176,11 +188,16 @@ class GRPOLossSpec:
             `args.steps_per_generation` (resolved by `GRPOConfig.__post_init__`, defaulting to
             `gradient_accumulation_steps`); divides the `dapo`/`cispo`/`vespo` normalizer in train mode.
         entropy_coef (`float`, *optional*, defaults to `0.0`):
-            Static entropy bonus coefficient; when non-zero, every response needs its per-token `entropies_i`.
+            Entropy bonus coefficient (static), or the initial one under `use_adaptive_entropy` (the coefficient a
+            micro-batch applies is then given to `batch_loss_context(entropy_coef=)`). While the bonus is enabled,
+            every response needs its per-token `entropies_i`.
         top_entropy_quantile (`float`, *optional*, defaults to `1.0`):
-            Only `1.0` is supported (see the module docstring).
+            Below `1.0`, only the tokens whose entropy is at or above this quantile (over the micro-batch, all
+            processes) enter the policy loss and the entropy bonus: pass the mask to
+            `batch_loss_context(entropy_mask=)` (see [`high_entropy_mask`]).
         use_adaptive_entropy (`bool`, *optional*, defaults to `False`):
-            Only `False` is supported (see the module docstring).
+            TRL's adaptive entropy control (Skywork-OR1): the coefficient is updated once per optimizer step by the
+            caller (see [`adaptive_entropy_coef`]); the bonus is enabled even while the coefficient is zero.
         router_aux_loss_coef (`float`, *optional*, defaults to `0.0`):
             Effective MoE load-balancing coefficient; only `0.0` is supported (see the module docstring).
     """
@@ -218,18 +235,8 @@ class GRPOLossSpec:
             )
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' normalizes by `max_completion_length`, which is None.")
-        if self.top_entropy_quantile < 1.0:
-            raise NotImplementedError(
-                f"top_entropy_quantile={self.top_entropy_quantile} is not supported by the response-at-a-time loss: "
-                "TRL masks tokens below an entropy quantile over all completions of all processes, computed from "
-                "the same differentiable forward, which is not known before every response has been replayed. "
-                "Set top_entropy_quantile=1.0."
-            )
-        if self.use_adaptive_entropy:
-            raise NotImplementedError(
-                "use_adaptive_entropy=True is not supported by the response-at-a-time loss (its controller is "
-                "stateful across micro-batches and processes). Use a static entropy_coef instead."
-            )
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
         if self.router_aux_loss_coef != 0.0:
             raise NotImplementedError(
                 f"A MoE router load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef}) is not "
@@ -239,8 +246,8 @@ class GRPOLossSpec:
 
     @property
     def entropy_bonus_enabled(self) -> bool:
-        """TRL's `_entropy_bonus_enabled` (adaptive mode is rejected, so only the static coefficient counts)."""
-        return self.entropy_coef != 0.0
+        """TRL's `_entropy_bonus_enabled`: a static coefficient, or adaptive control (on even at a zero coefficient)."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
     @classmethod
     def from_args(cls, args: Any, *, model: Any = None) -> GRPOLossSpec:
@@ -325,6 +332,13 @@ class LossNormalizer:
             The `dapo`/`cispo`/`vespo` denominator `N` (see the module docstring); `None` for other loss types.
         training (`bool`):
             Train mode (`model.training` in TRL).
+        entropy_mask (`torch.Tensor` of shape `(B, R)` or `None`):
+            TRL's high-entropy token mask (`top_entropy_quantile < 1`), as given; `None` otherwise.
+        entropy_num_tokens (`torch.Tensor`, scalar):
+            `(mask * entropy_mask).sum().clamp(min=1.0)`: the entropy-bonus denominator (`local_num_tokens` without
+            an entropy mask).
+        entropy_coef (`float`):
+            The entropy-bonus coefficient this micro-batch applies (TRL's `apply_coef`).
     """
 
     spec: GRPOLossSpec
@@ -335,6 +349,15 @@ class LossNormalizer:
     ga_normalizer: int | float
     token_normalizer: torch.Tensor | None
     training: bool
+    entropy_mask: torch.Tensor | None = None
+    entropy_num_tokens: torch.Tensor | None = None
+    entropy_coef: float = 0.0
+
+
+def loss_lengths(mask: torch.Tensor) -> tuple[int, ...]:
+    """Per row of a `(B, R)` loss mask, its last loss position + 1 (0 without loss tokens): one host sync."""
+    positions = torch.arange(1, mask.size(1) + 1, device=mask.device)
+    return tuple(int(v) for v in (positions * (mask != 0)).amax(dim=1).tolist()) if mask.numel() else ()
 
 
 def batch_loss_context(
@@ -345,6 +368,8 @@ def batch_loss_context(
     num_processes: int = 1,
     gradient_accumulation_steps: int | None = None,
     training: bool = True,
+    entropy_mask: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
 ) -> LossNormalizer:
     """Compute the micro-batch-wide normalizers of TRL's GRPO loss from the loss mask.
 
@@ -363,6 +388,12 @@ def batch_loss_context(
             window). Defaults to `spec.gradient_accumulation_steps`. Ignored in eval mode.
         training (`bool`, *optional*, defaults to `True`):
             TRL's `mode == "train"` (`model.training`). In eval mode nothing is scaled for accumulation.
+        entropy_mask (`torch.Tensor` of shape `(B, R)`, *optional*):
+            TRL's high-entropy token mask of the micro-batch ([`high_entropy_mask`]); required when
+            `spec.top_entropy_quantile < 1`, and only then allowed.
+        entropy_coef (`float`, *optional*):
+            The entropy-bonus coefficient to apply (TRL's `apply_coef`): required with `spec.use_adaptive_entropy`
+            (see [`applied_entropy_coef`]); defaults to `spec.entropy_coef` otherwise.
 
     Returns:
         [`LossNormalizer`]
@@ -378,9 +409,7 @@ def batch_loss_context(
     )
     ga_normalizer = ga if training else 1.0  # TRL: no accumulation in eval
 
-    # One host sync per micro-batch: the valid length of every row (for truncated per-token inputs).
-    positions = torch.arange(1, mask.size(1) + 1, device=mask.device)
-    lengths = tuple(int(v) for v in (positions * (mask != 0)).amax(dim=1).tolist()) if mask.numel() else ()
+    lengths = loss_lengths(mask)
 
     token_normalizer = None
     if spec.loss_type in TOKEN_NORMALIZED_LOSS_TYPES:
@@ -396,16 +425,102 @@ def batch_loss_context(
         if training:
             token_normalizer = token_normalizer * ga / spec.steps_per_generation
 
+    if (entropy_mask is not None) != (spec.top_entropy_quantile < 1.0):
+        raise ValueError(
+            f"top_entropy_quantile={spec.top_entropy_quantile}: pass entropy_mask (the high-entropy token mask of the "
+            "micro-batch, see high_entropy_mask) exactly when it is below 1."
+        )
+    if entropy_mask is not None and entropy_mask.shape != mask.shape:
+        raise ValueError(f"entropy_mask has shape {tuple(entropy_mask.shape)}, the mask {tuple(mask.shape)}.")
+    if entropy_coef is None:
+        if spec.use_adaptive_entropy:
+            raise ValueError(
+                "use_adaptive_entropy=True: pass the coefficient this micro-batch applies as entropy_coef "
+                "(applied_entropy_coef of the controller state)."
+            )
+        entropy_coef = spec.entropy_coef
+    local_num_tokens = mask.sum().clamp(min=1.0)
+    entropy_num_tokens = (
+        local_num_tokens if entropy_mask is None else (mask * entropy_mask).sum().clamp(min=1.0)
+    )
     return LossNormalizer(
         spec=spec,
         mask=mask,
         num_responses=num_responses,
         lengths=lengths,
-        local_num_tokens=mask.sum().clamp(min=1.0),
+        local_num_tokens=local_num_tokens,
         ga_normalizer=ga_normalizer,
         token_normalizer=token_normalizer,
         training=training,
+        entropy_mask=entropy_mask,
+        entropy_num_tokens=entropy_num_tokens,
+        entropy_coef=float(entropy_coef),
     )
+
+
+def high_entropy_mask(
+    entropies: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float, accelerator: Any = None
+) -> torch.Tensor:
+    """TRL's high-entropy token mask of a micro-batch: `GRPOTrainer.get_high_entropy_mask` (TRL's own code, called).
+
+    Tokens whose entropy is at or above the `1 - top_entropy_quantile` quantile of the loss tokens' entropies,
+    gathered over all processes of `accelerator` (this process only when `None`), and inside `mask`.
+
+    Args:
+        entropies (`torch.Tensor` of shape `(B, R)`):
+            Per-token entropies of the micro-batch (no gradient needed: the mask is a comparison).
+        mask (`torch.Tensor` of shape `(B, R)`):
+            The loss mask.
+        top_entropy_quantile (`float`):
+            `args.top_entropy_quantile`.
+        accelerator (`accelerate.Accelerator`, *optional*):
+            For the cross-process gather (`pad_across_processes`, `gather`).
+
+    Returns:
+        `torch.Tensor`: boolean `(B, R)`.
+    """
+    accelerator = accelerator if accelerator is not None else _SingleProcess()
+    owner = SimpleNamespace(accelerator=accelerator)
+    return GRPOTrainer.get_high_entropy_mask(owner, entropies, mask, 1 - top_entropy_quantile)
+
+
+class _SingleProcess:
+    """The two collectives `get_high_entropy_mask` uses, on one process."""
+
+    @staticmethod
+    def pad_across_processes(tensor, dim=0, pad_index=0):
+        return tensor
+
+    @staticmethod
+    def gather(tensor):
+        return tensor
+
+
+def applied_entropy_coef(
+    entropy_coef: float, last_world_entropy: float, entropy_target: float, adaptive: bool
+) -> float:
+    """The coefficient TRL's `_compute_loss` applies (`apply_coef`): under adaptive control, `entropy_coef` only while
+    the entropy measured at the previous optimizer step is at or below `entropy_target` (never before the first)."""
+    if adaptive:
+        return entropy_coef if last_world_entropy <= entropy_target else 0.0
+    return entropy_coef
+
+
+def adaptive_entropy_coef(
+    entropy_coef: float,
+    world_entropy: float,
+    *,
+    entropy_target: float,
+    entropy_coef_delta: float,
+    entropy_coef_min: float,
+    entropy_coef_max: float,
+) -> float:
+    """TRL's adaptive entropy update at an optimizer step: `+delta` (up to the max) when the window's entropy is at or
+    below the target, `-delta` (down to the min) otherwise. `world_entropy` is the token-weighted mean entropy of the
+    accumulation window over all processes, on the tokens the bonus acts on (see [`ResponseMetrics`])."""
+    if world_entropy <= entropy_target:
+        return min(entropy_coef + entropy_coef_delta, entropy_coef_max)
+    return max(entropy_coef - entropy_coef_delta, entropy_coef_min)
 
 
 @dataclass
@@ -426,12 +541,17 @@ class ResponseMetrics:
             This response's share of TRL's `policy_loss` metric (the loss before the entropy bonus, and for
             `grpo`/`bnpo`/`dr_grpo`/`sapo`/`luspo` before the division by `ga`). TRL logs it only when the entropy
             bonus is enabled.
+        bonus_entropy (`torch.Tensor` or `None`):
+            `[sum_t H*m_eff, sum_t m_eff]` of this response (detached; `m_eff` the loss mask times the entropy
+            mask), while the entropy bonus is enabled: summed over an accumulation window and all processes, the
+            entropy TRL's adaptive controller compares with `entropy_target`.
     """
 
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     counts: dict[str, torch.Tensor] = field(default_factory=dict)
     seq_values: dict[str, torch.Tensor] = field(default_factory=dict)
     policy_loss: torch.Tensor | None = None
+    bonus_entropy: torch.Tensor | None = None
 
 
 def _as_row(
@@ -461,6 +581,7 @@ def _per_token_terms(
     """
     sampling_per_token_logps = extra.get("sampling_per_token_logps")
     importance_sampling_ratio = extra.get("importance_sampling_ratio")
+    entropy_mask = extra.get("entropy_mask")
 
     old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
 
@@ -522,6 +643,9 @@ def _per_token_terms(
 
     if spec.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
+
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
 
     if spec.vllm_importance_sampling_correction and spec.loss_type != "vespo":
         per_token_loss = per_token_loss * importance_sampling_ratio
@@ -599,8 +723,8 @@ def response_loss(
         importance_sampling_ratio_i (`torch.Tensor` of shape `[L]` or `[1]`, *optional*):
             TRL's vLLM `importance_sampling_ratio` row; required when `spec.vllm_importance_sampling_correction`.
         entropies_i (`torch.Tensor` of shape `[L]`, *optional*):
-            Per-token entropies of the policy; required when `spec.entropy_coef != 0` (then differentiable),
-            otherwise only used for the `entropy` metric.
+            Per-token entropies of the policy; required while the entropy bonus is enabled (differentiable when
+            the applied `ctx.entropy_coef` is non-zero), otherwise only used for the `entropy` metric.
 
     Returns:
         `tuple[torch.Tensor, ResponseMetrics]`: the scalar loss term and the response's metric shares.
@@ -620,7 +744,10 @@ def response_loss(
     if spec.vllm_importance_sampling_correction and importance_sampling_ratio_i is None:
         raise ValueError("vLLM importance-sampling correction is on: pass importance_sampling_ratio_i.")
     if spec.entropy_bonus_enabled and entropies_i is None:
-        raise ValueError("entropy_coef != 0 needs the per-token entropies of the response (entropies_i).")
+        raise ValueError(
+            "the entropy bonus (entropy_coef != 0 or use_adaptive_entropy) needs the per-token entropies of the "
+            "response (entropies_i)."
+        )
 
     device = per_token_logps_i.device
     logps = per_token_logps_i.reshape(1, -1)
@@ -633,6 +760,9 @@ def response_loss(
     sampling = _as_row(sampling_logps_i, length, "sampling_logps_i", device)
     is_ratio = _as_row(importance_sampling_ratio_i, length, "importance_sampling_ratio_i", device)
     entropies = _as_row(entropies_i, length, "entropies_i", device)
+    entropy_mask = (
+        None if ctx.entropy_mask is None else _as_row(ctx.entropy_mask[i], length, "entropy_mask", device)
+    )
 
     per_token_loss, coef_1, per_token_kl, phi_seq = _per_token_terms(
         spec,
@@ -643,6 +773,7 @@ def response_loss(
         mask,
         sampling_per_token_logps=sampling,
         importance_sampling_ratio=is_ratio if spec.vllm_importance_sampling_correction else None,
+        entropy_mask=entropy_mask,
     )
 
     # TRL's aggregation, restricted to row i (see the module docstring for the micro-batch formulas).
@@ -662,10 +793,14 @@ def response_loss(
         policy = masked_sum.sum() / ctx.num_responses
         loss = policy / ctx.ga_normalizer
 
+    bonus_entropy = None
     if spec.entropy_bonus_enabled:
         # TRL: `(entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor`
-        entropy_loss = (entropies * mask).sum() / ctx.local_num_tokens / ctx.ga_normalizer
-        loss = loss - spec.entropy_coef * entropy_loss
+        effective_mask = mask if entropy_mask is None else mask * entropy_mask
+        entropy_sum = (entropies * effective_mask).sum()
+        entropy_loss = entropy_sum / ctx.entropy_num_tokens / ctx.ga_normalizer
+        loss = loss - ctx.entropy_coef * entropy_loss
+        bonus_entropy = torch.stack([entropy_sum.detach(), effective_mask.sum().to(entropy_sum.dtype)])
 
     # TRL's metric helpers treat a `[B, 1]` tensor as one value per sequence. Which tensors have one column in TRL
     # (a truncated row cannot tell by its shape): all of them when the padded length R is 1; otherwise, with one
@@ -675,7 +810,7 @@ def response_loss(
     per_token_advantages = isinstance(advantage_i, torch.Tensor) and advantage_i.numel() > 1
     clip_per_seq = one_column or (spec.importance_sampling_level == "sequence" and not per_token_advantages)
 
-    metrics = ResponseMetrics(policy_loss=policy.detach())
+    metrics = ResponseMetrics(policy_loss=policy.detach(), bonus_entropy=bonus_entropy)
     if per_token_kl is not None:
         _masked_metric(metrics, "kl", per_token_kl, mask, one_column)
     if entropies is not None:
@@ -720,7 +855,8 @@ def aggregate_metrics(
     Returns:
         `dict[str, float]`: keyed by TRL's metric names (`policy_loss` only when the entropy bonus is on,
         `kl` only when `beta != 0`, `entropy` only when entropies were passed, then the loss type's clip metrics).
-        TRL also logs `entropy_coef` (a trainer-level value) and `aux_loss` (unsupported); those are not here.
+        TRL also logs `entropy_coef` (the controller's value, at optimizer-step boundaries) and `aux_loss`
+        (unsupported); those are not here.
     """
     reduce_sum = reduce_sum or (lambda t: t)
     gather = gather or (lambda t: t)

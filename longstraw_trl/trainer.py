@@ -38,11 +38,25 @@ completions it still builds its `(B, P)` prompt tensors and `(B, P + R)` sequenc
 bytes on the device, e.g. 1 GiB for B = 8 and P = 4M; no model runs on them). The trainer drops the prompt tensors
 from the batch it buffers; each group keeps its prompt ids once, on the CPU, to re-capture it.
 
+Entropy options (TRL's semantics): the entropy bonus (`entropy_coef`) back-propagates the replay's differentiable
+per-token entropies (chunked and checkpointed like the log-probs). `use_adaptive_entropy` runs TRL's controller on
+TRL's own attributes (`entropy_coef`, `_last_world_entropy`, `_entropy_window_stats`): the coefficient applied during
+an accumulation window is the one set at its start; at its end the window's token-weighted entropy (on the tokens the
+bonus acts on, summed over processes) moves it by `entropy_coef_delta`. `top_entropy_quantile < 1` needs the
+micro-batch's entropy quantile before the first loss term: every micro-batch first replays its responses without
+autograd (one forward per group, its rows batched), i.e. one extra graph-free replay per response: at most about a
+third of the replay + backward cost (a quarter with gradient checkpointing), 5-15% of it on the CPU test model. The
+mask then comes from TRL's `get_high_entropy_mask`.
+
+Evaluation (`evaluate()`, alone or during training) follows TRL: `num_generations_eval` completions per prompt, no
+accumulation scaling, metrics under `eval_*`; it leaves the training state alone (buffered generation batch, prompt
+states of the training batch, entropy controller).
+
 Refused at construction (each with a message saying what to change): `tools`, `environment_factory`, `rollout_func`,
 `use_vllm`, `use_transformers_continuous_batching`, `repetition_penalty != 1`, generation kwargs the shared-prefix
-sampler cannot honour, `entropy_coef != 0`, `top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router
-auxiliary loss, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP, LOMO optimizers, datasets
-without a `prompt` column and models `patch_model` does not support.
+sampler cannot honour, `top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss, multimodal
+processors, prompt-learning PEFT methods, DeepSpeed, FSDP, LOMO optimizers, datasets without a `prompt` column and
+models `patch_model` does not support.
 """
 
 from __future__ import annotations
@@ -65,11 +79,19 @@ from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
 
 from .adapters import adapters_in_model_dtype
-from .config import LongStrawGRPOConfig, check_train_groups
+from .config import LongStrawGRPOConfig, check_train_groups, check_whole_groups
 from .distributed import new_cp_groups
 from .engine import capture_prompt
 from .errors import LongStrawError, UnsupportedModelError
-from .loss import GRPOLossSpec, aggregate_metrics, batch_loss_context, response_loss
+from .loss import (
+    GRPOLossSpec,
+    adaptive_entropy_coef,
+    aggregate_metrics,
+    applied_entropy_coef,
+    batch_loss_context,
+    loss_lengths,
+    response_loss,
+)
 from .model_patches import patch_model, unwrap_model
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
 from .state import PromptState
@@ -226,10 +248,12 @@ def _refuse_unsupported(
         )
     if args.max_completion_length is None:
         refuse("max_completion_length=None", "Set max_completion_length to the longest completion to sample.")
-    if args.entropy_coef != 0.0:
+    if args.top_entropy_quantile < 1.0 and args.cp_size > 1:
         refuse(
-            f"entropy_coef={args.entropy_coef} (the entropy bonus)",
-            "The replay computes differentiable log-probs only; set entropy_coef=0.0 (the entropy is still logged).",
+            f"top_entropy_quantile={args.top_entropy_quantile} with cp_size={args.cp_size}",
+            "The entropy quantile is taken over the entropies gathered from every process, and the ranks of a "
+            "context-parallel group hold the same responses (each would count cp_size times). Set cp_size=1 or "
+            "top_entropy_quantile=1.0.",
         )
     if args.deepspeed:
         refuse(
@@ -249,7 +273,7 @@ def _refuse_unsupported(
             "multimodal processors (images)",
             "Pass the tokenizer as processing_class and text (or chat) prompts only.",
         )
-    # Loss options (raises NotImplementedError for top_entropy_quantile < 1, use_adaptive_entropy, router aux loss)
+    # Loss options (raises NotImplementedError for what the per-response loss cannot stream)
     GRPOLossSpec.from_args(args)
 
 
@@ -323,7 +347,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     Metrics (besides TRL's own; all under `longstraw/`): `prompt_tokens`, `state_bytes/<kind>` (per captured state),
     `live_state_bytes`, `peak_memory_gib` (CUDA max allocated, or the process's peak RSS on CPU), `capture_seconds`,
     `capture_tokens_per_second`, `generation_seconds`, `generation_tokens_per_second`, `logprob_replay_seconds`
-    (graph-free old/reference replays), `replay_seconds` and `replay_tokens_per_second` (policy replay + backward),
+    (graph-free old/reference replays), `entropy_pass_seconds` (the graph-free entropy replays of
+    `top_entropy_quantile < 1`), `replay_seconds` and `replay_tokens_per_second` (policy replay + backward),
     `refresh/<action>` (per step: `fresh`, `reuse`, `recapture`, `probe`, and `capture` for first captures),
     `refresh/state_age`, `refresh/interval`, `refresh/drift`.
     """
@@ -771,8 +796,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------------
     # The policy loss, one response at a time
     # ------------------------------------------------------------------------------------------------------------------
-    def _policy_replay(self, model, state: PromptState, ids: torch.Tensor, mask: torch.Tensor):
-        """`[L]` log-probs (with autograd when enabled) and `[L]` entropies (no gradient) of one response.
+    def _policy_replay(
+        self, model, state: PromptState, ids: torch.Tensor, mask: torch.Tensor, entropy_grad: bool = False
+    ):
+        """`[L]` log-probs (with autograd when enabled) and `[L]` entropies (with autograd only for `entropy_grad`:
+        an entropy bonus) of one response.
 
         `model` may be DDP-wrapped: the engine enters it through its root forward, so DDP prepares its gradient
         reduction as for any forward."""
@@ -785,8 +813,82 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 grad=torch.is_grad_enabled(),
                 checkpoint_layers=self.args.replay_checkpoint_layers,
                 return_entropy=True,
+                entropy_grad=entropy_grad,
             )
         return logps[0], entropy.reshape(-1)
+
+    def _loss_entry(self, entries: dict, inputs: dict[str, Any], g: int, rows: list[int], lengths, loss_mask):
+        """Group `g`'s prompt state for the loss (its rows `rows` of the micro-batch), acquired (refresh policy,
+        adaptive probe) once per micro-batch."""
+        if g not in entries:
+            key, prompt_ids = inputs["longstraw_prompts"][g]
+            entry = self._acquire(key, prompt_ids, purpose="loss")
+            if entry.probe_stale is not None:
+                probe = next((i for i in rows if lengths[i] > 0), None)
+                if probe is not None:
+                    self._finish_probe(entry, inputs["completion_ids"][probe], loss_mask[probe])
+                else:
+                    entry.probe_stale = None
+            entries[g] = entry
+        return entries[g]
+
+    def _high_entropy_mask(
+        self, entries: dict, inputs: dict[str, Any], rows_of: list[list[int]], lengths, loss_mask
+    ):
+        """TRL's `top_entropy_quantile` token mask of the micro-batch, from a graph-free entropy pass.
+
+        TRL takes the quantile over the entropies of the whole micro-batch (all processes) before any loss term; the
+        loss here replays one response at a time, so every response with loss tokens is first replayed without
+        autograd (one forward per group, its rows batched, on the state the loss then uses) and TRL's own
+        `get_high_entropy_mask` runs on those entropies. The mask is a comparison, so it needs no gradient. Its
+        entropies match the loss replay's to float rounding (~1e-6): a token's membership could differ from TRL's
+        single-forward mask only if its entropy lies that close to the threshold."""
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        entropies = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+        start = time.perf_counter()
+        for g in range(len(inputs["longstraw_prompts"])):
+            rows = rows_of[g]
+            length = max(lengths[i] for i in rows) if rows else 0
+            if length == 0:
+                continue
+            entry = self._loss_entry(entries, inputs, g, rows, lengths, loss_mask)
+            with self._no_grad_context(self.model):
+                _, h = entry.state.logprobs(
+                    self.model,
+                    completion_ids[rows, :length],
+                    completion_mask[rows, :length],
+                    self.temperature,
+                    return_entropy=True,
+                )
+            entropies[rows, :length] = h.to(entropies.device)
+        self._metrics[self._mode]["longstraw/entropy_pass_seconds"].append(time.perf_counter() - start)
+        return self.get_high_entropy_mask(entropies, loss_mask, 1 - self.top_entropy_quantile)
+
+    def _entropy_control(self, mode: str, window_stats: torch.Tensor | None) -> None:
+        """TRL's adaptive entropy controller at the end of a micro-batch (train mode only), with TRL's attributes
+        (`entropy_coef`, `_last_world_entropy`, `_entropy_window_stats`, so TRL's checkpoints of it apply): the
+        window's `[entropy sum, token count]` accumulate over micro-batches; at the optimizer-step boundary they are
+        summed over processes and the coefficient is updated for the next step."""
+        if self.use_adaptive_entropy and mode == "train":
+            stats = window_stats.detach()
+            self._entropy_window_stats = (
+                stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            )
+            if self.accelerator.sync_gradients:
+                totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+                self.entropy_coef = adaptive_entropy_coef(
+                    self.entropy_coef,
+                    world_entropy,
+                    entropy_target=self.args.entropy_target,
+                    entropy_coef_delta=self.args.entropy_coef_delta,
+                    entropy_coef_min=self.args.entropy_coef_min,
+                    entropy_coef_max=self.args.entropy_coef_max,
+                )
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
     def _streamed_loss(self, model, inputs: dict[str, Any], backward: bool) -> torch.Tensor:
         """TRL's `_compute_loss` value for this micro-batch, computed (and back-propagated) one response at a time."""
@@ -794,14 +896,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         spec = self.loss_spec
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         loss_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        ctx = batch_loss_context(
-            spec,
-            loss_mask,
-            num_items_in_batch=inputs["num_items_in_batch"],
-            num_processes=self.accelerator.num_processes,
-            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
-            training=mode == "train",
-        )
         prompts = inputs["longstraw_prompts"]
         num_rows, width = completion_ids.shape
         row_group = inputs.get("longstraw_row_group")
@@ -809,6 +903,30 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             row_group = torch.arange(num_rows) // (num_rows // len(prompts))
         row_group = row_group.tolist()
         rows_of = [[i for i in range(num_rows) if row_group[i] == g] for g in range(len(prompts))]
+        lengths = loss_lengths(loss_mask)
+        entries: dict[int, CachedPrompt] = {}
+        entropy_mask = None
+        if spec.top_entropy_quantile < 1.0:
+            entropy_mask = self._high_entropy_mask(entries, inputs, rows_of, lengths, loss_mask)
+        ctx = batch_loss_context(
+            spec,
+            loss_mask,
+            num_items_in_batch=inputs["num_items_in_batch"],
+            num_processes=self.accelerator.num_processes,
+            # eval: never read (TRL does not either), and unset before the first `train()`
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps if mode == "train" else 1,
+            training=mode == "train",
+            entropy_mask=entropy_mask,
+            # fixed for the whole accumulation window: the adaptive update happens at its end
+            entropy_coef=applied_entropy_coef(
+                self.entropy_coef,
+                self._last_world_entropy,
+                self.args.entropy_target,
+                self.use_adaptive_entropy,
+            ),
+        )
+        # the entropies carry a graph only where the bonus contributes to the gradient
+        entropy_grad = backward and spec.entropy_bonus_enabled and ctx.entropy_coef != 0.0
         old = inputs.get("old_per_token_logps")
         ref = inputs.get("ref_per_token_logps")
         sampling = inputs.get("sampling_per_token_logps")
@@ -834,15 +952,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         all_metrics = []
         replay_seconds, replay_tokens = 0.0, 0
         for g in group_order:
-            key, prompt_ids = prompts[g]
-            entry = self._acquire(key, prompt_ids, purpose="loss")
+            entry = self._loss_entry(entries, inputs, g, rows_of[g], lengths, loss_mask)
             rows = list(rows_of[g])
-            if entry.probe_stale is not None:
-                probe = next((i for i in rows if ctx.lengths[i] > 0), None)
-                if probe is not None:
-                    self._finish_probe(entry, completion_ids[probe], loss_mask[probe])
-                else:
-                    entry.probe_stale = None
             if sync_row in rows:  # the synchronising response runs last
                 rows.remove(sync_row)
                 rows.append(sync_row)
@@ -871,6 +982,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                         entry.state,
                         completion_ids[i : i + 1, :length],
                         completion_mask[i : i + 1, :length],
+                        entropy_grad=entropy_grad,
                     )
                     term, metrics = response_loss(
                         spec,
@@ -902,6 +1014,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             gather=self.accelerator.gather,
         ).items():
             self._metrics[mode][name].append(value)
+        if spec.entropy_bonus_enabled:
+            self._entropy_control(mode, torch.stack([m.bonus_entropy for m in all_metrics]).sum(0))
         self._metrics[mode]["longstraw/replay_seconds"].append(replay_seconds)
         self._metrics[mode]["longstraw/replay_tokens_per_second"].append(
             replay_tokens / max(replay_seconds, 1e-9)
@@ -962,6 +1076,21 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
         return loss.detach()
+
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """TRL's `evaluate()`; the eval micro-batches must hold whole groups of `num_generations_eval` completions
+        (checked here too: the config checks it only when an `eval_strategy` is set)."""
+        check_whole_groups(
+            self.args.per_device_eval_batch_size,
+            self.num_generations_eval,
+            "per_device_eval_batch_size",
+            "num_generations_eval",
+        )
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            _check_prompt_column(eval_dataset, "eval_dataset")
+        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         try:

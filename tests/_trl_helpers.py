@@ -91,11 +91,17 @@ def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kw
 
     Defaults (each overridable through `grpo_kwargs`): `per_device_train_batch_size=4`, `num_generations=4`,
     `gradient_accumulation_steps=2`, `max_completion_length=16`, `report_to="none"`, `use_cpu=True`,
-    `activation_checkpointing=False`, `save_strategy="no"`. The model is in eval mode after construction (as TRL
+    `activation_checkpointing=False`, `save_strategy="no"`; `reward_funcs`, `callbacks`, `train_dataset` and
+    `eval_dataset` go to the trainer. The
+    model is in eval mode after construction (as TRL
     leaves it); call `trainer.model.train()` for train-mode loss scaling, and set
     `trainer.current_gradient_accumulation_steps` (normally set by the Trainer's training loop).
     """
     path = tiny_model_dir()
+    reward_funcs = grpo_kwargs.pop("reward_funcs", _constant_reward)
+    callbacks = grpo_kwargs.pop("callbacks", None)
+    dataset = grpo_kwargs.pop("train_dataset", None)
+    eval_dataset = grpo_kwargs.pop("eval_dataset", None)
     kwargs = _tiny_config_kwargs("longstraw_grpo_", loss_type, beta)
     kwargs.update(grpo_kwargs)
     atexit.register(shutil.rmtree, kwargs["output_dir"], ignore_errors=True)
@@ -104,13 +110,18 @@ def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kw
         args = GRPOConfig(**kwargs)
         model = Qwen3ForCausalLM.from_pretrained(path)
         tokenizer = build_toy_tokenizer(TINY_VOCAB)
-        dataset = Dataset.from_dict({"prompt": ["hello world", "the cat sat", "on the mat", "long straw"]})
+        if dataset is None:
+            dataset = Dataset.from_dict(
+                {"prompt": ["hello world", "the cat sat", "on the mat", "long straw"]}
+            )
         trainer = GRPOTrainer(
             model=model,
-            reward_funcs=_constant_reward,
+            reward_funcs=reward_funcs,
             args=args,
             train_dataset=dataset,
+            eval_dataset=eval_dataset,
             processing_class=tokenizer,
+            callbacks=callbacks,
         )
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
     return trainer
@@ -197,7 +208,8 @@ def trl_compute_loss(
 def make_tiny_longstraw_trainer(loss_type: str = "dapo", beta: float = 0.0, **kwargs: Any):
     """A `LongStrawGRPOTrainer` on the same tiny model, with `make_tiny_grpo_trainer`'s defaults.
 
-    Extra keywords go to `LongStrawGRPOConfig`, except `train_dataset`, `reward_funcs`, `model` and `peft_config`.
+    Extra keywords go to `LongStrawGRPOConfig`, except `train_dataset`, `eval_dataset`, `reward_funcs`, `model`,
+    `peft_config` and `callbacks`.
     """
     from transformers.trainer_callback import PrinterCallback
 
@@ -210,6 +222,8 @@ def make_tiny_longstraw_trainer(loss_type: str = "dapo", beta: float = 0.0, **kw
     reward_funcs = kwargs.pop("reward_funcs", _constant_reward)
     model = kwargs.pop("model", None)
     peft_config = kwargs.pop("peft_config", None)
+    callbacks = kwargs.pop("callbacks", None)
+    eval_dataset = kwargs.pop("eval_dataset", None)
     config = _tiny_config_kwargs("longstraw_trainer_", loss_type, beta, bf16=False, disable_tqdm=True)
     config.update(kwargs)
     atexit.register(shutil.rmtree, config["output_dir"], ignore_errors=True)
@@ -223,8 +237,10 @@ def make_tiny_longstraw_trainer(loss_type: str = "dapo", beta: float = 0.0, **kw
             reward_funcs=reward_funcs,
             args=args,
             train_dataset=dataset,
+            eval_dataset=eval_dataset,
             processing_class=build_toy_tokenizer(TINY_VOCAB),
             peft_config=peft_config,
+            callbacks=callbacks,
         )
     # no log dicts on stdout: `pytest -s` shows the tests' own prints
     trainer.remove_callback(PrinterCallback)

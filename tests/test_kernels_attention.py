@@ -81,6 +81,39 @@ def test_chunked_logprobs_match_full_logits(monkeypatch):
         assert (a - b).abs().max() <= 1e-5  # fp32 summation order differs across chunks
 
 
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_chunked_entropies_match_plain_torch(monkeypatch, entropy_grad):
+    """Entropies from the chunked (checkpointed) head against `torch.distributions.Categorical(...).entropy()` on
+    the full logits: values, and with `entropy_grad` the gradient of a loss mixing log-probs and entropies."""
+    import longstraw_trl.kernels.logprob as lp
+
+    monkeypatch.setattr(lp, "LOGITS_CHUNK_ELEMENTS", 50 * 7)  # force several chunks
+    gen = torch.Generator().manual_seed(1)
+    head = torch.nn.Linear(16, 50, bias=True)
+    h = torch.randn(3, 11, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 11), generator=gen)
+    logps, entropies = token_logprobs(h, head, targets, 0.7, with_entropy=True, entropy_grad=entropy_grad)
+    logits = head(h).float() / 0.7
+    ref_entropies = torch.distributions.Categorical(logits=logits).entropy()
+    ref_logps = torch.distributions.Categorical(logits=logits).log_prob(targets)
+    assert (entropies - ref_entropies).abs().max() <= 1e-5
+    assert (logps - ref_logps).abs().max() <= 1e-6
+    assert entropies.requires_grad == entropy_grad
+    if not entropy_grad:
+        return
+    w1, w2 = torch.randn(3, 11, generator=gen), torch.randn(3, 11, generator=gen)
+    params = (h, head.weight, head.bias)
+    g = torch.autograd.grad((logps * w1).sum() + (entropies * w2).sum(), params, retain_graph=True)
+    r = torch.autograd.grad((ref_logps * w1).sum() + (ref_entropies * w2).sum(), params, retain_graph=True)
+    for a, b in zip(g, r, strict=True):
+        assert (a - b).norm() / b.norm() <= 1e-5
+    # the entropy part on its own (so a wrong entropy gradient cannot hide behind the log-prob one)
+    g = torch.autograd.grad((entropies * w2).sum(), params)
+    r = torch.autograd.grad((ref_entropies * w2).sum(), params)
+    for a, b in zip(g, r, strict=True):
+        assert b.norm() > 0 and (a - b).norm() / b.norm() <= 1e-5
+
+
 def _math_path_called(name):
     def fail(*args, **kwargs):
         raise AssertionError(f"{name} was called: the flash path fell back to the plain math")

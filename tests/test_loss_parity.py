@@ -20,9 +20,12 @@ from trl import GRPOConfig
 from longstraw_trl.loss import (
     LOSS_TYPES,
     GRPOLossSpec,
+    adaptive_entropy_coef,
     aggregate_metrics,
+    applied_entropy_coef,
     batch_loss,
     batch_loss_context,
+    high_entropy_mask,
     response_loss,
 )
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -45,10 +48,17 @@ def ours(
     truncate=True,
     pass_entropies=True,
     loss_mask=None,
+    entropy_coef=None,
 ):
-    """Sum of our per-response terms (each back-propagated on its own), their gradients and metrics."""
+    """Sum of our per-response terms (each back-propagated on its own), their gradients and metrics.
+
+    `entropy_coef`: the coefficient to apply under adaptive entropy control (TRL's controller state before its call).
+    """
     spec = spec or GRPOLossSpec.from_args(trainer.args)
     mask = inputs["completion_mask"] if loss_mask is None else loss_mask
+    entropy_mask = None
+    if spec.top_entropy_quantile < 1.0:  # computed without gradient, as the trainer's entropy pass does
+        entropy_mask = high_entropy_mask(entropies.detach(), mask, spec.top_entropy_quantile)
     ctx = batch_loss_context(
         spec,
         mask,
@@ -56,6 +66,8 @@ def ours(
         num_processes=trainer.accelerator.num_processes,
         gradient_accumulation_steps=trainer.current_gradient_accumulation_steps,
         training=trainer.model.training,
+        entropy_mask=entropy_mask,
+        entropy_coef=entropy_coef,
     )
     logps_leaf = logps.detach().clone().requires_grad_()
     entropies_leaf = entropies.detach().clone().requires_grad_()
@@ -95,13 +107,27 @@ def ours(
 
 
 def assert_parity(trainer, inputs, logps, entropies, *, spec=None, loss_mask=None, check_entropy_grad=False):
+    # TRL's controller state before its call (in train mode TRL updates it at the optimizer-step boundary)
+    applied = applied_entropy_coef(
+        trainer.entropy_coef,
+        trainer._last_world_entropy,
+        trainer.args.entropy_target,
+        trainer.use_adaptive_entropy,
+    )
     loss, grad, grad_entropies, metrics = trl_compute_loss(trainer, inputs, logps, entropies)
     assert torch.isfinite(loss)
     # A trainer-level value (TRL logs it at optimizer-step boundaries), not a loss metric.
     assert metrics.pop("entropy_coef", trainer.entropy_coef) == trainer.entropy_coef
     for truncate in (True, False):
         our_loss, our_grad, our_grad_entropies, our_metrics = ours(
-            trainer, inputs, logps, entropies, spec=spec, truncate=truncate, loss_mask=loss_mask
+            trainer,
+            inputs,
+            logps,
+            entropies,
+            spec=spec,
+            truncate=truncate,
+            loss_mask=loss_mask,
+            entropy_coef=applied if trainer.use_adaptive_entropy else None,
         )
         torch.testing.assert_close(our_loss, loss, atol=ATOL, rtol=0)
         torch.testing.assert_close(our_grad, grad, atol=ATOL, rtol=0)
@@ -165,6 +191,15 @@ OPTIONS = {
     "tool_mask": dict(tool_mask=True),
     "per_token_advantages": dict(per_token_advantages=True),
     "entropy_bonus": dict(beta=0.02, grpo=dict(entropy_coef=0.03)),
+    "entropy_quantile": dict(grpo=dict(top_entropy_quantile=0.4)),
+    "entropy_quantile_bonus": dict(beta=0.02, grpo=dict(top_entropy_quantile=0.3, entropy_coef=0.05)),
+    # `last_world_entropy` at or below the target: the coefficient applies (from +inf, TRL's start, it does not)
+    "adaptive_entropy": dict(grpo=dict(use_adaptive_entropy=True, entropy_coef=0.04), last_world_entropy=0.1),
+    "adaptive_entropy_off": dict(grpo=dict(use_adaptive_entropy=True, entropy_coef=0.04)),
+    "adaptive_entropy_quantile": dict(
+        grpo=dict(use_adaptive_entropy=True, entropy_coef=0.04, top_entropy_quantile=0.5, entropy_target=1.0),
+        last_world_entropy=0.9,
+    ),
     "sapo_vespo_params": dict(
         grpo=dict(
             sapo_temperature_pos=0.7,
@@ -178,7 +213,15 @@ OPTIONS = {
 }
 OPTION_CASES = [(name, loss_type, "token") for name in OPTIONS for loss_type in LOSS_TYPES] + [
     (name, loss_type, "sequence")
-    for name in ("vllm_is_token", "off_policy_mask", "empty_completion", "entropy_bonus", "tool_mask")
+    for name in (
+        "vllm_is_token",
+        "off_policy_mask",
+        "empty_completion",
+        "entropy_bonus",
+        "tool_mask",
+        "entropy_quantile_bonus",
+        "adaptive_entropy_quantile",
+    )
     for loss_type in ("grpo", "dapo", "luspo", "vespo")
 ]
 
@@ -196,6 +239,8 @@ def test_options_match_trl(option, loss_type, level):
         trainer.model.train()
     if "current_ga" in opt:
         trainer.current_gradient_accumulation_steps = opt["current_ga"]
+    if "last_world_entropy" in opt:
+        trainer._last_world_entropy = opt["last_world_entropy"]
     if "num_processes" in opt:
         # Only `num_processes` enters the loss value (the dapo/cispo/vespo normalizer); cross-process reductions
         # of the metrics are identities on one process either way.
@@ -239,6 +284,85 @@ def test_options_match_trl(option, loss_type, level):
         loss_mask=loss_mask,
         check_entropy_grad=spec.entropy_bonus_enabled,
     )
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+def test_adaptive_entropy_coefficient_trajectory_matches_trl(quantile):
+    """TRL's controller over 6 optimizer steps of 2 micro-batches (gradient_accumulation_steps=2), against ours driven
+    by the same entropies: per micro-batch loss and gradient, and the coefficient after every optimizer step. The
+    windows' entropies straddle the target, so the coefficient goes up (hitting `entropy_coef_max`) and down (hitting
+    `entropy_coef_min`)."""
+    kwargs = dict(
+        use_adaptive_entropy=True,
+        entropy_coef=0.02,
+        entropy_target=1.0,
+        entropy_coef_delta=0.015,
+        entropy_coef_min=0.005,
+        entropy_coef_max=0.04,
+        top_entropy_quantile=quantile,
+    )
+    trainer = make_tiny_grpo_trainer(loss_type="grpo", beta=0.0, **kwargs)
+    trainer.model.train()
+    spec = GRPOLossSpec.from_args(trainer.args)
+    # entropies ~ U(0, 2) * scale: two windows below the target, three above (down to the min), one below
+    scales = [0.3, 0.5, 0.4, 0.6, 1.6, 1.2, 1.5, 1.8, 1.4, 1.7, 0.5, 0.6]
+    coef, last, window = spec.entropy_coef, float("inf"), torch.zeros(2)
+    trl_coefs, our_coefs, applied = [], [], []
+    for k, scale in enumerate(scales):
+        inputs, logps, entropies = random_grpo_inputs(LENGTHS, seed=300 + k)
+        entropies = entropies * scale
+        sync = k % 2 == 1
+        trainer.accelerator.gradient_state._set_sync_gradients(sync)
+        loss, grad, _, _ = trl_compute_loss(trainer, inputs, logps, entropies)
+
+        apply_coef = applied_entropy_coef(coef, last, trainer.args.entropy_target, True)
+        mask = inputs["completion_mask"]
+        emask = high_entropy_mask(entropies, mask, quantile) if quantile < 1 else None
+        ctx = batch_loss_context(
+            spec,
+            mask,
+            num_items_in_batch=inputs["num_items_in_batch"],
+            gradient_accumulation_steps=2,
+            entropy_mask=emask,
+            entropy_coef=apply_coef,
+        )
+        leaf = logps.clone().requires_grad_()
+        total, terms = torch.zeros(()), []
+        for i in range(len(LENGTHS)):
+            term, metrics = response_loss(
+                spec,
+                ctx,
+                i,
+                leaf[i],
+                inputs["old_per_token_logps"][i],
+                None,
+                inputs["advantages"][i],
+                entropies_i=entropies[i],
+            )
+            term.backward()
+            total = total + term.detach()
+            terms.append(metrics)
+        torch.testing.assert_close(total, loss, atol=ATOL, rtol=0)
+        torch.testing.assert_close(leaf.grad, grad, atol=ATOL, rtol=0)
+        window = window + torch.stack([m.bonus_entropy for m in terms]).sum(0)
+        if sync:
+            world = (window[0] / window[1].clamp(min=1.0)).item()
+            coef = adaptive_entropy_coef(
+                coef,
+                world,
+                entropy_target=trainer.args.entropy_target,
+                entropy_coef_delta=trainer.args.entropy_coef_delta,
+                entropy_coef_min=trainer.args.entropy_coef_min,
+                entropy_coef_max=trainer.args.entropy_coef_max,
+            )
+            last, window = world, torch.zeros(2)
+            trl_coefs.append(trainer.entropy_coef)
+            our_coefs.append(coef)
+            assert math.isclose(trainer._last_world_entropy, last, rel_tol=1e-6)
+        applied.append(apply_coef)
+    assert our_coefs == pytest.approx(trl_coefs, abs=1e-12)
+    assert 0.04 in our_coefs and 0.005 in our_coefs  # both bounds reached
+    assert applied[0] == 0.0 and any(a > 0 for a in applied)  # gated off before the first step, then on
 
 
 class _AcceleratorWithProcesses:
@@ -306,14 +430,29 @@ def test_spec_mirrors_trainer_attributes():
     assert spec.beta == GRPOConfig.beta and spec.importance_sampling_level == "token"
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [dict(top_entropy_quantile=0.2), dict(use_adaptive_entropy=True), dict(router_aux_loss_coef=0.01)],
-    ids=["top_entropy_quantile", "adaptive_entropy", "router_aux_loss"],
-)
+@pytest.mark.parametrize("kwargs", [dict(router_aux_loss_coef=0.01)], ids=["router_aux_loss"])
 def test_unsupported_options_raise(kwargs):
     with pytest.raises(NotImplementedError):
         GRPOLossSpec.from_args(SimpleNamespace(loss_type="dapo", **kwargs))
+
+
+def test_entropy_options_need_their_batch_inputs():
+    """The entropy options are supported; what each one needs from the caller is checked."""
+    with pytest.raises(ValueError, match=r"top_entropy_quantile must be in \[0, 1\]"):
+        GRPOLossSpec(top_entropy_quantile=1.5)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    quantile = GRPOLossSpec(top_entropy_quantile=0.5)
+    with pytest.raises(ValueError, match="pass entropy_mask"):
+        batch_loss_context(quantile, mask, num_items_in_batch=3)
+    with pytest.raises(ValueError, match="pass entropy_mask"):
+        batch_loss_context(GRPOLossSpec(), mask, num_items_in_batch=3, entropy_mask=mask.bool())
+    adaptive = GRPOLossSpec(use_adaptive_entropy=True)
+    assert adaptive.entropy_bonus_enabled  # even at entropy_coef=0, as TRL's `_entropy_bonus_enabled`
+    with pytest.raises(ValueError, match="use_adaptive_entropy=True: pass the coefficient"):
+        batch_loss_context(adaptive, mask, num_items_in_batch=3)
+    ctx = batch_loss_context(adaptive, mask, num_items_in_batch=3, entropy_coef=0.0)
+    with pytest.raises(ValueError, match="entropies_i"):
+        response_loss(adaptive, ctx, 0, -torch.rand(3), None, None, 1.0)
 
 
 def test_moe_router_aux_loss_is_detected_from_the_model():

@@ -370,7 +370,7 @@ def test_nan_loss_stops_training_naming_step_and_group():
         (dict(use_vllm=True), {}, "use_vllm=True"),
         (dict(repetition_penalty=1.1), {}, "repetition_penalty=1.1"),
         (dict(generation_kwargs={"num_beams": 2}), {}, r"generation_kwargs \['num_beams'\]"),
-        (dict(entropy_coef=0.01), {}, "entropy_coef=0.01"),
+        (dict(top_entropy_quantile=0.5, cp_size=2), {}, "top_entropy_quantile=0.5 with cp_size=2"),
         ({}, dict(tools=[len]), "tools"),
         ({}, dict(environment_factory=object), "environment_factory"),
         ({}, dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
@@ -379,7 +379,7 @@ def test_nan_loss_stops_training_naming_step_and_group():
         "vllm",
         "repetition_penalty",
         "generation_kwargs",
-        "entropy_bonus",
+        "entropy_quantile_cp",
         "tools",
         "environment",
         "rollout",
@@ -402,9 +402,7 @@ def test_unsupported_options_are_refused(kwargs, trainer_kwargs, match, tmp_path
             )
 
 
-def test_loss_options_it_cannot_stream_are_refused(tmp_path):
-    with pytest.raises(NotImplementedError, match="top_entropy_quantile"):
-        make_tiny_longstraw_trainer(top_entropy_quantile=0.5)
+def test_plain_grpo_config_is_refused(tmp_path):
     with pytest.raises(TypeError, match="LongStrawGRPOConfig"):
         LongStrawGRPOTrainer(
             model=Qwen3ForCausalLM.from_pretrained(tiny_model_dir()),

@@ -5,6 +5,8 @@ The response replays call the decoder layers directly, so under DDP they run ins
 micro-batches of one optimizer step (the first under `accelerator.no_sync`, as the Trainer runs it):
 - the synchronised gradient equals the average over ranks of the local (unsynchronised) gradients;
 - DDP all-reduces once per optimizer step: only the last response's backward of the last micro-batch synchronises.
+With the entropy options (bonus, `top_entropy_quantile` with its graph-free entropy pass and cross-rank quantile,
+adaptive control) the same holds, and the adaptive controller reduces its window over both ranks.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ def _grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+ENTROPY = dict(entropy_coef=0.05, top_entropy_quantile=0.5, use_adaptive_entropy=True, entropy_target=10.0)
+
+
+def _worker(rank: int, world: int, port: int, options: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -58,7 +63,9 @@ def _worker(rank: int, world: int, port: int) -> None:
         WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
-    trainer = make_tiny_longstraw_trainer(beta=0.04, loss_type="grpo", ddp_timeout=60)
+    extra = ENTROPY if options == "entropy" else {}
+    trainer = make_tiny_longstraw_trainer(beta=0.04, loss_type="grpo", ddp_timeout=60, **extra)
+
     assert trainer.accelerator.num_processes == world
     model = trainer.model
     ddp = trainer.accelerator.prepare_model(model)
@@ -74,9 +81,17 @@ def _worker(rank: int, world: int, port: int) -> None:
     model.train()
     micro_batches = [_inputs(rank, 0), _inputs(rank, 1)]
 
+    state = trainer.accelerator.gradient_state
+
+    def reset_controller():  # the same applied coefficient in both passes (it only moves at a step boundary)
+        if options == "entropy":
+            trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = 0.05, 1.0, None
+
     # local gradients: the unwrapped model, no reduction
     model.zero_grad()
-    for inputs in micro_batches:
+    reset_controller()
+    for k, inputs in enumerate(micro_batches):
+        state._set_sync_gradients(k == 1)
         trainer._streamed_loss(model, inputs, backward=True)
     local = _grads(model)
     expected = local.clone()
@@ -85,7 +100,16 @@ def _worker(rank: int, world: int, port: int) -> None:
 
     # through DDP, as the Trainer runs one optimizer step of two micro-batches
     model.zero_grad()
-    state = trainer.accelerator.gradient_state
+    windows = []
+    reset_controller()
+    if options == "entropy":
+        control = trainer._entropy_control
+
+        def recording(mode, stats):
+            windows.append(stats.detach().clone())
+            control(mode, stats)
+
+        trainer._entropy_control = recording
     state._set_sync_gradients(False)
     with trainer.accelerator.no_sync(ddp):
         trainer._streamed_loss(ddp, micro_batches[0], backward=True)
@@ -97,6 +121,13 @@ def _worker(rank: int, world: int, port: int) -> None:
     assert (local - expected).abs().max() > 1e-6  # the ranks really had different gradients
     torch.testing.assert_close(synced, expected, atol=1e-6, rtol=1e-5)
     assert len(calls) == len(set(calls)) >= 1  # each bucket reduced once: a single synchronising backward
+    if options == "entropy":
+        local = torch.stack(windows).sum(0)  # this rank's [entropy sum, token count] of the window
+        total = local.clone()
+        dist.all_reduce(total)
+        assert trainer._last_world_entropy == pytest.approx((total[0] / total[1]).item(), rel=1e-6)
+        assert abs(trainer._last_world_entropy - (local[0] / local[1]).item()) > 1e-6  # the ranks differ
+        assert trainer.entropy_coef == pytest.approx(0.055)  # one update, the same on every rank
     dist.barrier()
     exit_worker()
 
@@ -107,6 +138,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.parametrize("options", ["plain", "entropy"])
 @pytest.mark.parametrize("world", [2])
-def test_ddp_reduces_once_per_optimizer_step_and_averages(world):
-    run_processes(_worker, (world, _free_port()), world)
+def test_ddp_reduces_once_per_optimizer_step_and_averages(world, options):
+    run_processes(_worker, (world, _free_port(), options), world)

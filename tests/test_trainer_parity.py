@@ -191,3 +191,105 @@ def test_cosine_response_only_vs_full_gradient(prompt_len):
     )
     assert math.isclose(cos_ours, cos_ref, abs_tol=1e-4)
     assert 0.0 < cos_ref < 1.0 - 1e-4  # the prompt path matters, and the two gradients are related
+
+
+ENTROPY_SETTINGS = {
+    "bonus": dict(entropy_coef=0.05),
+    "quantile": dict(top_entropy_quantile=0.5),
+    "quantile+bonus": dict(top_entropy_quantile=0.3, entropy_coef=0.08, beta=0.04),
+}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("setting", list(ENTROPY_SETTINGS))
+def test_entropy_options_match_trl(setting, loss_type):
+    """The entropy bonus (differentiable replay entropies) and the `top_entropy_quantile` mask (graph-free entropy
+    pass) against stock `GRPOTrainer._compute_loss` on the response-only reference, whose entropies come from the same
+    differentiable forward as its log-probs."""
+    kwargs = dict(dict(beta=0.0), loss_type=loss_type, **ENTROPY_SETTINGS[setting])
+    trl = make_tiny_grpo_trainer(**kwargs)
+    ours = make_tiny_longstraw_trainer(**kwargs)
+    inputs = _inputs(40 + list(ENTROPY_SETTINGS).index(setting), kwargs["beta"])
+    ref_loss, ref_grads, ref_metrics = trl_loss_and_grads(trl, inputs, response_only=True)
+    loss, grads, metrics = ours_loss_and_grads(ours, inputs)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
+    assert_grads_close(grads, ref_grads)
+    assert set(metrics) == set(ref_metrics)
+    for name, value in ref_metrics.items():
+        assert math.isclose(metrics[name], value, rel_tol=1e-4, abs_tol=1e-6), (name, metrics[name], value)
+    if "entropy_coef" in kwargs:
+        assert (
+            ours._metrics["train"]["entropy_coef"]
+            == trl._metrics["train"]["entropy_coef"]
+            == [kwargs["entropy_coef"]]
+        )
+    if "top_entropy_quantile" in kwargs:
+        assert ours._metrics["train"]["longstraw/entropy_pass_seconds"]
+        # the mask matters: without it the loss differs
+        plain = make_tiny_longstraw_trainer(**{**kwargs, "top_entropy_quantile": 1.0})
+        assert (ours_loss_and_grads(plain, inputs)[0] - loss).abs() > 1e-4
+
+
+def test_entropy_bonus_gradient_is_the_entropy_gradient():
+    """The bonus's own gradient: (loss with coef) - (loss without) equals TRL's, parameter by parameter."""
+    inputs = _inputs(77, 0.0)
+    diffs = []
+    for make in (make_tiny_grpo_trainer, make_tiny_longstraw_trainer):
+        with_bonus, without = make(entropy_coef=0.5), make(entropy_coef=0.0)
+        if make is make_tiny_grpo_trainer:
+            a, b = (trl_loss_and_grads(t, inputs, response_only=True)[1] for t in (with_bonus, without))
+        else:
+            a, b = (ours_loss_and_grads(t, inputs)[1] for t in (with_bonus, without))
+        diffs.append({name: a[name] - b[name] for name in a})
+    assert flat(diffs[1]).norm() > 1e-3 * flat(diffs[0]).norm() > 0
+    assert_grads_close(diffs[1], diffs[0])
+
+
+def test_adaptive_entropy_trajectory_matches_trl():
+    """TRL's adaptive controller (`use_adaptive_entropy`) over 5 optimizer steps of 2 micro-batches: every loss, the
+    applied coefficient, and the coefficient after each step, stock `GRPOTrainer` vs ours on the same micro-batches
+    (entropies measured by each trainer's own forward). The target is put between the windows' entropies so that the
+    coefficient moves both ways."""
+    kwargs = dict(
+        loss_type="grpo",
+        beta=0.0,
+        use_adaptive_entropy=True,
+        entropy_coef=0.3,
+        entropy_coef_delta=0.2,
+        entropy_coef_min=0.0,
+        entropy_coef_max=0.5,
+        top_entropy_quantile=0.6,
+        temperature=0.05,  # peaked distributions: the random tiny model is otherwise near-uniform (H ~ log V)
+    )
+    trl = make_tiny_grpo_trainer(**kwargs)
+    ours = make_tiny_longstraw_trainer(**kwargs)
+    batches = [_inputs(500 + k, 0.0) for k in range(10)]
+
+    def run(trainer, step, target):
+        trainer.args.entropy_target = target
+        trainer.entropy_coef, trainer._last_world_entropy = kwargs["entropy_coef"], float("inf")
+        trainer._entropy_window_stats = None
+        losses, coefs, worlds = [], [], []
+        for k, inputs in enumerate(batches):
+            trainer.accelerator.gradient_state._set_sync_gradients(k % 2 == 1)
+            losses.append(step(trainer, inputs)[0])
+            if k % 2 == 1:
+                coefs.append(trainer.entropy_coef)
+                worlds.append(trainer._last_world_entropy)
+        trainer.accelerator.gradient_state._set_sync_gradients(True)
+        return losses, coefs, worlds
+
+    def trl_step(trainer, inputs):
+        return trl_loss_and_grads(trainer, inputs, response_only=True)
+
+    _, _, worlds = run(trl, trl_step, float("inf"))
+    ordered = sorted(worlds)
+    assert ordered[2] - ordered[1] > 1e-4  # a target between them is not a near tie
+    target = (ordered[1] + ordered[2]) / 2  # two windows at or below it, three above
+    ref_losses, ref_coefs, ref_worlds = run(trl, trl_step, target)
+    losses, coefs, our_worlds = run(ours, ours_loss_and_grads, target)
+    for a, b in zip(losses, ref_losses, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert our_worlds == pytest.approx(ref_worlds, abs=1e-5)
+    assert coefs == pytest.approx(ref_coefs, abs=1e-12)
+    assert len(set(ref_coefs)) > 1 and ref_coefs != sorted(ref_coefs)  # it moved, not monotonically
