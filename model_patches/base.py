@@ -7,11 +7,18 @@ other layer kinds (Gated DeltaNet, ...) through forwards the family installs in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from longstraw_trl.errors import UnsupportedModelError
-from longstraw_trl.state import KVPages, LayerState
+from longstraw_trl.state import KVPages, LayerState, WindowKV
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+# RoPE variants whose frequencies depend on the largest position *in the call*: a chunked capture would
+# not reproduce a full forward.
+CALL_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class FamilyPatch:
@@ -42,6 +49,12 @@ class FamilyPatch:
         """
         return KVPages
 
+    def logits_transform(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the stock ``*ForCausalLM.forward`` does to the head's logits (a final soft-cap, a logit
+        scale), for the engine's head request, which computes log-probs from the head directly.
+        ``None``: nothing (the logits are the head's output)."""
+        return None
+
     def no_attention_masks(self, model: nn.Module) -> dict | None:
         """The ``attention_mask`` a LongStraw call passes to the root forward. The engine's attention is
         causal by construction and ignores masks; ``None`` lets HF build whatever it builds (for SDPA with no
@@ -58,3 +71,41 @@ class FamilyPatch:
 
     def unsupported(self, what: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"{type(self).__name__}: {what} is not supported by LongStraw-TRL")
+
+
+class SlidingWindowPatch(FamilyPatch):
+    """Families whose ``config.layer_types`` mix ``sliding_attention`` and ``full_attention`` layers, each
+    attention module passing its ``sliding_window`` (``None`` on full layers) to the attention interface:
+    sliding layers keep a :class:`WindowKV` (the last ``sliding_window - 1`` prompt tokens), full layers
+    :class:`KVPages`. A subclass adds what its family does differently (logit post-processing, ...)."""
+
+    def layer_types(self, config) -> list[str]:
+        return list(config.layer_types)
+
+    def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
+        return WindowKV if self.layer_types(config)[layer_idx] == SLIDING else KVPages
+
+    def no_attention_masks(self, model: nn.Module) -> dict:
+        # a prepared mapping: HF then builds no masks (the engine masks by position itself)
+        return {FULL: None, SLIDING: None}
+
+    def validate(self, model: nn.Module) -> None:
+        config = self.text_config(model)
+        other = sorted(set(self.layer_types(config)) - {FULL, SLIDING})
+        if other:
+            raise self.unsupported(f"layer types {other} (only {FULL!r} and {SLIDING!r} are)")
+        if SLIDING in self.layer_types(config) and not getattr(config, "sliding_window", None):
+            raise self.unsupported(
+                f"sliding_window={getattr(config, 'sliding_window', None)!r} on sliding layers"
+            )
+        if getattr(config, "attention_dropout", 0.0):
+            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise self.unsupported("use_bidirectional_attention=True (the engine's attention is causal)")
+        rope = getattr(config, "rope_parameters", None) or {}
+        for params in rope.values() if all(isinstance(x, dict) for x in rope.values()) and rope else [rope]:
+            if params.get("rope_type") in CALL_DEPENDENT_ROPE:
+                raise self.unsupported(
+                    f"rope_type={params['rope_type']!r} (its frequencies depend on the length of each call, so "
+                    "a chunked capture cannot reproduce a full forward)"
+                )

@@ -1,0 +1,35 @@
+"""Mistral (``mistral``) and Ministral (``ministral``): Llama-shaped decoders with sliding-window attention.
+
+Mistral applies ``config.sliding_window`` (``None``: full attention) to every layer; Ministral has the
+same modeling code with a per-layer ``config.layer_types``. Each attention module passes its window to
+the attention interface, which the engine dispatches; sliding layers keep only the last
+``sliding_window - 1`` prompt tokens (:class:`~longstraw_trl.state.WindowKV`). Nothing else differs.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import FULL, SLIDING, SlidingWindowPatch
+
+
+class MistralPatch(SlidingWindowPatch):
+    model_types = ("mistral", "ministral")
+
+    def layer_types(self, config) -> list[str]:
+        types = getattr(config, "layer_types", None)
+        if types:
+            return list(types)
+        # Mistral: one window (or none) for every layer
+        return [SLIDING if config.sliding_window is not None else FULL] * config.num_hidden_layers
+
+    def no_attention_masks(self, model: nn.Module) -> dict | None:
+        # Ministral's forward takes a prepared mask mapping; Mistral's builds one mask (ignored by the engine)
+        return super().no_attention_masks(model) if getattr(model.config, "layer_types", None) else None
+
+
+def apply_longstraw_to_mistral(model: nn.Module) -> nn.Module:
+    """Patch a Mistral / Ministral model in place (same as :func:`patch_model`)."""
+    from .qwen3_5 import apply_family_patch
+
+    return apply_family_patch(model, MistralPatch)
