@@ -242,11 +242,13 @@ WINDOW_CONFIGS = {
 QK_GAIN = 6.0
 
 
-def build_window(family: str, seed: int = 0, attn_implementation: str = "eager"):
+def build_window(family: str, seed: int = 0, attn_implementation: str = "eager", **overrides):
+    """A tiny model of a sliding-window family; ``overrides`` set config fields (e.g. ``vocab_size``)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
-        WINDOW_CONFIGS[family](), attn_implementation=attn_implementation
-    )
+    config = WINDOW_CONFIGS[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 99)
         for name, param in model.named_parameters():

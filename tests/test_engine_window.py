@@ -300,3 +300,45 @@ def test_refuses_what_it_cannot_reproduce(family, change, match):
         setattr(model.config, key, value)
     with pytest.raises(UnsupportedModelError, match=match):
         patch_model(model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Through the trainer: old / reference log-probs (window layers, soft-caps) equal the stock forward
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_trainer_logprobs_equal_stock_forward(family):
+    from _trl_helpers import TINY_VOCAB, make_tiny_longstraw_trainer
+    from peft import LoraConfig
+
+    # (gpt_oss: the router's load-balancing loss is refused by the trainer, as for every MoE family)
+    ids = dict(vocab_size=TINY_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model = build_window(family, router_aux_loss_coef=0.0, **ids)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer = make_tiny_longstraw_trainer(
+        model=model, peft_config=lora, beta=0.04, num_iterations=2, temperature=0.9, max_completion_length=12
+    )
+    with torch.no_grad():  # as if the policy adapter had been trained
+        for name, param in trainer.model.named_parameters():
+            if "lora_B.default" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    trainer.model.train()
+    torch.manual_seed(0)
+    prompt_text = "the quick brown fox jumps over the lazy dog " * 2  # longer than the window
+    out = trainer._generate_and_score_completions([{"prompt": prompt_text}] * 4)
+    prompt = out["longstraw_prompts"][0][1]
+    assert prompt.numel() > WINDOW
+    ids, mask = out["completion_ids"], out["completion_mask"]
+    full = torch.cat([prompt[None].expand(ids.size(0), -1), ids], dim=1)
+
+    def stock_logps():
+        with torch.no_grad():
+            logits = trainer.model(full).logits.float() / 0.9
+        logp = torch.log_softmax(logits[:, prompt.numel() - 1 : -1], -1)
+        return logp.gather(-1, ids[..., None])[..., 0] * mask
+
+    policy = stock_logps()
+    with trainer.model.disable_adapter():
+        reference = stock_logps()
+    assert (policy - reference).abs().max() > 1e-2
+    assert (out["old_per_token_logps"] - policy).abs().max() <= 1e-4
+    assert (out["ref_per_token_logps"] - reference).abs().max() <= 1e-4
