@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # The plain-math path processes keys in blocks so that one fp32 score tile stays under this many
 # elements (1 GiB), whatever the number of query rows.
@@ -522,9 +523,20 @@ def prompt_response_attention(
 # ----------------------------------------------------------------------------------------------------
 # Sliding-window layers: one masked attention over [window of prompt keys | own keys]
 # ----------------------------------------------------------------------------------------------------
-# Queries per block of the window path: each block reads at most ``block + window - 1`` keys, so the
-# autograd graph grows linearly with the response, never with its square.
+# Queries per block of the window path: each block reads at most ``block + window - 1`` keys. Under
+# autograd each block is checkpointed (its scores are recomputed in backward), so the graph keeps only
+# the block outputs: memory grows with the response times the head dim, not with the window.
 WINDOW_QUERY_BLOCK = 256
+
+
+def _window_block(q, keys, values, k_pos, q_pos, scale, window, softcap, sinks):
+    """One query block: ``q [B, Hq, t, D]`` over ``keys/values [B, Hq, L, D]`` at positions ``k_pos``."""
+    scores = _scores(q, keys, scale, softcap)
+    visible = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - k_pos[None, :] < window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # every query sees at least itself: finite
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
+    return merge_sink(out, lse, sinks)[0]
 
 
 def window_attention(
@@ -547,8 +559,9 @@ def window_attention(
     ``self_length - 1`` (a 0-dim device tensor; ``S`` is then the buffer capacity and the unfilled slots
     lie after the query, so the causal condition masks them). Query at ``x`` sees key at ``y`` iff
     ``y <= x`` and ``x - y < window`` (HF's ``sliding_window_overlay`` on a causal mask). Plain torch,
-    differentiable in ``q, k, v, sinks`` by autograd (the window is small); ``softcap`` and ``sinks`` as in
-    :func:`prompt_response_attention`. Returns ``[B, Hq, T, Dv]`` in q's dtype.
+    differentiable in ``q, k, v, sinks`` by autograd (blocks of :data:`WINDOW_QUERY_BLOCK` queries,
+    checkpointed); ``softcap`` and ``sinks`` as in :func:`prompt_response_attention`. Returns
+    ``[B, Hq, T, Dv]`` in q's dtype.
     """
     b, hq, t, _ = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
@@ -562,24 +575,17 @@ def window_attention(
     keys, values = repeat_kv(keys, rep), repeat_kv(values, rep)
     device = q.device
     k_pos = torch.arange(n + s_len, device=device) - n
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
     outs = []
     for a in range(0, t, WINDOW_QUERY_BLOCK):
         e = min(t, a + WINDOW_QUERY_BLOCK)
         if self_length is None:
             q_pos = torch.arange(a, e, device=device) + (s_len - t)
-            # keys the block can see: positions (q_pos[0] - window, q_pos[-1]]
-            lo = max(0, a + s_len - t - window + 1 + n)
-            hi = e + s_len - t + n
+            # the keys the block can see: positions (q_pos[0] - window, q_pos[-1]]
+            lo, hi = max(0, a + s_len - t - window + 1 + n), e + s_len - t + n
         else:
-            q_pos = (self_length - 1).view(1)
-            lo, hi = 0, n + s_len
-        kp = k_pos[lo:hi]
-        scores = _scores(q[:, :, a:e], keys[:, :, lo:hi], scale, softcap)
-        visible = (kp[None, :] <= q_pos[:, None]) & (q_pos[:, None] - kp[None, :] < window)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # every query sees at least itself: finite
-        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values[:, :, lo:hi].float())
-        if sinks is not None:
-            out, lse = merge_sink(out, lse, sinks)
-        outs.append(out)
+            q_pos, lo, hi = (self_length - 1).view(1), 0, n + s_len
+        args = (q[:, :, a:e], keys[:, :, lo:hi], values[:, :, lo:hi], k_pos[lo:hi], q_pos)
+        args += (scale, window, softcap, sinks)
+        outs.append(checkpoint(_window_block, *args, use_reentrant=False) if grad else _window_block(*args))
     return torch.cat(outs, dim=2).to(q.dtype)

@@ -256,3 +256,23 @@ def test_softcap_takes_the_math_path_on_cuda():
         q.float(), k[:, :, :0].float(), v[:, :, :0].float(), k.float(), v.float(), 0.125, softcap=5.0
     )
     assert (out - ref).abs().max() <= 2e-2
+
+
+def test_window_attention_graph_keeps_no_scores(monkeypatch):
+    """Under autograd the window path saves its inputs' views, not a ``[T, block + window]`` score tile a block."""
+    monkeypatch.setattr(attn, "WINDOW_QUERY_BLOCK", 16)
+    window, t = 48, 128
+    q, k, v, kp, vp, sinks = _inputs(0, t, window - 1)
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = attn.window_attention(q, k, v, kp[0], vp[0], 0.35, window, sinks=sinks)
+    scores_per_block = q.shape[0] * q.shape[1] * 16 * (16 + window - 1)
+    assert max(saved) < scores_per_block  # no tile was kept
+    assert sum(saved) < 4 * (q.numel() + 2 * q.shape[1] // k.shape[1] * (k.numel() + kp.numel() * q.shape[0]))
+    out.sum().backward()  # and backward recomputes them
+    assert sinks.grad is not None and q.grad is not None
