@@ -30,7 +30,7 @@ from _state import snapshot, unchanged
 
 from longstraw_trl import KVPages, UnsupportedModelError, WindowKV, capture_prompt, patch_model
 from longstraw_trl.engine import ReplayContext, forward_model
-from longstraw_trl.planner import state_bytes
+from longstraw_trl.planner import plan_memory, state_bytes
 
 FAMILIES = list(WINDOW_CONFIGS)
 LORA_TARGETS = {
@@ -144,6 +144,8 @@ def test_window_state_bytes_stop_growing_and_match_the_planner(family):
         state = capture_prompt(model, torch.randint(0, VOCAB, (p,)), chunk_size=16, page_size=8)
         sizes[p] = state.nbytes_by_kind()
         assert state_bytes(cfg, p, 1, 8, dtype_bytes=4) == sizes[p]
+        # the whole plan uses the same formula (2-byte states: the plan's dtype)
+        assert plan_memory(cfg, p, page_size=8).state_by_kind == state_bytes(cfg, p, 1, 8)
         assert state.slack_bytes() == 0
     per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     n_window = sum(t == "sliding_attention" for t in find_types(cfg))
@@ -269,6 +271,13 @@ def test_patch_leaves_stock_forward_alone(family):
         assert patch_model(model) is model and patch_model(model) is model
         after = model(ids).logits
     assert torch.equal(before, after)
+
+
+def test_gemma3_ignores_attn_logit_softcapping_like_hf():
+    """HF's Gemma 3 attention does not pass ``attn_logit_softcapping`` to the attention interface, so the stock
+    model ignores it; the engine (which reads the interface's keywords) does too."""
+    model = build_window("gemma3_text", attn_logit_softcapping=0.05)
+    _check_against_stock(model, 30, 8, 8)
 
 
 @pytest.mark.parametrize(
