@@ -252,9 +252,10 @@ def _cp_worker(rank: int, world: int, init_file: str, family: str) -> None:
     exit_worker()
 
 
-@pytest.mark.parametrize("family", ["gpt_oss"])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
 def test_context_parallel_equals_single_process(family):
-    """gpt_oss: windows, full layers and sinks (the sink merges after the pages' all-gather)."""
+    """gpt_oss: windows, full layers and sinks (the sink merges after the pages' all-gather); gemma2: soft-capped
+    page partials."""
     with tempfile.TemporaryDirectory() as tmp:
         run_processes(_cp_worker, (2, os.path.join(tmp, "init"), family), 2)
 
