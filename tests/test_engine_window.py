@@ -352,3 +352,19 @@ def test_trainer_logprobs_equal_stock_forward(family):
     assert (policy - reference).abs().max() > 1e-2
     assert (out["old_per_token_logps"] - policy).abs().max() <= 1e-4
     assert (out["ref_per_token_logps"] - reference).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere2"])
+def test_entropies_see_the_post_processed_logits(family):
+    """The head request's entropies come from the same soft-capped / scaled logits as the stock model's."""
+    model = build_window(family)
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, VOCAB, (30,), generator=gen)
+    comps = torch.randint(0, VOCAB, (2, 10), generator=gen)
+    state = capture_prompt(model, prompt, chunk_size=8)
+    logp, entropy = state.logprobs(model, comps, temperature=0.7, return_entropy=True)
+    with torch.no_grad():
+        logits = model(torch.cat([prompt[None].expand(2, -1), comps], 1)).logits[:, 29:-1].float() / 0.7
+    ref = torch.log_softmax(logits, -1)
+    assert (logp - ref.gather(-1, comps[..., None])[..., 0]).abs().max() <= 1e-4
+    assert (entropy - -(ref.exp() * ref).sum(-1)).abs().max() <= 1e-4
