@@ -254,6 +254,7 @@ class WindowKV(LayerState):
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one chunk's ``k [Hkv, T, D]``, ``v [Hkv, T, Dv]`` and keep the last ``window - 1``."""
         self.num_tokens += k.shape[1]
+        v = v.to(k.dtype)  # one dtype for K and V, as KVPages (under autocast RoPE can leave K in fp32)
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
         start = max(k.shape[1] - (self.window - 1), 0)

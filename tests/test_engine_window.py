@@ -368,3 +368,24 @@ def test_entropies_see_the_post_processed_logits(family):
     ref = torch.log_softmax(logits, -1)
     assert (logp - ref.gather(-1, comps[..., None])[..., 0]).abs().max() <= 1e-4
     assert (entropy - -(ref.exp() * ref).sum(-1)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_cpu_bf16_autocast(family):
+    """TRL's default ``bf16=True`` on CPU: window, soft-cap and sink paths run under autocast, close to fp32, and
+    the window state keeps one dtype for K and V."""
+    model = build_window(family)
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, VOCAB, (40,), generator=gen)
+    comps = torch.randint(0, VOCAB, (2, 12), generator=gen)
+    ref = capture_prompt(model, prompt, chunk_size=8).logprobs(model, comps)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = capture_prompt(model, prompt, chunk_size=8)
+        got = state.logprobs(model, comps, grad=True)
+        got.sum().backward()
+    assert (got - ref).abs().max() <= 5e-2
+    assert all(
+        p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad
+    )
+    windows = [layer for layer in state.layers.values() if isinstance(layer, WindowKV)]
+    assert all(w.k.dtype == w.v.dtype for w in windows)
