@@ -73,6 +73,19 @@ class FamilyPatch:
         return UnsupportedModelError(f"{type(self).__name__}: {what} is not supported by LongStraw-TRL")
 
 
+def apply_family_patch(model: nn.Module, patch_type: type[FamilyPatch]) -> nn.Module:
+    """:func:`patch_model` for an ``apply_longstraw_to_<family>`` entry point: the model must be that family."""
+    from . import find_patch, patch_model, unwrap_model
+
+    if not isinstance(find_patch(model), patch_type):
+        base = unwrap_model(model)
+        raise UnsupportedModelError(
+            f"{type(base).__name__} (model_type {base.config.model_type!r}) is not one of "
+            f"{', '.join(patch_type.model_types)}; patch_model(model) picks the right family"
+        )
+    return patch_model(model)
+
+
 class SlidingWindowPatch(FamilyPatch):
     """Families whose ``config.layer_types`` mix ``sliding_attention`` and ``full_attention`` layers, each
     attention module passing its ``sliding_window`` (``None`` on full layers) to the attention interface:

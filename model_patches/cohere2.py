@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .base import SlidingWindowPatch
+from .base import SlidingWindowPatch, apply_family_patch
 
 
 class Cohere2Patch(SlidingWindowPatch):
@@ -26,6 +26,4 @@ class Cohere2Patch(SlidingWindowPatch):
 
 def apply_longstraw_to_cohere2(model: nn.Module) -> nn.Module:
     """Patch a Cohere 2 model in place (same as :func:`patch_model`)."""
-    from .qwen3_5 import apply_family_patch
-
     return apply_family_patch(model, Cohere2Patch)

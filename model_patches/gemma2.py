@@ -16,7 +16,7 @@ from torch import nn
 
 from longstraw_trl.kernels.logprob import softcap_logits
 
-from .base import SlidingWindowPatch
+from .base import SlidingWindowPatch, apply_family_patch
 
 
 class Gemma2Patch(SlidingWindowPatch):
@@ -29,6 +29,4 @@ class Gemma2Patch(SlidingWindowPatch):
 
 def apply_longstraw_to_gemma2(model: nn.Module) -> nn.Module:
     """Patch a Gemma 2 model in place (same as :func:`patch_model`)."""
-    from .qwen3_5 import apply_family_patch
-
     return apply_family_patch(model, Gemma2Patch)

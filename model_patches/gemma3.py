@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .base import apply_family_patch
 from .gemma2 import Gemma2Patch
 
 
@@ -20,6 +21,4 @@ class Gemma3TextPatch(Gemma2Patch):
 
 def apply_longstraw_to_gemma3(model: nn.Module) -> nn.Module:
     """Patch a Gemma 3 text model (``Gemma3ForCausalLM``) in place (same as :func:`patch_model`)."""
-    from .qwen3_5 import apply_family_patch
-
     return apply_family_patch(model, Gemma3TextPatch)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import SlidingWindowPatch
+from .base import SlidingWindowPatch, apply_family_patch
 
 
 class GptOssPatch(SlidingWindowPatch):
@@ -18,6 +18,4 @@ class GptOssPatch(SlidingWindowPatch):
 
 def apply_longstraw_to_gpt_oss(model: nn.Module) -> nn.Module:
     """Patch a GPT-OSS model in place (same as :func:`patch_model`)."""
-    from .qwen3_5 import apply_family_patch
-
     return apply_family_patch(model, GptOssPatch)

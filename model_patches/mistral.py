@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import FULL, SLIDING, SlidingWindowPatch
+from .base import FULL, SLIDING, SlidingWindowPatch, apply_family_patch
 
 
 class MistralPatch(SlidingWindowPatch):
@@ -30,6 +30,4 @@ class MistralPatch(SlidingWindowPatch):
 
 def apply_longstraw_to_mistral(model: nn.Module) -> nn.Module:
     """Patch a Mistral / Ministral model in place (same as :func:`patch_model`)."""
-    from .qwen3_5 import apply_family_patch
-
     return apply_family_patch(model, MistralPatch)

@@ -389,3 +389,36 @@ def test_cpu_bf16_autocast(family):
     )
     windows = [layer for layer in state.layers.values() if isinstance(layer, WindowKV)]
     assert all(w.k.dtype == w.v.dtype for w in windows)
+
+
+def test_entry_points_and_registration():
+    from longstraw_trl import supported_model_types
+    from longstraw_trl.model_patches import (
+        Cohere2Patch,
+        Gemma2Patch,
+        Gemma3TextPatch,
+        GptOssPatch,
+        MistralPatch,
+        apply_longstraw_to_cohere2,
+        apply_longstraw_to_gemma2,
+        apply_longstraw_to_gemma3,
+        apply_longstraw_to_gpt_oss,
+        apply_longstraw_to_mistral,
+        find_patch,
+    )
+
+    entries = {
+        "mistral": (MistralPatch, apply_longstraw_to_mistral),
+        "ministral": (MistralPatch, apply_longstraw_to_mistral),
+        "cohere2": (Cohere2Patch, apply_longstraw_to_cohere2),
+        "gemma2": (Gemma2Patch, apply_longstraw_to_gemma2),
+        "gemma3_text": (Gemma3TextPatch, apply_longstraw_to_gemma3),
+        "gpt_oss": (GptOssPatch, apply_longstraw_to_gpt_oss),
+    }
+    assert set(entries) <= set(supported_model_types())
+    for family, (patch_type, entry) in entries.items():
+        model = build_window(family)
+        assert type(find_patch(model)) is patch_type
+        assert entry(model) is model
+    with pytest.raises(UnsupportedModelError, match="gemma2.*patch_model"):
+        apply_longstraw_to_gemma2(build_window("gpt_oss"))
