@@ -87,20 +87,28 @@ def apply_family_patch(model: nn.Module, patch_type: type[FamilyPatch]) -> nn.Mo
 
 
 class SlidingWindowPatch(FamilyPatch):
-    """Families whose ``config.layer_types`` mix ``sliding_attention`` and ``full_attention`` layers, each
-    attention module passing its ``sliding_window`` (``None`` on full layers) to the attention interface:
-    sliding layers keep a :class:`WindowKV` (the last ``sliding_window - 1`` prompt tokens), full layers
-    :class:`KVPages`. A subclass adds what its family does differently (logit post-processing, ...)."""
+    """Families whose attention modules pass their ``sliding_window`` (``None`` on full layers) to the
+    attention interface: sliding layers keep a :class:`WindowKV` (the last ``sliding_window - 1`` prompt
+    tokens), full layers :class:`KVPages`. The layout is ``config.layer_types`` (``sliding_attention`` /
+    ``full_attention``), or, for configs without it (Mistral, Qwen3-MoE), ``config.sliding_window`` on
+    every layer or none. A subclass adds what its family does differently (logit post-processing, ...)."""
 
     def layer_types(self, config) -> list[str]:
-        return list(config.layer_types)
+        types = getattr(config, "layer_types", None)
+        if types:
+            return list(types)[: config.num_hidden_layers]
+        window = getattr(config, "sliding_window", None)
+        return [SLIDING if window is not None else FULL] * config.num_hidden_layers
 
     def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
         return WindowKV if self.layer_types(config)[layer_idx] == SLIDING else KVPages
 
-    def no_attention_masks(self, model: nn.Module) -> dict:
-        # a prepared mapping: HF then builds no masks (the engine masks by position itself)
-        return {FULL: None, SLIDING: None}
+    def no_attention_masks(self, model: nn.Module) -> dict | None:
+        # With per-layer types the forward takes a prepared mapping: HF then builds no masks (the engine
+        # masks by position itself). Without, it builds one mask per call, which the engine ignores.
+        if getattr(self.text_config(model), "layer_types", None):
+            return {FULL: None, SLIDING: None}
+        return None
 
     def validate(self, model: nn.Module) -> None:
         config = self.text_config(model)

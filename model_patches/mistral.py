@@ -10,22 +10,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import FULL, SLIDING, SlidingWindowPatch, apply_family_patch
+from .base import SlidingWindowPatch, apply_family_patch
 
 
 class MistralPatch(SlidingWindowPatch):
     model_types = ("mistral", "ministral")
-
-    def layer_types(self, config) -> list[str]:
-        types = getattr(config, "layer_types", None)
-        if types:
-            return list(types)
-        # Mistral: one window (or none) for every layer
-        return [SLIDING if config.sliding_window is not None else FULL] * config.num_hidden_layers
-
-    def no_attention_masks(self, model: nn.Module) -> dict | None:
-        # Ministral's forward takes a prepared mask mapping; Mistral's builds one mask (ignored by the engine)
-        return super().no_attention_masks(model) if getattr(model.config, "layer_types", None) else None
 
 
 def apply_longstraw_to_mistral(model: nn.Module) -> nn.Module:

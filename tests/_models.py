@@ -227,6 +227,29 @@ def _gpt_oss():
     )
 
 
+def _qwen2_sliding():
+    # sliding layers from max_window_layers on: [full, sliding, sliding]
+    return Qwen2Config(**ATTN, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1)
+
+
+def _qwen3_sliding():
+    return Qwen3Config(**ATTN, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1)
+
+
+def _qwen3_moe_sliding():
+    # no layer_types: one window for every layer
+    return Qwen3MoeConfig(
+        **ATTN,
+        num_hidden_layers=2,
+        use_sliding_window=True,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+    )
+
+
 WINDOW_CONFIGS = {
     "mistral": _mistral,
     "ministral": _ministral,
@@ -234,6 +257,9 @@ WINDOW_CONFIGS = {
     "gemma2": _gemma2,
     "gemma3_text": _gemma3_text,
     "gpt_oss": _gpt_oss,
+    "qwen2_sliding": _qwen2_sliding,
+    "qwen3_sliding": _qwen3_sliding,
+    "qwen3_moe_sliding": _qwen3_moe_sliding,
 }
 
 
