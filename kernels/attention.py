@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # The plain-math path processes keys in blocks so that one fp32 score tile stays under this many
 # elements (1 GiB), whatever the number of query rows.
@@ -69,24 +70,36 @@ def merge_partials(
 # ----------------------------------------------------------------------------------------------------
 # Plain torch math (reference and CPU path)
 # ----------------------------------------------------------------------------------------------------
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """fp32 scores ``q k^T * scale``, soft-capped to ``softcap * tanh(s / softcap)`` when given (Gemma 2:
+    the cap applies to every score before the softmax, so the LSE of each part is over capped scores)."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    return s
 
 
 def attention_lse_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False, q_offset: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    q_offset: int = 0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning ``(out fp32, lse fp32)`` for equal head counts ``[..., T, D]``.
 
     ``causal`` masks key ``j`` for query ``i`` when ``j > i + q_offset``; keys are processed in blocks
     with an online log-sum-exp so no ``[T, L]`` fp32 tile larger than one block is alive at once.
+    ``softcap``: scores are soft-capped before the softmax (see :func:`_scores`).
     """
     out, lse = None, None
     block = _key_block(q)
     for start in range(0, k.shape[-2], block):
         kb = k[..., start : start + block, :]
         vb = v[..., start : start + block, :]
-        s = _scores(q, kb, scale)
+        s = _scores(q, kb, scale, softcap)
         if causal:
             qi = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
             kj = torch.arange(start, start + kb.shape[-2], device=q.device)[None, :]
@@ -117,10 +130,12 @@ def attention_grad_reference(
     causal: bool = False,
     q_offset: int = 0,
     need_kv: bool = True,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of one key part given the *final* merged ``out``/``lse`` (fp32 results).
 
-    ``need_kv=False`` (prompt pages) skips dK/dV.
+    ``need_kv=False`` (prompt pages) skips dK/dV. ``softcap``: the scores were soft-capped, so ``dS``
+    is taken through ``d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2`` back to the raw scores.
     """
     dout = dout.float()
     delta = (dout * out.float()).sum(-1, keepdim=True)
@@ -132,13 +147,17 @@ def attention_grad_reference(
     for start in range(0, k.shape[-2], block):
         kb = k[..., start : start + block, :].float()
         vb = v[..., start : start + block, :].float()
-        s = torch.matmul(qf, kb.transpose(-1, -2)) * scale
+        s = _scores(qf, kb, scale, softcap)
+        # s = c tanh(raw / c): d s / d raw = 1 - (s / c)^2 (taken before masking: no inf * 0)
+        cap_grad = 1 - (s / softcap).square() if softcap is not None else None
         if causal:
             qi = torch.arange(q.shape[-2], device=q.device)[:, None] + q_offset
             kj = torch.arange(start, start + kb.shape[-2], device=q.device)[None, :]
             s = s.masked_fill(kj > qi, float("-inf"))
         p = torch.exp(s - lse.unsqueeze(-1))
         ds = p * (torch.matmul(dout, vb.transpose(-1, -2)) - delta)
+        if cap_grad is not None:
+            ds = ds * cap_grad
         dq += torch.matmul(ds, kb) * scale
         if need_kv:
             dk[..., start : start + kb.shape[-2], :] = torch.matmul(ds.transpose(-1, -2), qf) * scale
@@ -197,17 +216,23 @@ def cudnn_attention_ok(q: torch.Tensor) -> bool:
 
 
 def attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out fp32, lse fp32)`` for ``[B, H, T, D]`` with equal head counts.
 
     ``causal`` aligns the last query with the last key (queries are the last ``T`` of the keys). On CUDA:
     cuDNN for calls of many query rows (prefill chunks, replays), flash for few (decode), both verified
-    against the plain math once; the plain math elsewhere.
+    against the plain math once; the plain math elsewhere, and always with ``softcap`` (neither op
+    soft-caps scores).
     """
     if causal and q.shape[-2] == 1:
         causal = False  # one query after all its keys sees every key
-    if _flash_ok(q, k) and (not causal or q.shape[-2] == k.shape[-2]):
+    if softcap is None and _flash_ok(q, k) and (not causal or q.shape[-2] == k.shape[-2]):
         # (torch's causal flag is top-left aligned when T != L, so only T == L takes this path)
         if q.shape[-2] >= CUDNN_MIN_QUERY_ROWS and cudnn_attention_ok(q):
             return _cudnn_lse(q, k, v, scale, causal)
@@ -216,11 +241,16 @@ def attention_lse(
         )[:2]
         return out.float(), lse.float()
     offset = k.shape[-2] - q.shape[-2] if causal else 0
-    return attention_lse_reference(q, k, v, scale, causal=causal, q_offset=offset)
+    return attention_lse_reference(q, k, v, scale, causal=causal, q_offset=offset, softcap=softcap)
 
 
 def masked_decode_attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, length: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    length: torch.Tensor,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One new query per row over the first ``length`` keys of fixed-capacity buffers (decode).
 
@@ -232,6 +262,8 @@ def masked_decode_attention_lse(
     hkv, cap = k.shape[1], k.shape[2]
     qg = q.float().reshape(b, hkv, (hq // hkv) * t, d)
     s = torch.einsum("bhrd,bhcd->bhrc", qg, k.float()) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     valid = torch.arange(cap, device=q.device) < length
     s = s.masked_fill(~valid, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -304,13 +336,16 @@ def flash_backward_ok(q: torch.Tensor) -> bool:
     return _FLASH_BWD_OK[key]
 
 
-def attention_grads(q, k, v, out, lse, dout, scale, causal=False, need_kv=True):
+def attention_grads(q, k, v, out, lse, dout, scale, causal=False, need_kv=True, softcap=None):
     """Gradients of one key part given the final ``out``/``lse``: flash backward where it is verified,
-    else :func:`attention_grad_reference` (causal = queries are the last ``T`` of the keys, T == L)."""
-    if _flash_ok(q, k) and flash_backward_ok(q):
+    else :func:`attention_grad_reference` (causal = queries are the last ``T`` of the keys, T == L;
+    ``softcap`` always takes the plain math)."""
+    if softcap is None and _flash_ok(q, k) and flash_backward_ok(q):
         dq, dk, dv = _flash_grads(q, k, v, out, lse, dout, scale, causal)
         return (dq, dk, dv) if need_kv else (dq, None, None)
-    return attention_grad_reference(q, k, v, out, lse, dout, scale, causal=causal, need_kv=need_kv)
+    return attention_grad_reference(
+        q, k, v, out, lse, dout, scale, causal=causal, need_kv=need_kv, softcap=softcap
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -320,7 +355,7 @@ PageIter = Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]
 
 
 def pages_attention(
-    q: torch.Tensor, pages: PageIter, scale: float, num_kv_heads: int
+    q: torch.Tensor, pages: PageIter, scale: float, num_kv_heads: int, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """Attention of ``q [B, Hq, T, D]`` over all pages (no mask). Returns ``(out, lse)`` in the query
     layout (fp32), or ``(None, None)`` when there are no pages. ``pages()`` yields ``(k, v)`` of shape
@@ -329,7 +364,7 @@ def pages_attention(
     qf = fold_gqa(q, num_kv_heads).unsqueeze(0)
     out, lse = None, None
     for k, v in pages():
-        o, s = attention_lse(qf, k.unsqueeze(0), v.unsqueeze(0), scale)
+        o, s = attention_lse(qf, k.unsqueeze(0), v.unsqueeze(0), scale, softcap=softcap)
         out, lse = merge_partials(out, lse, o, s)
     if out is None:
         return None, None
@@ -344,6 +379,7 @@ def pages_attention_dq(
     dout: torch.Tensor,
     scale: float,
     num_kv_heads: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """dQ contribution of the prompt pages (fp32, query layout), given the final ``out``/``lse``."""
     b, hq, t, _ = q.shape
@@ -353,7 +389,7 @@ def pages_attention_dq(
     qf, of, lf, df = qf[None], of[None], lf[None], df[None]
     dq = torch.zeros_like(qf, dtype=torch.float32)
     for k, v in pages():
-        dq += attention_grads(qf, k[None], v[None], of, lf, df, scale, need_kv=False)[0]
+        dq += attention_grads(qf, k[None], v[None], of, lf, df, scale, need_kv=False, softcap=softcap)[0]
     return unfold_gqa(dq[0], b, hq, t)
 
 
@@ -365,9 +401,22 @@ def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, rep, t, d).reshape(b, h * rep, t, d)
 
 
-def _self_attention_lse(q, k, v, scale):
+def _self_attention_lse(q, k, v, scale, softcap=None):
     rep = q.shape[1] // k.shape[1]
-    return attention_lse(q, repeat_kv(k, rep), repeat_kv(v, rep), scale, causal=True)
+    return attention_lse(q, repeat_kv(k, rep), repeat_kv(v, rep), scale, causal=True, softcap=softcap)
+
+
+def merge_sink(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One more term of the LSE merge: a per-head sink logit ``sinks [Hq]`` in every row's softmax
+    denominator (GPT-OSS), i.e. a key with score ``sinks[h]`` and a zero value. ``out [B, Hq, T, D]``,
+    ``lse [B, Hq, T]`` fp32; ``None``: unchanged. Differentiable (the window path relies on autograd)."""
+    if sinks is None:
+        return out, lse
+    sink = sinks.float().view(1, -1, 1).expand_as(lse)
+    total = torch.logaddexp(lse, sink)
+    return out * torch.exp(lse - total).unsqueeze(-1), total
 
 
 # (out, lse, q) -> (out, lse): combines the prompt part over context-parallel ranks; q gives the shape
@@ -382,36 +431,52 @@ GradReduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class PromptResponseAttention(torch.autograd.Function):
     """Exact attention of response queries over read-only prompt pages plus their own causal keys.
 
-    Forward merges the two parts by LSE. Backward returns dQ (from both parts) and dK/dV of the response
-    keys only: the pages are constants and get no gradient. ``reduce_partial`` combines the prompt part
+    Forward merges the two parts by LSE, then the sink term if the layer has one (:func:`merge_sink`).
+    Backward returns dQ (from both parts) and dK/dV of the response keys only: the pages are constants
+    and get no gradient. The sink is a key with a zero value, so the FlashAttention identity over the
+    final (sink-merged) ``out``/``lse`` stays exact for the other parts, and the sink's own gradient is
+    ``d sink_h = -sum_i exp(sink_h - lse_i) (dO_i . O_i)``. ``reduce_partial`` combines the prompt part
     across context-parallel ranks (identity on one rank) and ``reduce_dq`` sums the page dQ across them
-    and adds the response part's.
+    and adds the response part's. ``softcap`` soft-caps every score (both parts) before the merge.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, pages, scale, reduce_partial, reduce_dq):
+    def forward(ctx, q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq):
         num_kv = k.shape[1]
-        out_p, lse_p = pages_attention(q, pages, scale, num_kv)
+        out_p, lse_p = pages_attention(q, pages, scale, num_kv, softcap)
         out_p, lse_p = reduce_partial(out_p, lse_p, q)
-        out_s, lse_s = _self_attention_lse(q, k, v, scale)
-        out, lse = merge_partials(out_p, lse_p, out_s, lse_s)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pages, ctx.scale, ctx.reduce_dq = pages, scale, reduce_dq
+        out_s, lse_s = _self_attention_lse(q, k, v, scale, softcap)
+        out, lse = merge_sink(*merge_partials(out_p, lse_p, out_s, lse_s), sinks)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.pages, ctx.scale, ctx.softcap, ctx.reduce_dq = pages, scale, softcap, reduce_dq
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         num_kv, rep = k.shape[1], q.shape[1] // k.shape[1]
-        dq_pages = pages_attention_dq(q, ctx.pages, out, lse, dout, ctx.scale, num_kv)
+        dq_pages = pages_attention_dq(q, ctx.pages, out, lse, dout, ctx.scale, num_kv, ctx.softcap)
         dq_s, dk, dv = attention_grads(
-            q, repeat_kv(k, rep), repeat_kv(v, rep), out, lse, dout, ctx.scale, causal=True
+            q,
+            repeat_kv(k, rep),
+            repeat_kv(v, rep),
+            out,
+            lse,
+            dout,
+            ctx.scale,
+            causal=True,
+            softcap=ctx.softcap,
         )
         dq = ctx.reduce_dq(dq_pages, dq_s)
         b, _, t, d = k.shape
         dk = dk.view(b, num_kv, rep, t, d).sum(2)
         dv = dv.view(b, num_kv, rep, t, v.shape[-1]).sum(2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            delta = (dout.float() * out).sum(-1)  # [B, Hq, T]
+            p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None
 
 
 def _no_reduce_partial(out, lse, q):
@@ -431,20 +496,96 @@ def prompt_response_attention(
     reduce_partial: PartialReduce | None = None,
     reduce_dq: GradReduce | None = None,
     self_length: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output ``[B, Hq, T, D]`` (q's dtype) of ``q`` over ``pages`` then causally over ``k, v``.
 
-    Differentiable in ``q, k, v`` when autograd is on; the pages never get a gradient. ``self_length``
-    (decode, no autograd): ``k, v`` are fixed-capacity buffers of which the first ``self_length`` keys
-    are filled, the newest one being the query's own (:func:`masked_decode_attention_lse`).
+    Differentiable in ``q, k, v`` (and ``sinks``) when autograd is on; the pages never get a gradient.
+    ``self_length`` (decode, no autograd): ``k, v`` are fixed-capacity buffers of which the first
+    ``self_length`` keys are filled, the newest one being the query's own (:func:`masked_decode_attention_lse`).
+    ``softcap``: scores soft-capped before the softmax (Gemma 2); ``sinks [Hq]``: one more term per head
+    in the softmax denominator (GPT-OSS, :func:`merge_sink`).
     """
     reduce_partial = reduce_partial or _no_reduce_partial
     reduce_dq = reduce_dq or _no_reduce_dq
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return PromptResponseAttention.apply(q, k, v, pages, scale, reduce_partial, reduce_dq)
-    out_p, lse_p = reduce_partial(*pages_attention(q, pages, scale, k.shape[1]), q)
+    grads = (q, k, v) + ((sinks,) if sinks is not None else ())
+    if torch.is_grad_enabled() and any(t.requires_grad for t in grads):
+        return PromptResponseAttention.apply(q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq)
+    out_p, lse_p = reduce_partial(*pages_attention(q, pages, scale, k.shape[1], softcap), q)
     if self_length is not None:
-        out_s, lse_s = masked_decode_attention_lse(q, k, v, scale, self_length)
+        out_s, lse_s = masked_decode_attention_lse(q, k, v, scale, self_length, softcap)
     else:
-        out_s, lse_s = _self_attention_lse(q, k, v, scale)
-    return merge_partials(out_p, lse_p, out_s, lse_s)[0].to(q.dtype)
+        out_s, lse_s = _self_attention_lse(q, k, v, scale, softcap)
+    return merge_sink(*merge_partials(out_p, lse_p, out_s, lse_s), sinks)[0].to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sliding-window layers: one masked attention over [window of prompt keys | own keys]
+# ----------------------------------------------------------------------------------------------------
+# Queries per block of the window path: each block reads at most ``block + window - 1`` keys. Under
+# autograd each block is checkpointed (its scores are recomputed in backward), so the graph keeps only
+# the block outputs: memory grows with the response times the head dim, not with the window.
+WINDOW_QUERY_BLOCK = 256
+
+
+def _window_block(q, keys, values, k_pos, q_pos, scale, window, softcap, sinks):
+    """One query block: ``q [B, Hq, t, D]`` over ``keys/values [B, Hq, L, D]`` at positions ``k_pos``."""
+    scores = _scores(q, keys, scale, softcap)
+    visible = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - k_pos[None, :] < window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # every query sees at least itself: finite
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float())
+    return merge_sink(out, lse, sinks)[0]
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prompt_k: torch.Tensor | None,
+    prompt_v: torch.Tensor | None,
+    scale: float,
+    window: int,
+    self_length: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sliding-window attention of ``q [B, Hq, T, D]`` over the last ``n`` prompt keys
+    ``prompt_k/v [Hkv, n, D]`` (shared by the batch; ``None``: none) and its own keys ``k, v [B, Hkv, S, D]``.
+
+    Positions are relative to the call: prompt key ``j`` sits at ``j - n``, own key ``m`` at ``m``, query
+    ``i`` at ``i + S - T`` (the queries are the last ``T`` own keys), or, in fixed-shape decoding, at
+    ``self_length - 1`` (a 0-dim device tensor; ``S`` is then the buffer capacity and the unfilled slots
+    lie after the query, so the causal condition masks them). Query at ``x`` sees key at ``y`` iff
+    ``y <= x`` and ``x - y < window`` (HF's ``sliding_window_overlay`` on a causal mask). Plain torch,
+    differentiable in ``q, k, v, sinks`` by autograd (blocks of :data:`WINDOW_QUERY_BLOCK` queries,
+    checkpointed); ``softcap`` and ``sinks`` as in :func:`prompt_response_attention`. Returns
+    ``[B, Hq, T, Dv]`` in q's dtype.
+    """
+    b, hq, t, _ = q.shape
+    hkv, s_len = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    n = 0 if prompt_k is None else prompt_k.shape[1]
+    if n:
+        keys = torch.cat([prompt_k.to(k.dtype).unsqueeze(0).expand(b, -1, -1, -1), k], dim=2)
+        values = torch.cat([prompt_v.to(v.dtype).unsqueeze(0).expand(b, -1, -1, -1), v], dim=2)
+    else:
+        keys, values = k, v
+    keys, values = repeat_kv(keys, rep), repeat_kv(values, rep)
+    device = q.device
+    k_pos = torch.arange(n + s_len, device=device) - n
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
+    outs = []
+    for a in range(0, t, WINDOW_QUERY_BLOCK):
+        e = min(t, a + WINDOW_QUERY_BLOCK)
+        if self_length is None:
+            q_pos = torch.arange(a, e, device=device) + (s_len - t)
+            # the keys the block can see: positions (q_pos[0] - window, q_pos[-1]]
+            lo, hi = max(0, a + s_len - t - window + 1 + n), e + s_len - t + n
+        else:
+            q_pos, lo, hi = (self_length - 1).view(1), 0, n + s_len
+        args = (q[:, :, a:e], keys[:, :, lo:hi], values[:, :, lo:hi], k_pos[lo:hi], q_pos)
+        args += (scale, window, softcap, sinks)
+        outs.append(checkpoint(_window_block, *args, use_reentrant=False) if grad else _window_block(*args))
+    return torch.cat(outs, dim=2).to(q.dtype)

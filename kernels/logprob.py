@@ -47,8 +47,12 @@ def _chunk_logprobs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    logits_transform: Callable | None = None,
 ):
-    logits = lm_head(h).float()
+    logits = lm_head(h)
+    if logits_transform is not None:  # in the head's dtype, as the stock model applies it
+        logits = logits_transform(logits)
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     if with_entropy and entropy_grad and torch.is_grad_enabled():
@@ -69,8 +73,10 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    logits_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``log_softmax(lm_head(hidden) / temperature)[targets]`` for ``hidden [..., H]``, ``targets [...]``.
+    """``log_softmax(f(lm_head(hidden)) / temperature)[targets]`` for ``hidden [..., H]``, ``targets [...]``,
+    with ``f = logits_transform`` (identity when ``None``; e.g. a final logit soft-cap).
 
     With ``with_entropy`` also the per-token entropy ``-sum_v p_v log p_v`` of the same distribution, computed
     from the same chunk of logits: without gradient, unless ``entropy_grad`` (under autograd, the entropies are
@@ -87,7 +93,7 @@ def token_logprobs(
     parts: list = []
 
     def run(s: int, e: int):
-        args = (h[s:e], t[s:e], lm_head, temperature, with_entropy, entropy_grad)
+        args = (h[s:e], t[s:e], lm_head, temperature, with_entropy, entropy_grad, logits_transform)
         return checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
 
     vocab = getattr(getattr(lm_head, "weight", None), "shape", (None,))[0]
@@ -107,3 +113,8 @@ def token_logprobs_reference(
 ) -> torch.Tensor:
     logits = lm_head(hidden).float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+
+
+def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(logits / cap)``: the final logit soft-cap of Gemma 2 / 3, as HF computes it."""
+    return torch.tanh(logits / cap) * cap

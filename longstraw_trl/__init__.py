@@ -8,7 +8,7 @@ from .engine import capture_prompt
 from .errors import LongStrawError, PromptTooLongError, UnsupportedModelError
 from .model_patches import patch_model, supported_model_types
 from .model_patches.qwen3_5 import GDNState
-from .state import KVPages, LayerState, PromptState
+from .state import KVPages, LayerState, PromptState, WindowKV
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "PromptState",
     "PromptTooLongError",
     "UnsupportedModelError",
+    "WindowKV",
     "capture_prompt",
     "patch_model",
     "supported_model_types",

@@ -22,12 +22,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from longstraw_trl.kernels.attention import prompt_response_attention
+from longstraw_trl.kernels.attention import prompt_response_attention, window_attention
 from longstraw_trl.kernels.logprob import token_logprobs
 from longstraw_trl.model_patches import find_patch, patch_model, unwrap_model
 
 from .errors import LongStrawError, PromptTooLongError
-from .state import KVPages, LayerState, PromptState, _storage_device
+from .state import KVPages, LayerState, PromptState, WindowKV, _storage_device
 
 CTX_KWARG = "longstraw"
 
@@ -45,7 +45,13 @@ def _dispatching(fallback: Callable | None) -> Callable:
             fn = fallback or sys.modules[type(module).__module__].eager_attention_forward
             return fn(module, query, key, value, attention_mask, *args, **kwargs)
         scale = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
-        return ctx.attend(module, query, key, value, scale), None
+        # the variant keywords of HF's attention interface, exactly as the stock attention receives them
+        variant = dict(
+            sliding_window=kwargs.get("sliding_window"),
+            softcap=kwargs.get("softcap"),
+            sinks=kwargs.get("s_aux"),
+        )
+        return ctx.attend(module, query, key, value, scale, **variant), None
 
     attention._longstraw_dispatch = True
     return attention
@@ -172,10 +178,33 @@ class ReplayContext:
             offloaded=self.state.offload is not None,
         )
 
-    def attend(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-        """``q [B, Hq, T, D]``, ``k, v [B, Hkv, T, D]`` -> attention output ``[B, T, Hq, D]``."""
+    def attend(
+        self,
+        module: nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ):
+        """``q [B, Hq, T, D]``, ``k, v [B, Hkv, T, D]`` -> attention output ``[B, T, Hq, D]``.
+
+        The variant is what HF's attention interface receives: ``sliding_window`` (the layer keeps a
+        :class:`WindowKV` and attends through a banded mask), ``softcap`` (scores soft-capped before
+        the softmax) and ``sinks`` (``s_aux``: a per-head sink logit in the softmax denominator).
+        """
         idx = module.layer_idx
-        layer = self.layer_state(idx, KVPages, lambda: self._new_kv(k, v))
+        if sliding_window is not None:
+            layer = self.layer_state(idx, WindowKV, lambda: WindowKV(sliding_window))
+            if layer is not None and layer.window != sliding_window:
+                raise LongStrawError(
+                    f"layer {idx} has a window of {sliding_window} but its state keeps {layer.window}: "
+                    "the state belongs to another model"
+                )
+        else:
+            layer = self.layer_state(idx, KVPages, lambda: self._new_kv(k, v))
         self_length = None
         if self.mode == "decode":
             running = self.running.get(idx)
@@ -194,16 +223,25 @@ class ReplayContext:
         def pages():
             return layer.stream(device) if layer is not None else iter(())
 
-        out = prompt_response_attention(
-            q,
-            k,
-            v,
-            pages,
-            scale,
-            reduce_partial=self.cp.reduce_partial,
-            reduce_dq=self.cp.reduce_dq,
-            self_length=self_length,
-        )
+        if sliding_window is not None:
+            # the whole window on every rank: no collective (WindowKV)
+            prompt_k, prompt_v = next(iter(pages()), (None, None))
+            out = window_attention(
+                q, k, v, prompt_k, prompt_v, scale, sliding_window, self_length, softcap=softcap, sinks=sinks
+            )
+        else:
+            out = prompt_response_attention(
+                q,
+                k,
+                v,
+                pages,
+                scale,
+                reduce_partial=self.cp.reduce_partial,
+                reduce_dq=self.cp.reduce_dq,
+                self_length=self_length,
+                softcap=softcap,
+                sinks=sinks,
+            )
         if self.mode == "capture":
             layer.append(k[0], v[0])
         return out.transpose(1, 2)
@@ -293,7 +331,13 @@ def _skip_head(stock, hidden):
 class _TokenLogprobs:
     """Head request: log-probs of ``targets`` (chunked, checkpointed under autograd), not logits; with
     ``with_entropy`` a pair (log-probs, entropies) from the same logits, the entropies differentiable only with
-    ``entropy_grad``."""
+    ``entropy_grad``.
+
+    ``logits_transform`` is the family's post-processing of the head's logits (``FamilyPatch.
+    logits_transform``: a final soft-cap, a logit scale), applied here as the stock model applies it
+    after its head. The result is kept in :attr:`result`; the model gets an empty view of it as its
+    ``logits`` (still in the autograd graph), so the model's own post-processing runs on nothing.
+    """
 
     def __init__(
         self,
@@ -304,12 +348,21 @@ class _TokenLogprobs:
     ):
         self.targets, self.temperature = targets, temperature
         self.with_entropy, self.entropy_grad = with_entropy, entropy_grad
+        self.logits_transform: Callable | None = None
+        self.result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, stock, hidden):
-        out = token_logprobs(
-            hidden, stock, self.targets, self.temperature, self.with_entropy, self.entropy_grad
+        self.result = token_logprobs(
+            hidden,
+            stock,
+            self.targets,
+            self.temperature,
+            self.with_entropy,
+            entropy_grad=self.entropy_grad,
+            logits_transform=self.logits_transform,
         )
-        return torch.stack(out) if self.with_entropy else out  # one tensor: HF returns it as `logits`
+        first = self.result[0] if self.with_entropy else self.result
+        return first.unsqueeze(-1)[..., :0]
 
 
 def forward_model(
@@ -329,6 +382,8 @@ def forward_model(
     _install_head(base)  # peft may have wrapped the head since patch_model
     b, t = input_ids.shape
     position_ids = patch.position_ids(start, t, b, input_ids.device)
+    if isinstance(head, _TokenLogprobs):
+        head.logits_transform = patch.logits_transform(base)
     token = _HEAD_REQUEST.set(head)
     try:
         out = model(
@@ -341,6 +396,8 @@ def forward_model(
         )
     finally:
         _HEAD_REQUEST.reset(token)
+    if isinstance(head, _TokenLogprobs):
+        return head.result
     return out.logits if hasattr(out, "logits") else out[0]
 
 
@@ -508,4 +565,4 @@ def replay_logprobs(
         ctx = ReplayContext("replay", state, checkpoint_layers=checkpoint_layers)
         head = _TokenLogprobs(ids, temperature, return_entropy, entropy_grad)
         out = forward_model(model, inputs, state.resident_tokens, ctx, head=head)
-    return (out[0], out[1]) if return_entropy else out
+    return out

@@ -3,6 +3,7 @@
 A :class:`PromptState` holds one :class:`LayerState` per decoder layer, the model-native state of the
 prompt's first ``P - 1`` tokens:
 - full-attention layers: K/V (:class:`KVPages`, grows with P, sharded over context-parallel ranks);
+- sliding-window attention layers: the last ``window - 1`` tokens' K/V (:class:`WindowKV`, fixed size);
 - other layer kinds (Gated DeltaNet's conv + recurrent state, an MLA latent, ...): the state class their
   family patch supplies (``FamilyPatch.layer_state_type``).
 The last prompt token is kept as an id, not as a hidden state: every replay and every generation runs it
@@ -235,6 +236,63 @@ class KVPages(LayerState):
     def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 2 * config.num_key_value_heads * head_dim * dtype_bytes * tokens_on_rank
+
+
+class WindowKV(LayerState):
+    """K/V of one sliding-window attention layer: only the prompt keys a later query can still see.
+
+    HF's sliding-window mask lets the query at position ``x`` see keys ``y`` with ``x - window < y <= x``.
+    Every later query (the replayed last prompt token at ``P - 1``, the response after it, the next
+    capture chunk) sits at or after the state's end, so of the resident tokens only the last
+    ``window - 1`` can ever be seen: the state keeps those, and its bytes stop growing with P.
+    ``append`` rebinds the tensors (``cat`` then keep the tail; never written in place), so forks and
+    earlier states stay valid. Every context-parallel rank runs every capture chunk with its whole K/V,
+    so every rank holds the whole window (``sharded = False``: the window attention needs no
+    collective). Offload leaves it on the compute device: it is small (``window - 1`` tokens a layer).
+    """
+
+    kind = "kv_window"
+    sharded = False
+
+    def __init__(self, window: int, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
+        if window < 1:
+            raise LongStrawError(f"sliding window must be >= 1, got {window}")
+        self.window, self.k, self.v = window, k, v  # k [Hkv, n, D], v [Hkv, n, Dv], n <= window - 1
+        self.num_tokens = 0  # tokens appended over the prompt (all of them, not only those kept)
+
+    @torch.no_grad()
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one chunk's ``k [Hkv, T, D]``, ``v [Hkv, T, Dv]`` and keep the last ``window - 1``."""
+        self.num_tokens += k.shape[1]
+        v = v.to(k.dtype)  # one dtype for K and V, as KVPages (under autocast RoPE can leave K in fp32)
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
+        start = max(k.shape[1] - (self.window - 1), 0)
+        # a copy of the tail, so the chunk's K/V (and the old window) are freed
+        self.k, self.v = k[:, start:].clone(), v[:, start:].clone()
+
+    def fork(self) -> WindowKV:
+        new = WindowKV(self.window, self.k, self.v)
+        new.num_tokens = self.num_tokens
+        return new
+
+    def stream(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.k is not None:
+            yield self.k.to(device, non_blocking=True), self.v.to(device, non_blocking=True)
+
+    def stored_tokens(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def nbytes(self) -> int:
+        if self.k is None:
+            return 0
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    @classmethod
+    def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        """The window's tokens (at most ``config.sliding_window - 1``) times K/V bytes per token."""
+        tokens = min(tokens_on_rank, max(config.sliding_window - 1, 0))
+        return KVPages.planned_bytes(config, layer_idx, tokens, dtype_bytes)
 
 
 class PromptState:

@@ -6,8 +6,13 @@ from torch import nn
 
 from longstraw_trl.errors import UnsupportedModelError
 
-from .base import FamilyPatch
+from .base import FamilyPatch, SlidingWindowPatch
+from .cohere2 import Cohere2Patch, apply_longstraw_to_cohere2
+from .gemma2 import Gemma2Patch, apply_longstraw_to_gemma2
+from .gemma3 import Gemma3TextPatch, apply_longstraw_to_gemma3
+from .gpt_oss import GptOssPatch, apply_longstraw_to_gpt_oss
 from .gqa import GQAPatch, apply_longstraw_to_gqa
+from .mistral import MistralPatch, apply_longstraw_to_mistral
 from .qwen3_5 import (
     GatedDeltaNetHybridPatch,
     Qwen3_5Patch,
@@ -16,7 +21,16 @@ from .qwen3_5 import (
 )
 from .qwen3_next import Qwen3NextPatch, apply_longstraw_to_qwen3_next
 
-_PATCHES: list[FamilyPatch] = [GQAPatch(), Qwen3_5Patch(), Qwen3NextPatch()]
+_PATCHES: list[FamilyPatch] = [
+    GQAPatch(),
+    Qwen3_5Patch(),
+    Qwen3NextPatch(),
+    MistralPatch(),
+    Cohere2Patch(),
+    Gemma2Patch(),
+    Gemma3TextPatch(),
+    GptOssPatch(),
+]
 
 PATCH_ATTR = "_longstraw_patch"
 
@@ -84,13 +98,24 @@ def patch_model(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
+    "Cohere2Patch",
     "FamilyPatch",
     "GQAPatch",
     "GatedDeltaNetHybridPatch",
+    "Gemma2Patch",
+    "Gemma3TextPatch",
+    "GptOssPatch",
+    "MistralPatch",
+    "SlidingWindowPatch",
     "Qwen3NextPatch",
     "Qwen3_5Patch",
     "UnsupportedModelError",
+    "apply_longstraw_to_cohere2",
+    "apply_longstraw_to_gemma2",
+    "apply_longstraw_to_gemma3",
+    "apply_longstraw_to_gpt_oss",
     "apply_longstraw_to_gqa",
+    "apply_longstraw_to_mistral",
     "apply_longstraw_to_qwen3_5",
     "apply_longstraw_to_qwen3_5_moe",
     "apply_longstraw_to_qwen3_next",

@@ -7,11 +7,18 @@ other layer kinds (Gated DeltaNet, ...) through forwards the family installs in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from longstraw_trl.errors import UnsupportedModelError
-from longstraw_trl.state import KVPages, LayerState
+from longstraw_trl.state import KVPages, LayerState, WindowKV
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+# RoPE variants whose frequencies depend on the largest position *in the call*: a chunked capture would
+# not reproduce a full forward.
+CALL_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class FamilyPatch:
@@ -42,6 +49,12 @@ class FamilyPatch:
         """
         return KVPages
 
+    def logits_transform(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the stock ``*ForCausalLM.forward`` does to the head's logits (a final soft-cap, a logit
+        scale), for the engine's head request, which computes log-probs from the head directly.
+        ``None``: nothing (the logits are the head's output)."""
+        return None
+
     def no_attention_masks(self, model: nn.Module) -> dict | None:
         """The ``attention_mask`` a LongStraw call passes to the root forward. The engine's attention is
         causal by construction and ignores masks; ``None`` lets HF build whatever it builds (for SDPA with no
@@ -58,3 +71,62 @@ class FamilyPatch:
 
     def unsupported(self, what: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"{type(self).__name__}: {what} is not supported by LongStraw-TRL")
+
+
+def apply_family_patch(model: nn.Module, patch_type: type[FamilyPatch]) -> nn.Module:
+    """:func:`patch_model` for an ``apply_longstraw_to_<family>`` entry point: the model must be that family."""
+    from . import find_patch, patch_model, unwrap_model
+
+    if not isinstance(find_patch(model), patch_type):
+        base = unwrap_model(model)
+        raise UnsupportedModelError(
+            f"{type(base).__name__} (model_type {base.config.model_type!r}) is not one of "
+            f"{', '.join(patch_type.model_types)}; patch_model(model) picks the right family"
+        )
+    return patch_model(model)
+
+
+class SlidingWindowPatch(FamilyPatch):
+    """Families whose attention modules pass their ``sliding_window`` (``None`` on full layers) to the
+    attention interface: sliding layers keep a :class:`WindowKV` (the last ``sliding_window - 1`` prompt
+    tokens), full layers :class:`KVPages`. The layout is ``config.layer_types`` (``sliding_attention`` /
+    ``full_attention``), or, for configs without it (Mistral, Qwen3-MoE), ``config.sliding_window`` on
+    every layer or none. A subclass adds what its family does differently (logit post-processing, ...)."""
+
+    def layer_types(self, config) -> list[str]:
+        types = getattr(config, "layer_types", None)
+        if types:
+            return list(types)[: config.num_hidden_layers]
+        window = getattr(config, "sliding_window", None)
+        return [SLIDING if window is not None else FULL] * config.num_hidden_layers
+
+    def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
+        return WindowKV if self.layer_types(config)[layer_idx] == SLIDING else KVPages
+
+    def no_attention_masks(self, model: nn.Module) -> dict | None:
+        # With per-layer types the forward takes a prepared mapping: HF then builds no masks (the engine
+        # masks by position itself). Without, it builds one mask per call, which the engine ignores.
+        if getattr(self.text_config(model), "layer_types", None):
+            return {FULL: None, SLIDING: None}
+        return None
+
+    def validate(self, model: nn.Module) -> None:
+        config = self.text_config(model)
+        other = sorted(set(self.layer_types(config)) - {FULL, SLIDING})
+        if other:
+            raise self.unsupported(f"layer types {other} (only {FULL!r} and {SLIDING!r} are)")
+        if SLIDING in self.layer_types(config) and not getattr(config, "sliding_window", None):
+            raise self.unsupported(
+                f"sliding_window={getattr(config, 'sliding_window', None)!r} on sliding layers"
+            )
+        if getattr(config, "attention_dropout", 0.0):
+            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise self.unsupported("use_bidirectional_attention=True (the engine's attention is causal)")
+        rope = getattr(config, "rope_parameters", None) or {}
+        for params in rope.values() if all(isinstance(x, dict) for x in rope.values()) and rope else [rope]:
+            if params.get("rope_type") in CALL_DEPENDENT_ROPE:
+                raise self.unsupported(
+                    f"rope_type={params['rope_type']!r} (its frequencies depend on the length of each call, so "
+                    "a chunked capture cannot reproduce a full forward)"
+                )

@@ -1,26 +1,21 @@
-"""Plain decoder models with full grouped-query attention: ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``.
+"""Plain decoder models with grouped-query attention: ``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``.
 
 Nothing in their HF modeling code needs replacing: each attention module calls the attention interface,
-which the engine dispatches to prompt-page attention when a replay context is passed down.
+which the engine dispatches to prompt-page attention when a replay context is passed down. Qwen2 / Qwen3
+(``use_sliding_window=True``: sliding layers from ``max_window_layers`` on, in ``config.layer_types``)
+and Qwen3-MoE (one window for every layer) keep a :class:`~longstraw_trl.state.WindowKV` on their
+sliding layers, as every sliding-window family (:class:`~.base.SlidingWindowPatch`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .base import FamilyPatch
+from .base import SlidingWindowPatch
 
 
-class GQAPatch(FamilyPatch):
+class GQAPatch(SlidingWindowPatch):
     model_types = ("llama", "qwen2", "qwen3", "qwen3_moe")
-
-    def validate(self, model: nn.Module) -> None:
-        config = self.text_config(model)
-        layer_types = getattr(config, "layer_types", None) or []
-        if "sliding_attention" in layer_types or getattr(config, "use_sliding_window", False):
-            raise self.unsupported("sliding-window attention (use_sliding_window=True)")
-        if getattr(config, "attention_dropout", 0.0):
-            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
 
 
 def apply_longstraw_to_gqa(model: nn.Module) -> nn.Module:

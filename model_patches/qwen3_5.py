@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longstraw_trl.errors import LongStrawError, UnsupportedModelError
+from longstraw_trl.errors import LongStrawError
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule
 from longstraw_trl.state import KVPages, LayerState
 
-from .base import FamilyPatch
+from .base import FamilyPatch, apply_family_patch
 
 LINEAR, FULL = "linear_attention", "full_attention"
 _CONV_ACTIVATIONS = ("silu", "swish")
@@ -303,19 +303,6 @@ class Qwen3_5Patch(GatedDeltaNetHybridPatch):
         mixed_qkv = module.in_proj_qkv(hidden_states)
         z = module.in_proj_z(hidden_states).reshape(batch, seq_len, -1, module.head_v_dim)
         return mixed_qkv, z, module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
-
-
-def apply_family_patch(model: nn.Module, patch_type: type[FamilyPatch]) -> nn.Module:
-    """:func:`patch_model` for an ``apply_longstraw_to_<family>`` entry point: the model must be that family."""
-    from . import find_patch, patch_model, unwrap_model
-
-    if not isinstance(find_patch(model), patch_type):
-        base = unwrap_model(model)
-        raise UnsupportedModelError(
-            f"{type(base).__name__} (model_type {base.config.model_type!r}) is not one of "
-            f"{', '.join(patch_type.model_types)}; patch_model(model) picks the right family"
-        )
-    return patch_model(model)
 
 
 def apply_longstraw_to_qwen3_5(model: nn.Module) -> nn.Module:

@@ -145,3 +145,141 @@ def _moderate_gdn_decay(model):
     for name, param in model.named_parameters():
         if name.endswith("linear_attn.A_log"):
             param.copy_(torch.empty(param.shape).uniform_(0.1, 2.0, generator=gen).log())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sliding-window families: a window of 8 (prompts in the tests are longer, responses too for some),
+# sliding and full layers mixed where the family mixes them, soft-caps small enough to bite on
+# random-init scores and logits, and sinks drawn large enough to matter.
+# ----------------------------------------------------------------------------------------------------
+WINDOW = 8
+ATTN = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    sliding_window=WINDOW,
+)
+MIXED = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _mistral():
+    from transformers import MistralConfig
+
+    return MistralConfig(**ATTN, num_hidden_layers=2, rms_norm_eps=1e-6)
+
+
+def _ministral():
+    from transformers import MinistralConfig
+
+    return MinistralConfig(**ATTN, num_hidden_layers=3, rms_norm_eps=1e-6, layer_types=MIXED)
+
+
+def _cohere2():
+    from transformers import Cohere2Config
+
+    return Cohere2Config(**ATTN, num_hidden_layers=3, layer_types=MIXED, logit_scale=4.0)
+
+
+def _gemma2():
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        **ATTN,
+        num_hidden_layers=3,
+        layer_types=MIXED,
+        query_pre_attn_scalar=9,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=0.5,
+    )
+
+
+def _gemma3_text():
+    from transformers import Gemma3TextConfig
+
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    }
+    return Gemma3TextConfig(
+        **ATTN,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters=rope,
+        query_pre_attn_scalar=9,
+        final_logit_softcapping=0.5,
+    )
+
+
+def _gpt_oss():
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        **{**ATTN, "intermediate_size": 32},
+        num_hidden_layers=3,
+        layer_types=MIXED,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+
+
+def _qwen2_sliding():
+    # sliding layers from max_window_layers on: [full, sliding, sliding]
+    return Qwen2Config(**ATTN, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1)
+
+
+def _qwen3_sliding():
+    return Qwen3Config(**ATTN, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1)
+
+
+def _qwen3_moe_sliding():
+    # no layer_types: one window for every layer
+    return Qwen3MoeConfig(
+        **ATTN,
+        num_hidden_layers=2,
+        use_sliding_window=True,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+    )
+
+
+WINDOW_CONFIGS = {
+    "mistral": _mistral,
+    "ministral": _ministral,
+    "cohere2": _cohere2,
+    "gemma2": _gemma2,
+    "gemma3_text": _gemma3_text,
+    "gpt_oss": _gpt_oss,
+    "qwen2_sliding": _qwen2_sliding,
+    "qwen3_sliding": _qwen3_sliding,
+    "qwen3_moe_sliding": _qwen3_moe_sliding,
+}
+
+
+# Random-init scores are ~0.01: q/k weights scaled up so that attention is far from uniform (the band
+# mask matters) and the scores reach the attention soft-cap.
+QK_GAIN = 6.0
+
+
+def build_window(family: str, seed: int = 0, attn_implementation: str = "eager", **overrides):
+    """A tiny model of a sliding-window family; ``overrides`` set config fields (e.g. ``vocab_size``)."""
+    torch.manual_seed(seed)
+    config = WINDOW_CONFIGS[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 99)
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):  # HF draws them near 0; spread them so the sink term matters
+                param.copy_(torch.empty(param.shape).uniform_(-1.0, 2.0, generator=gen))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(QK_GAIN)
+    return model.float().eval()

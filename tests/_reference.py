@@ -70,13 +70,14 @@ def response_only_reference(model, prompt, completion, weights):
     This is the response-only reference of docs/design.md ("Correctness references"): it uses only the stock HF model and its own cache."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tokens = torch.cat([prompt[-1:], completion[:-1]])[None]
+    # the stock *ForCausalLM forward: its own post-processing of the head's logits (a final soft-cap, a
+    # logit scale) included
     if prompt.numel() > 1:
         with torch.no_grad():
             cache = base.model(prompt[None, :-1], use_cache=True).past_key_values
-        h = base.model(tokens, past_key_values=rebinding_copy(cache), use_cache=True).last_hidden_state
+        logits = base(tokens, past_key_values=rebinding_copy(cache), use_cache=True).logits.float()
     else:
-        h = base.model(tokens).last_hidden_state
-    logits = base.lm_head(h).float()
+        logits = base(tokens).logits.float()
     logp = torch.log_softmax(logits, -1).gather(-1, completion[None, :, None])[0, :, 0]
     model.zero_grad()
     (logp * weights).sum().backward()

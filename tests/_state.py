@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_trl import KVPages
+from longstraw_trl import KVPages, WindowKV
 
 
 def state_tensors(state) -> list[torch.Tensor]:
@@ -13,6 +13,8 @@ def state_tensors(state) -> list[torch.Tensor]:
         if isinstance(layer, KVPages):
             for k, v, _ in layer.segments:
                 tensors += [k, v]
+        elif isinstance(layer, WindowKV):
+            tensors += [layer.k, layer.v]
         else:
             tensors += [layer.conv, layer.recurrent]
     return tensors

@@ -96,15 +96,19 @@ def test_decode_past_announced_capacity_grows_the_buffer():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma2", "gpt_oss"])
 def test_cuda_graph_decode_equals_eager(family):
     """Decode steps replayed as one CUDA graph give the eager steps' tokens and log-probs (bf16, greedy), and
     the graph is really used: after the first step the model's forward is not called again."""
-    from _models import build_hybrid
+    from _models import WINDOW_CONFIGS, build_hybrid, build_window
 
     from longstraw_trl.generation import DecodeStep
 
-    model = (build(family) if family == "qwen3" else build_hybrid(family)).cuda().to(torch.bfloat16)
+    if family in WINDOW_CONFIGS:  # window layers (a response past the window), soft-caps, sinks
+        model = build_window(family)
+    else:
+        model = build(family) if family == "qwen3" else build_hybrid(family)
+    model = model.cuda().to(torch.bfloat16)
     prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(0)).cuda()
     state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
     eager = state.generate(model, 4, 24, do_sample=False, cuda_graphs=False)

@@ -166,3 +166,146 @@ def test_flash_path_matches_math_on_cuda(dtype, forward):
     ]
     print(f"{dtype} relative errors out/dq/dk/dv: {errors}")
     assert max(errors) <= 1e-2, errors
+
+
+# ----------------------------------------------------------------------------------------------------
+# Soft-capped scores, attention sinks, sliding windows: against dense softmax with autograd (HF's eager
+# formulas: soft-cap before the mask, the sink as one more softmax column that is then dropped)
+# ----------------------------------------------------------------------------------------------------
+def dense_reference(q, kp, vp, k, v, scale, softcap=None, sinks=None, window=None, q_pos=None):
+    """Softmax over [prompt keys at positions -n..-1, own keys at 0..S-1] for queries at ``q_pos``
+    (default: the last T own positions); causal, banded by ``window`` when given."""
+    rep = q.shape[1] // k.shape[1]
+    b, n, s_len, t = q.shape[0], kp.shape[2], k.shape[2], q.shape[2]
+    keys = torch.cat([kp.expand(b, -1, -1, -1), k], dim=2).repeat_interleave(rep, dim=1)
+    vals = torch.cat([vp.expand(b, -1, -1, -1), v], dim=2).repeat_interleave(rep, dim=1)
+    s = q @ keys.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    k_pos = torch.arange(n + s_len) - n
+    q_pos = torch.arange(s_len - t, s_len) if q_pos is None else q_pos
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= q_pos[:, None] - k_pos[None, :] < window
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(b, -1, t, 1)], dim=-1)
+    p = torch.softmax(s, -1)
+    return p[..., : n + s_len] @ vals
+
+
+def _inputs(seed, t, n, b=2, hq=4, hkv=2, d=8, gain=1.5):
+    gen = torch.Generator().manual_seed(seed)
+    q = (gain * torch.randn(b, hq, t, d, generator=gen)).requires_grad_()
+    k = (gain * torch.randn(b, hkv, t, d, generator=gen)).requires_grad_()
+    v = torch.randn(b, hkv, t, d, generator=gen, requires_grad=True)
+    kp = gain * torch.randn(1, hkv, n, d, generator=gen)
+    vp = torch.randn(1, hkv, n, d, generator=gen)
+    sinks = torch.randn(hq, generator=gen, requires_grad=True)
+    return q, k, v, kp, vp, sinks
+
+
+def _assert_same(out, ref, inputs):
+    dout = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, inputs, dout)
+    ref_grads = torch.autograd.grad(ref, inputs, dout)
+    for g, r in zip((out, *grads), (ref, *ref_grads), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("prompt_len", [0, 13])
+def test_prompt_response_attention_softcap_and_sinks(softcap, with_sinks, prompt_len):
+    """Soft-capped scores in both parts before the LSE merge, the sink as one more merge term with its own
+    gradient; pages of 4 (several merges)."""
+    q, k, v, kp, vp, sinks = _inputs(prompt_len, 9, prompt_len)
+    sinks = sinks if with_sinks else None
+
+    def pages():
+        return [(kp[0, :, s : s + 4], vp[0, :, s : s + 4]) for s in range(0, prompt_len, 4)]
+
+    out = prompt_response_attention(q, k, v, pages, 0.35, softcap=softcap, sinks=sinks)
+    ref = dense_reference(q, kp, vp, k, v, 0.35, softcap=softcap, sinks=sinks)
+    _assert_same(out, ref, (q, k, v) + ((sinks,) if with_sinks else ()))
+    with torch.no_grad():  # the no-autograd path (capture, decode) gives the same
+        assert (
+            prompt_response_attention(q, k, v, pages, 0.35, softcap=softcap, sinks=sinks) - ref
+        ).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("window,prompt_len,t", [(5, 4, 13), (5, 2, 13), (8, 7, 3), (1, 0, 6), (4, 3, 1)])
+@pytest.mark.parametrize("variant", ["plain", "softcap", "sinks"])
+def test_window_attention_is_the_banded_softmax(monkeypatch, window, prompt_len, t, variant):
+    """Queries see keys ``x - window < y <= x`` over [prompt window | own keys]; query blocks of 3 (several
+    blocks, each reading its own key range)."""
+    monkeypatch.setattr(attn, "WINDOW_QUERY_BLOCK", 3)
+    q, k, v, kp, vp, sinks = _inputs(window + t, t, prompt_len)
+    kw = dict(softcap=2.0 if variant == "softcap" else None, sinks=sinks if variant == "sinks" else None)
+    out = attn.window_attention(q, k, v, kp[0], vp[0], 0.35, window, **kw)
+    ref = dense_reference(q, kp, vp, k, v, 0.35, window=window, **kw)
+    _assert_same(out, ref, (q, k, v) + ((sinks,) if variant == "sinks" else ()))
+
+
+def test_window_attention_decode_with_fixed_capacity():
+    """Decode: one query at ``self_length - 1`` over a capacity buffer whose unfilled slots hold garbage."""
+    window, n, cap = 4, 3, 10
+    q, k, v, kp, vp, sinks = _inputs(0, cap, n)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    for filled in (1, 4, 7, 10):
+        kk, vv = k.clone(), v.clone()
+        kk[:, :, filled:], vv[:, :, filled:] = 1e4, -1e4  # weighed by exactly 0
+        qi = q[:, :, filled - 1 : filled]
+        got = attn.window_attention(
+            qi, kk, vv, kp[0], vp[0], 0.35, window, self_length=torch.tensor(filled), sinks=sinks.detach()
+        )
+        ref = dense_reference(
+            qi, kp, vp, k[:, :, :filled], v[:, :, :filled], 0.35, window=window, sinks=sinks.detach()
+        )
+        assert (got - ref).abs().max() <= 1e-5
+
+
+def test_masked_decode_attention_softcap():
+    q, k, v, kp, vp, _ = _inputs(1, 7, 0)
+    q, k, v = q.detach()[:, :, 4:5], k.detach(), v.detach()
+    out, _ = attn.masked_decode_attention_lse(q, k, v, 0.35, torch.tensor(5), softcap=2.0)
+    ref = dense_reference(q, kp, vp, k[:, :, :5], v[:, :, :5], 0.35, softcap=2.0)
+    assert (out - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_softcap_takes_the_math_path_on_cuda():
+    """Flash / cuDNN cannot soft-cap: with a softcap the CUDA call must not reach them (and be right)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 2, 64, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+    )
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(attn, "_cudnn_lse", _math_path_called("_cudnn_lse"))
+        m.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", _math_path_called("flash"))
+        out, _ = attention_lse(q, k, v, 0.125, causal=True, softcap=5.0)
+    ref = dense_reference(
+        q.float(), k[:, :, :0].float(), v[:, :, :0].float(), k.float(), v.float(), 0.125, softcap=5.0
+    )
+    assert (out - ref).abs().max() <= 2e-2
+
+
+def test_window_attention_graph_keeps_no_scores(monkeypatch):
+    """Under autograd the window path saves its inputs' views, not a ``[T, block + window]`` score tile a block."""
+    monkeypatch.setattr(attn, "WINDOW_QUERY_BLOCK", 16)
+    window, t = 48, 128
+    q, k, v, kp, vp, sinks = _inputs(0, t, window - 1)
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = attn.window_attention(q, k, v, kp[0], vp[0], 0.35, window, sinks=sinks)
+    scores_per_block = q.shape[0] * q.shape[1] * 16 * (16 + window - 1)
+    assert max(saved) < scores_per_block  # no tile was kept
+    assert sum(saved) < 4 * (q.numel() + 2 * q.shape[1] // k.shape[1] * (k.numel() + kp.numel() * q.shape[0]))
+    out.sum().backward()  # and backward recomputes them
+    assert sinks.grad is not None and q.grad is not None

@@ -16,7 +16,7 @@ import torch
 from _trl_helpers import TINY_VOCAB, make_tiny_grpo_trainer, make_tiny_longstraw_trainer, tiny_model_dir
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from transformers import MistralConfig, MistralForCausalLM, Qwen3ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen3ForCausalLM
 from trl import GRPOConfig
 
 from longstraw_trl import LongStrawError, LongStrawGRPOConfig, UnsupportedModelError, capture_prompt
@@ -330,16 +330,9 @@ def test_missing_prompt_column_is_refused():
 
 
 def test_unsupported_model_is_refused():
-    config = MistralConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    with pytest.raises(UnsupportedModelError, match=r"'mistral'.*supported model types: .*qwen3"):
-        make_tiny_longstraw_trainer(model=MistralForCausalLM(config))
+    config = GPT2Config(vocab_size=TINY_VOCAB, n_embd=32, n_layer=1, n_head=4)
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supported model types: .*qwen3"):
+        make_tiny_longstraw_trainer(model=GPT2LMHeadModel(config))
 
 
 def test_reward_function_that_raises_is_named():

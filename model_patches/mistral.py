@@ -1,0 +1,22 @@
+"""Mistral (``mistral``) and Ministral (``ministral``): Llama-shaped decoders with sliding-window attention.
+
+Mistral applies ``config.sliding_window`` (``None``: full attention) to every layer; Ministral has the
+same modeling code with a per-layer ``config.layer_types``. Each attention module passes its window to
+the attention interface, which the engine dispatches; sliding layers keep only the last
+``sliding_window - 1`` prompt tokens (:class:`~longstraw_trl.state.WindowKV`). Nothing else differs.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import SlidingWindowPatch, apply_family_patch
+
+
+class MistralPatch(SlidingWindowPatch):
+    model_types = ("mistral", "ministral")
+
+
+def apply_longstraw_to_mistral(model: nn.Module) -> nn.Module:
+    """Patch a Mistral / Ministral model in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, MistralPatch)
