@@ -15,7 +15,7 @@ SAMPLING = {
 }
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "glm4_moe"])
 @pytest.mark.parametrize("mode", list(SAMPLING))
 def test_generate_matches_stock_generate(family, mode):
     """Draws are shared: both consume the global RNG with one multinomial over [G, vocab] per step."""
