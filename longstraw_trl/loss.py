@@ -65,10 +65,10 @@ Not supported (`NotImplementedError` from `GRPOLossSpec`)
 - `top_entropy_quantile < 1.0`: TRL masks tokens below an entropy quantile taken over *all* completions of all
   processes, from the same differentiable forward; a response-at-a-time replay does not know it in advance.
 - `use_adaptive_entropy=True`: a stateful controller updated across micro-batches and processes.
-- A MoE router load-balancing loss (`router_aux_loss_coef != 0` on a model that returns router logits): it is a
-  non-linear function of the router statistics of the whole micro-batch (prompt tokens included), not a sum over
-  responses. Set `router_aux_loss_coef=0.0`. `GRPOLossSpec.from_args(args, model=model)` checks the model like
-  TRL does; without `model` only an explicit non-zero `args.router_aux_loss_coef` is rejected.
+
+The MoE router load-balancing loss (`router_aux_loss_coef != 0`) is not a function of the log-probs: it is not part
+of `response_loss`. `GRPOLossSpec.router_aux_loss_coef` carries TRL's effective coefficient (resolved from the model
+by `from_args(args, model=model)`), and `longstraw_trl.router_aux` builds each response's exact share of it.
 
 Where the math lives
 --------------------
@@ -182,7 +182,8 @@ class GRPOLossSpec:
         use_adaptive_entropy (`bool`, *optional*, defaults to `False`):
             Only `False` is supported (see the module docstring).
         router_aux_loss_coef (`float`, *optional*, defaults to `0.0`):
-            Effective MoE load-balancing coefficient; only `0.0` is supported (see the module docstring).
+            Effective MoE load-balancing coefficient (TRL's `trainer.router_aux_loss_coef`). `response_loss` does not
+            include that term; the trainer adds it per response (`longstraw_trl.router_aux`).
     """
 
     loss_type: str = "dapo"
@@ -229,12 +230,6 @@ class GRPOLossSpec:
             raise NotImplementedError(
                 "use_adaptive_entropy=True is not supported by the response-at-a-time loss (its controller is "
                 "stateful across micro-batches and processes). Use a static entropy_coef instead."
-            )
-        if self.router_aux_loss_coef != 0.0:
-            raise NotImplementedError(
-                f"A MoE router load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef}) is not "
-                "supported: it depends non-linearly on the router statistics of the whole micro-batch, prompt "
-                "included, and is not a sum over responses. Set router_aux_loss_coef=0.0."
             )
 
     @property
@@ -720,7 +715,7 @@ def aggregate_metrics(
     Returns:
         `dict[str, float]`: keyed by TRL's metric names (`policy_loss` only when the entropy bonus is on,
         `kl` only when `beta != 0`, `entropy` only when entropies were passed, then the loss type's clip metrics).
-        TRL also logs `entropy_coef` (a trainer-level value) and `aux_loss` (unsupported); those are not here.
+        TRL also logs `entropy_coef` (a trainer-level value) and `aux_loss` (the trainer logs it); those are not here.
     """
     reduce_sum = reduce_sum or (lambda t: t)
     gather = gather or (lambda t: t)

@@ -39,7 +39,7 @@ from the batch it buffers; each group keeps its prompt ids once, on the CPU, to 
 Refused at construction (each with a message saying what to change): `tools`, `environment_factory`, `rollout_func`,
 `use_vllm`, `use_transformers_continuous_batching`, `repetition_penalty != 1`, generation kwargs the shared-prefix
 sampler cannot honour, `entropy_coef != 0`, `top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router
-auxiliary loss, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP, LOMO optimizers, datasets
+auxiliary loss on a model whose HF forward computes none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP, LOMO optimizers, datasets
 without a `prompt` column and models `patch_model` does not support.
 """
 
@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ from .errors import LongStrawError, UnsupportedModelError
 from .loss import GRPOLossSpec, aggregate_metrics, batch_loss_context, response_loss
 from .model_patches import patch_model, unwrap_model
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
+from .router_aux import RouterLoadBalancing, RouterStats, prepare_micro_batch
 from .state import PromptState
 
 __all__ = [
@@ -258,7 +260,7 @@ def _refuse_unsupported(
             "multimodal processors (images)",
             "Pass the tokenizer as processing_class and text (or chat) prompts only.",
         )
-    # Loss options (raises NotImplementedError for top_entropy_quantile < 1, use_adaptive_entropy, router aux loss)
+    # Loss options (raises NotImplementedError for top_entropy_quantile < 1, use_adaptive_entropy)
     GRPOLossSpec.from_args(args)
 
 
@@ -416,6 +418,16 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self.ref_model is not None:
             _check_model(self.ref_model)
         self.loss_spec = GRPOLossSpec.from_args(args, model=unwrap_model(self.model))
+        # MoE load-balancing loss (longstraw_trl.router_aux): the routers, and each policy state's prompt statistics
+        self._router_aux = None
+        self._router_prompt_stats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        if self.loss_spec.router_aux_loss_coef != 0.0:
+            if args.cp_size > 1:
+                raise LongStrawError(
+                    "router_aux_loss_coef != 0 is not supported with context parallelism (cp_size > 1) yet; set "
+                    "router_aux_loss_coef=0.0 or cp_size=1."
+                )
+            self._router_aux = RouterLoadBalancing(self.model)
         self.refresh_policy = RefreshPolicy(
             args.refresh_policy,
             args.refresh_interval,
@@ -462,7 +474,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """
         mode = self._mode
         start = time.perf_counter()
-        with self._no_grad_context(model):
+        collect = self._router_aux is not None and role == "policy"
+        with self._no_grad_context(model), (self._router_aux.collect() if collect else _NULL_CONTEXT) as stats:
             state = capture_prompt(
                 model,
                 prompt_ids,
@@ -471,6 +484,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 offload=self.args.offload_prompt_state,
                 cp_group=self.cp_group,
             )
+        if collect:  # the router statistics of the P - 1 captured tokens (none for a one-token prompt)
+            self._router_prompt_stats[state] = stats[0] if stats else self._no_router_stats(state.device)
         seconds = time.perf_counter() - start
         metrics = self._metrics[mode]
         metrics["longstraw/capture_seconds"].append(seconds)
@@ -486,6 +501,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             state,
         )
         return state
+
+    def _no_router_stats(self, device) -> RouterStats:
+        zeros = torch.zeros(self._router_aux.num_experts, device=device)
+        return RouterStats(zeros, zeros.clone(), torch.zeros((), device=device))
 
     def _evict(self, keep: set[str]) -> None:
         """Free the states not in `keep`; under `recapture`, also free stale ones (they would be re-captured)."""
@@ -812,6 +831,35 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         return logps[0], entropy.reshape(-1)
 
+    def _micro_batch_router_aux(self, model, entries: dict, completion_ids, completion_mask, size: int):
+        """The router statistics of the whole micro-batch (graph-free), for TRL's load-balancing loss."""
+        groups = []
+        for g, entry in entries.items():
+            stats = self._router_prompt_stats.get(entry.state)
+            if stats is None:
+                raise LongStrawError(
+                    f"prompt {entry.key} has no router statistics: its state was captured without the trainer's "
+                    "router hooks"
+                )
+            rows = slice(g * size, (g + 1) * size)
+            groups.append((entry.state, stats, completion_ids[rows], completion_mask[rows]))
+        with self._no_grad_context(model):
+            return prepare_micro_batch(self._router_aux, model, groups)
+
+    def _policy_replay_with_router_aux(self, model, state, aux, ids, mask, length: int):
+        """`_policy_replay` one position longer (`[last prompt token, completion]`: TRL routes every completion
+        token under its mask), plus the response's differentiable share of the load-balancing loss."""
+        n = int(mask.sum())  # host sync: once per response, like `ctx.lengths`
+        width = max(length, n + 1, 1)
+        ext_ids = torch.cat([ids, ids.new_zeros(width)])[:width]
+        ext_mask = torch.cat([mask, mask.new_zeros(width)])[:width]
+        router_mask = torch.cat([ext_mask.new_ones(1), ext_mask[: width - 1]])  # position 0: the last prompt token
+        with self._router_aux.stash() as router_logits:
+            logps, entropies = self._policy_replay(model, state, ext_ids[None], torch.ones_like(ext_ids)[None])
+        aux_term = aux.term(router_logits, router_mask)
+        keep = max(length, 1)
+        return logps[:keep], entropies[:keep], aux_term
+
     def _streamed_loss(self, model, inputs: dict[str, Any], backward: bool) -> torch.Tensor:
         """TRL's `_compute_loss` value for this micro-batch, computed (and back-propagated) one response at a time."""
         mode = self._mode
@@ -853,9 +901,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         total = torch.zeros((), device=self.accelerator.device)
         all_metrics = []
         replay_seconds, replay_tokens = 0.0, 0
+        entries, aux = {}, None
+        if self._router_aux is not None:  # every state first: the router statistics span the micro-batch
+            entries = {g: self._acquire(*prompts[g], purpose="loss") for g in group_order}
+            aux = self._micro_batch_router_aux(model, entries, completion_ids, completion_mask, size)
+            total = total + spec.router_aux_loss_coef * aux.constant() / ctx.ga_normalizer
         for g in group_order:
             key, prompt_ids = prompts[g]
-            entry = self._acquire(key, prompt_ids, purpose="loss")
+            entry = entries[g] if g in entries else self._acquire(key, prompt_ids, purpose="loss")
             rows = list(range(g * size, (g + 1) * size))
             if entry.probe_stale is not None:
                 probe = next((i for i in rows if ctx.lengths[i] > 0), None)
@@ -868,7 +921,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 rows.append(sync_row)
             for i in rows:
                 length = ctx.lengths[i]
-                if length == 0 and i != sync_row:
+                if length == 0 and i != sync_row and aux is None:
                     # No loss token: its term is exactly zero (TRL's sums multiply it by the mask); no replay.
                     zeros = torch.zeros(1, device=device)
                     term, metrics = response_loss(
@@ -886,12 +939,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 )
                 start = time.perf_counter()
                 with sync:
-                    logps, entropies = self._policy_replay(
-                        model,
-                        entry.state,
-                        completion_ids[i : i + 1, :length],
-                        completion_mask[i : i + 1, :length],
-                    )
+                    if aux is None:
+                        logps, entropies = self._policy_replay(
+                            model,
+                            entry.state,
+                            completion_ids[i : i + 1, :length],
+                            completion_mask[i : i + 1, :length],
+                        )
+                    else:
+                        logps, entropies, aux_term = self._policy_replay_with_router_aux(
+                            model, entry.state, aux, completion_ids[i], completion_mask[i], length
+                        )
+                        length = max(length, 1)  # a row without completion tokens still routes its prompt
                     term, metrics = response_loss(
                         spec,
                         ctx,
@@ -907,6 +966,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                         self._raise_non_finite(term, i, g, entry, length, logps, old, ref, advantages)
                     if ctx.lengths[i] == 0:
                         term = term * 0.0
+                    if aux is not None:
+                        term = term + spec.router_aux_loss_coef * aux_term / ctx.ga_normalizer
                     if backward:
                         self.accelerator.backward(term)
                 replay_seconds += time.perf_counter() - start
@@ -922,6 +983,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             gather=self.accelerator.gather,
         ).items():
             self._metrics[mode][name].append(value)
+        if aux is not None:  # TRL: `gather_for_metrics(aux_loss).mean()`, before the coefficient
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.value()).mean().item())
         self._metrics[mode]["longstraw/replay_seconds"].append(replay_seconds)
         self._metrics[mode]["longstraw/replay_tokens_per_second"].append(
             replay_tokens / max(replay_seconds, 1e-9)

@@ -156,3 +156,56 @@ def test_cosine_response_only_vs_full_gradient(prompt_len):
     )
     assert math.isclose(cos_ours, cos_ref, abs_tol=1e-4)
     assert 0.0 < cos_ref < 1.0 - 1e-4  # the prompt path matters, and the two gradients are related
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# MoE router load-balancing loss (TRL adds `router_aux_loss_coef * aux_loss / ga`)
+# ----------------------------------------------------------------------------------------------------------------------
+AUX_LENGTHS = [6, 0, 4, 2]  # one row without completion tokens: TRL still routes its prompt
+
+
+def _aux_inputs(seed: int):
+    inputs, _, _ = random_grpo_inputs(AUX_LENGTHS, seed=seed, prompt_len=PROMPT_LEN, max_len=6)
+    inputs["prompt_ids"] = inputs["prompt_ids"][:1].expand_as(inputs["prompt_ids"]).clone()
+    return inputs
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_router_aux_loss_matches_trl(loss_type):
+    """qwen3_moe with the config's `router_aux_loss_coef` (TRL's default when `args.router_aux_loss_coef=None`):
+    the streamed loss equals TRL's `_compute_loss` on the stock full forward (value and `aux_loss` metric), and the
+    gradient equals TRL's with transformers' `load_balancing_loss_func` on the response-only forward."""
+    import copy
+
+    from _trl_helpers import tiny_qwen3_moe
+
+    model = tiny_qwen3_moe(router_aux_loss_coef=0.3)
+    kwargs = dict(loss_type=loss_type, beta=0.0)
+    # fp32 forward (GRPOConfig's default bf16=True would autocast TRL's full forward, routers included, on CPU)
+    trl = make_tiny_grpo_trainer(model=copy.deepcopy(model), bf16=False, **kwargs)
+    assert trl.aux_loss_enabled and trl.router_aux_loss_coef == 0.3
+    inputs = _aux_inputs(7)
+
+    full_loss, _, _ = trl_loss_and_grads(trl, inputs, response_only=False)
+    full_aux = trl._metrics["train"]["aux_loss"][-1]
+    ref_loss, ref_grads, _ = trl_loss_and_grads(trl, inputs, response_only=True)
+    ref_aux = trl._metrics["train"]["aux_loss"][-1]
+    torch.testing.assert_close(ref_loss, full_loss, atol=1e-5, rtol=0)
+    assert math.isclose(ref_aux, full_aux, rel_tol=1e-5)
+
+    for variant in ("plain", "checkpoint_layers"):
+        ours = make_tiny_longstraw_trainer(
+            model=copy.deepcopy(model), replay_checkpoint_layers=variant != "plain", **kwargs
+        )
+        loss, grads, _ = ours_loss_and_grads(ours, inputs)
+        torch.testing.assert_close(loss, full_loss, atol=1e-5, rtol=0)
+        assert math.isclose(ours._metrics["train"]["aux_loss"][-1], full_aux, rel_tol=1e-5)
+        assert_grads_close(grads, ref_grads)
+        assert any(".mlp.gate." in n for n in grads)  # the routers are trained by the aux loss
+
+    # the aux loss matters: without it the same trainer's gradient differs
+    plain = make_tiny_longstraw_trainer(model=copy.deepcopy(model), router_aux_loss_coef=0.0, **kwargs)
+    loss0, grads0, _ = ours_loss_and_grads(plain, inputs)
+    assert (loss0 - full_loss).abs() > 1e-3
+    gate = next(n for n in grads if n.endswith("mlp.gate.weight"))
+    assert (grads0[gate] - ref_grads[gate]).norm() > 0.1 * ref_grads[gate].norm()
