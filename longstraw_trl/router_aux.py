@@ -99,7 +99,9 @@ class RouterLoadBalancing:
         self.index = recorder.index
         self.routers = [m for m in base.modules() if isinstance(m, recorder.target_class)]
         if not self.routers:
-            raise UnsupportedModelError(f"{type(base).__name__} has no {recorder.target_class.__name__} modules")
+            raise UnsupportedModelError(
+                f"{type(base).__name__} has no {recorder.target_class.__name__} modules"
+            )
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self._sink = None  # where router logits go during a call: a list (stash) or a callable (stats)

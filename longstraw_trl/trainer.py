@@ -475,7 +475,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         mode = self._mode
         start = time.perf_counter()
         collect = self._router_aux is not None and role == "policy"
-        with self._no_grad_context(model), (self._router_aux.collect() if collect else _NULL_CONTEXT) as stats:
+        with self._no_grad_context(model), self._router_aux.collect() if collect else _NULL_CONTEXT as stats:
             state = capture_prompt(
                 model,
                 prompt_ids,
@@ -853,9 +853,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         width = max(length, n + 1, 1)
         ext_ids = torch.cat([ids, ids.new_zeros(width)])[:width]
         ext_mask = torch.cat([mask, mask.new_zeros(width)])[:width]
-        router_mask = torch.cat([ext_mask.new_ones(1), ext_mask[: width - 1]])  # position 0: the last prompt token
+        router_mask = torch.cat(
+            [ext_mask.new_ones(1), ext_mask[: width - 1]]
+        )  # position 0: the last prompt token
         with self._router_aux.stash() as router_logits:
-            logps, entropies = self._policy_replay(model, state, ext_ids[None], torch.ones_like(ext_ids)[None])
+            logps, entropies = self._policy_replay(
+                model, state, ext_ids[None], torch.ones_like(ext_ids)[None]
+            )
         aux_term = aux.term(router_logits, router_mask)
         keep = max(length, 1)
         return logps[:keep], entropies[:keep], aux_term
@@ -984,7 +988,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         ).items():
             self._metrics[mode][name].append(value)
         if aux is not None:  # TRL: `gather_for_metrics(aux_loss).mean()`, before the coefficient
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.value()).mean().item())
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux.value()).mean().item()
+            )
         self._metrics[mode]["longstraw/replay_seconds"].append(replay_seconds)
         self._metrics[mode]["longstraw/replay_tokens_per_second"].append(
             replay_tokens / max(replay_seconds, 1e-9)

@@ -296,13 +296,15 @@ def patch_response_only_logps(trainer: GRPOTrainer, prompt_ids: torch.Tensor) ->
             logps.append(logp.gather(-1, row[..., None])[..., 0])
             entropies.append(-(logp.exp() * logp).sum(-1))
             if aux:
-                gate_logits.append([torch.cat([p, r]) for p, r in zip(prefill.router_logits, out.router_logits)])
+                gate_logits.append(
+                    [torch.cat([p, r]) for p, r in zip(prefill.router_logits, out.router_logits, strict=True)]
+                )
         aux_loss = None
         if aux:
             import sys
 
             lb = sys.modules[type(base).__module__].load_balancing_loss_func
-            layers = tuple(torch.cat(per_layer) for per_layer in zip(*gate_logits))
+            layers = tuple(torch.cat(per_layer) for per_layer in zip(*gate_logits, strict=True))
             aux_loss = lb(layers, base.num_experts, base.num_experts_per_tok, attention_mask)
         return torch.cat(logps), torch.cat(entropies), aux_loss
 

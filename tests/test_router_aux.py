@@ -84,3 +84,16 @@ def test_glm4_moe_has_no_aux_loss_to_weight():
         RouterLoadBalancing(build("glm4_moe"))
     with pytest.raises(UnsupportedModelError, match="qwen3"):
         RouterLoadBalancing(build("qwen3"))
+
+
+def test_trainer_refuses_an_aux_loss_the_model_does_not_compute():
+    """TRL accepts `router_aux_loss_coef` on glm4_moe (its config declares `output_router_logits`) and then fails on
+    the missing `aux_loss`; the trainer refuses at construction, naming the option."""
+    from _trl_helpers import make_tiny_longstraw_trainer
+
+    with pytest.raises(UnsupportedModelError, match="router_aux_loss_coef.*glm4_moe"):
+        make_tiny_longstraw_trainer(model=build("glm4_moe"), router_aux_loss_coef=0.01)
+    trainer = make_tiny_longstraw_trainer(
+        model=build("glm4_moe")
+    )  # no coefficient in its config: off, as in TRL
+    assert trainer._router_aux is None
