@@ -40,7 +40,14 @@ from torch import nn
 
 from .errors import LongStrawError, UnsupportedModelError
 
-__all__ = ["AUX_LOSS_MODEL_TYPES", "MicroBatchRouterAux", "RouterLoadBalancing", "RouterStats"]
+__all__ = [
+    "AUX_LOSS_MODEL_TYPES",
+    "MicroBatchRouterAux",
+    "RouterLoadBalancing",
+    "RouterStats",
+    "prepare_micro_batch",
+    "replay_inputs",
+]
 
 AUX_LOSS_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 """Model types whose HF forward returns the Switch load-balancing ``aux_loss`` (``load_balancing_loss_func``)."""
@@ -212,6 +219,22 @@ class MicroBatchRouterAux:
             part = (probs * mask.to(probs.device).unsqueeze(-1)).sum(0) @ scale
             total = part if total is None else total + part
         return total
+
+
+def replay_inputs(
+    ids: torch.Tensor, mask: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One response's replay with the auxiliary loss on: ``ids``, ``mask`` its ``[R]`` completion row, ``length``
+    the positions its policy loss needs. Returns ``(replay ids [W], router mask [W], keep)``: the replay runs
+    ``[last prompt token, replay ids[:-1]]``, i.e. ``[last prompt token, completion]`` (``W = n + 1`` for ``n``
+    completion tokens, at least ``length``); the router mask marks the positions TRL's attention mask counts
+    (position 0, the last prompt token, and the completion tokens); the first ``keep`` log-probs are the loss's."""
+    n = int(mask.sum())  # host sync: once per response, like the loss context's lengths
+    width = max(length, n + 1)
+    ext_ids = torch.cat([ids, ids.new_zeros(width)])[:width]  # the extra target's log-prob is dropped
+    ext_mask = torch.cat([mask, mask.new_zeros(width)])[:width]
+    router_mask = torch.cat([ext_mask.new_ones(1), ext_mask[: width - 1]])
+    return ext_ids, router_mask, max(length, 1)
 
 
 def prepare_micro_batch(

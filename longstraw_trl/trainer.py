@@ -72,7 +72,7 @@ from .errors import LongStrawError, UnsupportedModelError
 from .loss import GRPOLossSpec, aggregate_metrics, batch_loss_context, response_loss
 from .model_patches import patch_model, unwrap_model
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
-from .router_aux import RouterLoadBalancing, RouterStats, prepare_micro_batch
+from .router_aux import RouterLoadBalancing, RouterStats, prepare_micro_batch, replay_inputs
 from .state import PromptState
 
 __all__ = [
@@ -849,20 +849,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _policy_replay_with_router_aux(self, model, state, aux, ids, mask, length: int):
         """`_policy_replay` one position longer (`[last prompt token, completion]`: TRL routes every completion
         token under its mask), plus the response's differentiable share of the load-balancing loss."""
-        n = int(mask.sum())  # host sync: once per response, like `ctx.lengths`
-        width = max(length, n + 1, 1)
-        ext_ids = torch.cat([ids, ids.new_zeros(width)])[:width]
-        ext_mask = torch.cat([mask, mask.new_zeros(width)])[:width]
-        router_mask = torch.cat(
-            [ext_mask.new_ones(1), ext_mask[: width - 1]]
-        )  # position 0: the last prompt token
+        ext_ids, router_mask, keep = replay_inputs(ids, mask, length)
         with self._router_aux.stash() as router_logits:
             logps, entropies = self._policy_replay(
                 model, state, ext_ids[None], torch.ones_like(ext_ids)[None]
             )
-        aux_term = aux.term(router_logits, router_mask)
-        keep = max(length, 1)
-        return logps[:keep], entropies[:keep], aux_term
+        return logps[:keep], entropies[:keep], aux.term(router_logits, router_mask)
 
     def _streamed_loss(self, model, inputs: dict[str, Any], backward: bool) -> torch.Tensor:
         """TRL's `_compute_loss` value for this micro-batch, computed (and back-propagated) one response at a time."""

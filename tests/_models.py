@@ -67,6 +67,16 @@ def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
 
 
 @torch.no_grad()
+def sharp_routers(model, scale: float = 30.0):
+    """Sharpen the softmax routers (``mlp.gate.weight``): at HF's init every token routes almost uniformly and the
+    load-balancing gradients are tiny. Returns the model."""
+    for name, param in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            param.mul_(scale)
+    return model
+
+
+@torch.no_grad()
 def _spread_router_bias(model):
     """HF initialises GLM's ``e_score_correction_bias`` (the load-balancing bias added to the scores only for
     choosing experts) to zeros; draw it so the choice and the weights differ, as in trained checkpoints."""

@@ -97,3 +97,76 @@ def test_trainer_refuses_an_aux_loss_the_model_does_not_compute():
         model=build("glm4_moe")
     )  # no coefficient in its config: off, as in TRL
     assert trainer._router_aux is None
+
+
+def _engine_aux(model, prompt, comps, mask):
+    """The engine's path: prompt statistics at capture, the graph-free pass, then one replay per response with its
+    share back-propagated. Returns (aux value, sum of the shares, grads)."""
+    from longstraw_trl import capture_prompt
+    from longstraw_trl.router_aux import prepare_micro_batch, replay_inputs
+
+    lb = RouterLoadBalancing(model)
+    with lb.collect() as got:
+        state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
+    aux = prepare_micro_batch(lb, model, [(state, got[0], comps, mask)])
+    model.zero_grad()
+    total = aux.constant()
+    for i in range(comps.shape[0]):
+        ids, router_mask, _ = replay_inputs(comps[i], mask[i], int(mask[i].sum()))
+        with lb.stash() as logits:
+            state.logprobs(model, ids[None], grad=True)
+        term = aux.term(logits, router_mask)
+        term.backward()
+        total = total + term.detach()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return aux.value(), total, grads
+
+
+def _reference_aux(model, prompt, comps, mask):
+    """transformers only: the full forward's `aux_loss` on TRL's `prompt + completion` rows (value), and
+    `load_balancing_loss_func` on the response-only forward (prompt[:P-1] prefilled under no_grad, each row's
+    `[prompt[P-1], completion]` with autograd on a copy of the cache) for the gradient."""
+    import sys
+
+    from _reference import rebinding_copy
+
+    g = comps.shape[0]
+    rows = torch.cat([prompt[None].expand(g, -1), comps], 1)
+    attention = torch.cat([torch.ones(g, prompt.numel(), dtype=mask.dtype), mask], 1)
+    with torch.no_grad():
+        full = model(rows, attention_mask=attention, output_router_logits=True).aux_loss
+        prefill = model.model(prompt[None, :-1], use_cache=True, output_router_logits=True)
+    per_row = []
+    for i in range(g):
+        tokens = torch.cat([prompt[-1:], comps[i]])[None]
+        out = model.model(
+            tokens,
+            past_key_values=rebinding_copy(prefill.past_key_values),
+            use_cache=True,
+            output_router_logits=True,
+        )
+        per_row.append(
+            [torch.cat([p, r]) for p, r in zip(prefill.router_logits, out.router_logits, strict=True)]
+        )
+    layers = tuple(torch.cat(x) for x in zip(*per_row, strict=True))
+    lb = sys.modules[type(model).__module__].load_balancing_loss_func
+    cfg = model.config.get_text_config()
+    model.zero_grad()
+    lb(layers, cfg.num_experts, cfg.num_experts_per_tok, attention).backward()
+    return full, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
+def test_engine_shares_match_transformers_aux_loss(family):
+    from _models import build_hybrid, sharp_routers
+    from _reference import assert_grads_close, padded_completions
+
+    model = sharp_routers(build(family) if family == "qwen3_moe" else build_hybrid(family))
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 97, (21,), generator=gen)
+    comps, mask = padded_completions([7, 0, 4], gen)
+    value, total, grads = _engine_aux(model, prompt, comps, mask)
+    full, ref_grads = _reference_aux(model, prompt, comps, mask)
+    torch.testing.assert_close(value, full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(total, full, atol=1e-5, rtol=0)
+    assert_grads_close(grads, ref_grads)
