@@ -22,6 +22,7 @@ from _trl_helpers import (
     random_grpo_inputs,
 )
 
+from longstraw_trl import LongStrawError
 from longstraw_trl.loss import LOSS_TYPES
 from longstraw_trl.trainer import _prompt_key
 
@@ -193,15 +194,22 @@ def test_router_aux_loss_matches_trl(loss_type):
     torch.testing.assert_close(ref_loss, full_loss, atol=1e-5, rtol=0)
     assert math.isclose(ref_aux, full_aux, rel_tol=1e-5)
 
-    for variant in ("plain", "checkpoint_layers"):
+    for variant in ("plain", "checkpoint_layers", "hf_gradient_checkpointing"):
         ours = make_tiny_longstraw_trainer(
-            model=copy.deepcopy(model), replay_checkpoint_layers=variant != "plain", **kwargs
+            model=copy.deepcopy(model), replay_checkpoint_layers=variant == "checkpoint_layers", **kwargs
         )
+        if variant == "hf_gradient_checkpointing":
+            ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         loss, grads, _ = ours_loss_and_grads(ours, inputs)
         torch.testing.assert_close(loss, full_loss, atol=1e-5, rtol=0)
         assert math.isclose(ours._metrics["train"]["aux_loss"][-1], full_aux, rel_tol=1e-5)
         assert_grads_close(grads, ref_grads)
         assert any(".mlp.gate." in n for n in grads)  # the routers are trained by the aux loss
+
+    # reentrant checkpointing hides the router logits' graph: refused, not silently dropped
+    ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(LongStrawError, match="use_reentrant"):
+        ours_loss_and_grads(ours, inputs)
 
     # the aux loss matters: without it the same trainer's gradient differs
     plain = make_tiny_longstraw_trainer(model=copy.deepcopy(model), router_aux_loss_coef=0.0, **kwargs)
