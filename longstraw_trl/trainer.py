@@ -37,8 +37,9 @@ bytes on the device, e.g. 1 GiB for B = 8 and P = 4M; no model runs on them). Th
 from the batch it buffers; each group keeps its prompt ids once, on the CPU, to re-capture it.
 
 Refused at construction (each with a message saying what to change): `tools`, `environment_factory`, `rollout_func`,
-`use_vllm`, `use_transformers_continuous_batching`, `repetition_penalty != 1`, generation kwargs the shared-prefix
-sampler cannot honour, `entropy_coef != 0`, `top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router
+`use_vllm`, `use_transformers_continuous_batching`, generation kwargs the shared-prefix sampler cannot honour
+(`no_repeat_ngram_size`, beam search, ...; `repetition_penalty`, `bad_words_ids`, `sequence_bias`, `min_length`,
+`min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured), `entropy_coef != 0`, `top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router
 auxiliary loss on a model whose HF forward computes none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP, LOMO optimizers, datasets
 without a `prompt` column and models `patch_model` does not support.
 """
@@ -88,7 +89,8 @@ logger = logging.getLogger(__name__)
 REFRESH_STATE_FILE = "longstraw_refresh.json"
 _NULL_CONTEXT = contextlib.nullcontext()
 
-# Generation kwargs (TRL's `generation_kwargs` dict, `args.generation_kwargs` merged in) the sampler honours.
+# Generation kwargs (TRL's `generation_kwargs` dict, `args.generation_kwargs` merged in) the sampler honours
+# exactly as `model.generate` applies them (longstraw_trl.generation.LogitsProcessing).
 _HONOURED_GENERATION_KWARGS = {
     "max_new_tokens",
     "do_sample",
@@ -99,6 +101,37 @@ _HONOURED_GENERATION_KWARGS = {
     "eos_token_id",
     "pad_token_id",
     "bos_token_id",
+    "repetition_penalty",
+    "sequence_bias",
+    "bad_words_ids",
+    "min_length",
+    "min_new_tokens",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+}
+# ... refused by name, unless set to the value that does nothing: (no-op values, why)
+_REFUSED_GENERATION_KWARGS = {
+    "no_repeat_ngram_size": (
+        (None, 0),
+        "it bans every n-gram already in the prompt at every step, which needs the n-grams of the whole (up to "
+        "millions of tokens) prompt; the sampler keeps only a vocabulary presence mask of it",
+    ),
+    "num_beams": ((None, 1), "beam search is not shared-prefix sampling"),
+    "num_return_sequences": ((None, 1), "use num_generations"),
+    "max_length": ((None,), "use max_completion_length (max_length counts the prompt)"),
+    "typical_p": ((None, 1.0), "the sampler applies temperature, top_k, top_p and min_p only"),
+    "epsilon_cutoff": ((None, 0.0), "the sampler applies temperature, top_k, top_p and min_p only"),
+    "eta_cutoff": ((None, 0.0), "the sampler applies temperature, top_k, top_p and min_p only"),
+    "top_h": ((None,), "the sampler applies temperature, top_k, top_p and min_p only"),
+    "forced_bos_token_id": ((None,), "not implemented in the shared-prefix sampler"),
+    "forced_eos_token_id": ((None,), "not implemented in the shared-prefix sampler"),
+    "exponential_decay_length_penalty": ((None,), "not implemented in the shared-prefix sampler"),
+    "renormalize_logits": ((None, False), "not implemented in the shared-prefix sampler"),
+    "remove_invalid_values": ((None, False), "not implemented in the shared-prefix sampler"),
+    "guidance_scale": ((None, 1.0), "classifier-free guidance needs a second, unconditional prompt"),
+    "stop_strings": ((None,), "stop strings are decoded text; use eos_token_id"),
+    "encoder_repetition_penalty": ((None, 1.0), "encoder-decoder models only"),
+    "encoder_no_repeat_ngram_size": ((None, 0), "encoder-decoder models only"),
 }
 # ... and those that do not change the samples (accepted, ignored).
 _IGNORED_GENERATION_KWARGS = {
@@ -220,15 +253,13 @@ def _refuse_unsupported(
         )
     if args.use_transformers_continuous_batching:
         refuse("use_transformers_continuous_batching=True", "Set it to False.")
-    if args.repetition_penalty != 1.0:
-        refuse(
-            f"repetition_penalty={args.repetition_penalty}",
-            "The shared-prefix sampler applies temperature, top_k, top_p and min_p only. Set repetition_penalty=1.0.",
-        )
     extra = dict(args.generation_kwargs or {})
-    if extra.get("repetition_penalty", 1.0) != 1.0:
-        refuse(f"generation_kwargs['repetition_penalty']={extra['repetition_penalty']}", "Remove it.")
-    extra.pop("repetition_penalty", None)
+    for name, (noop, why) in _REFUSED_GENERATION_KWARGS.items():
+        if name in extra and extra.pop(name) not in noop:
+            refuse(
+                f"generation_kwargs['{name}']",
+                f"The shared-prefix sampler cannot honour it: {why}. Remove it.",
+            )
     unknown = sorted(set(extra) - _HONOURED_GENERATION_KWARGS - _IGNORED_GENERATION_KWARGS)
     if unknown:
         refuse(
@@ -629,14 +660,28 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             do_sample=gk.get("do_sample", True),
             eos_token_id=eos,
             pad_token_id=gk.get("pad_token_id", self._tokenizer.pad_token_id),
+            repetition_penalty=gk.get("repetition_penalty", self.repetition_penalty) or 1.0,
+            sequence_bias=gk.get("sequence_bias"),
+            bad_words_ids=gk.get("bad_words_ids"),
+            min_length=gk.get("min_length"),
+            min_new_tokens=gk.get("min_new_tokens"),
+            suppress_tokens=gk.get("suppress_tokens"),
+            begin_suppress_tokens=gk.get("begin_suppress_tokens"),
         )
 
-    def _sample_group(self, state: PromptState, num_generations: int) -> torch.Tensor:
-        """`[G, R]` completions sampled from one prompt state (rows padded after their EOS)."""
+    def _sample_group(
+        self, state: PromptState, num_generations: int, prompt_ids=None, input_length: int | None = None
+    ) -> torch.Tensor:
+        """`[G, R]` completions sampled from one prompt state (rows padded after their EOS). `prompt_ids` and
+        `input_length` (TRL's left-padded row length) are what `model.generate` would see of the prompt."""
         kwargs = self._sampling_kwargs()
         max_new_tokens = kwargs.pop("max_new_tokens")
+        if prompt_ids is not None:
+            kwargs["prompt_ids"] = torch.as_tensor(prompt_ids, dtype=torch.long)
         with self._no_grad_context(self.model):
-            return state.generate(self.model, num_generations, max_new_tokens, **kwargs)
+            return state.generate(
+                self.model, num_generations, max_new_tokens, input_length=input_length, **kwargs
+            )
 
     def _truncate_after_eos(self, completion_ids: torch.Tensor) -> list[list[int]]:
         """TRL's post-processing: keep each row up to and including its first EOS."""
@@ -667,10 +712,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         completion_ids: list[list[int]] = []
         seconds, new_tokens = 0.0, 0
+        # TRL left-pads the prompts of this call to one length, which `generate`'s min_length counts
+        input_length = max(len(ids) for ids in groups)
+        multiple = getattr(self, "pad_to_multiple_of", None)
+        if multiple:
+            input_length = -(-input_length // multiple) * multiple
         for key, ids in zip(keys, groups, strict=True):
             entry = self._acquire(key, ids, purpose="generation")
             start = time.perf_counter()
-            sampled = self._sample_group(entry.state, num_generations)
+            sampled = self._sample_group(entry.state, num_generations, entry.prompt_ids, input_length)
             seconds += time.perf_counter() - start
             rows = self._truncate_after_eos(sampled)
             new_tokens += sum(len(r) for r in rows)
