@@ -81,6 +81,48 @@ def test_completions_equal_state_generate_and_stock_trl():
     assert "prompt_ids" not in out and ours._states[key].state is not None
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(
+            repetition_penalty=1.4,
+            generation_kwargs={
+                "bad_words_ids": [[5], [40, 41]],
+                "suppress_tokens": [9],
+                "begin_suppress_tokens": [10, 11],
+                "min_new_tokens": 4,
+            },
+            **SAMPLING,
+        ),
+        # greedy, EOS boosted: each completion ends as soon as min_length allows, which counts TRL's left padding of
+        # the shorter prompt (two groups of different lengths)
+        dict(
+            repetition_penalty=1.4,
+            max_completion_length=10,
+            generation_kwargs={"do_sample": False, "sequence_bias": [[[2], 30.0]], "min_length": 95},
+        ),
+    ],
+    ids=["sampling-one-group", "greedy-two-groups"],
+)
+def test_sampling_options_reach_the_sampler_as_in_stock_trl(options):
+    """TRL passes these to `model.generate`; the trainer's shared-prefix sampler gives the same completions."""
+    ours = make_tiny_longstraw_trainer(**options)
+    stock = make_tiny_grpo_trainer(**options)
+    two = "min_length" in options["generation_kwargs"]
+    rows = [{"prompt": PROMPTS[0]}] * 4 + [{"prompt": PROMPTS[1]}] * 4 if two else [{"prompt": PROMPTS[1]}] * 4
+    for trainer in (ours, stock):
+        trainer.model.train()
+    torch.manual_seed(3)
+    out = ours._generate_and_score_completions(rows)
+    torch.manual_seed(3)
+    ref = stock._generate_and_score_completions(rows)
+    assert torch.equal(out["completion_mask"], ref["completion_mask"])
+    assert torch.equal(out["completion_ids"], ref["completion_ids"])
+    if two:  # EOS exactly where min_length (95 with the padding to the longer prompt) first allows it
+        longest = len(ours.processing_class(PROMPTS[0])["input_ids"])
+        assert out["completion_mask"].sum(1).tolist() == [95 - longest + 1] * 8
+
+
 def test_conversational_prompts_use_the_chat_template():
     messages = [{"role": "user", "content": "where is the needle?"}]
     ours = make_tiny_longstraw_trainer(train_dataset=Dataset.from_dict({"prompt": [messages] * 4}))
@@ -341,8 +383,10 @@ def test_nan_loss_stops_training_naming_step_and_group():
     "kwargs,trainer_kwargs,match",
     [
         (dict(use_vllm=True), {}, "use_vllm=True"),
-        (dict(repetition_penalty=1.1), {}, "repetition_penalty=1.1"),
-        (dict(generation_kwargs={"num_beams": 2}), {}, r"generation_kwargs \['num_beams'\]"),
+        (dict(generation_kwargs={"no_repeat_ngram_size": 3}), {}, r"no_repeat_ngram_size.*n-grams of the whole"),
+        (dict(generation_kwargs={"num_beams": 2}), {}, r"generation_kwargs\['num_beams'\].*beam search"),
+        (dict(generation_kwargs={"typical_p": 0.5, "use_cache": True}), {}, r"typical_p"),
+        (dict(generation_kwargs={"output_logits": True}), {}, r"generation_kwargs \['output_logits'\]"),
         (dict(entropy_coef=0.01), {}, "entropy_coef=0.01"),
         ({}, dict(tools=[len]), "tools"),
         ({}, dict(environment_factory=object), "environment_factory"),
@@ -350,8 +394,10 @@ def test_nan_loss_stops_training_naming_step_and_group():
     ],
     ids=[
         "vllm",
-        "repetition_penalty",
-        "generation_kwargs",
+        "no_repeat_ngram_size",
+        "num_beams",
+        "typical_p",
+        "unknown_generation_kwarg",
         "entropy_bonus",
         "tools",
         "environment",
