@@ -199,3 +199,16 @@ def test_generate_with_processors_matches_stock_generate(mode):
         state.generate(model, 3, 4, repetition_penalty=1.3)
     with pytest.raises(LongStrawError, match="33 tokens"):
         state.generate(model, 3, 4, repetition_penalty=1.3, prompt_ids=prompt[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_processors_with_cuda_graph_decode_equal_eager():
+    """The processors run on the device, outside the decode step's CUDA graph: same tokens as eager decoding."""
+    model = build("qwen3").cuda().to(torch.bfloat16)
+    prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(0)).cuda()
+    state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
+    kw = dict(do_sample=False, eos_token_id=7, prompt_ids=prompt, **_options(prompt.cpu()))
+    eager = state.generate(model, 4, 24, cuda_graphs=False, **kw)
+    graphed = state.generate(model, 4, 24, cuda_graphs=True, **kw)
+    assert torch.equal(eager, graphed)
