@@ -241,12 +241,15 @@ def prepare_micro_batch(
     lb: RouterLoadBalancing,
     model: nn.Module,
     groups: list[tuple[object, RouterStats, torch.Tensor, torch.Tensor]],
+    max_tokens: int = 8192,
 ) -> MicroBatchRouterAux:
     """The micro-batch's statistics: per group ``(state, prompt_stats, completion_ids [G, R],
     completion_mask [G, R])``, ``prompt_stats`` those of the state's ``P - 1`` captured tokens (one row's).
 
-    One graph-free forward per group runs ``[last prompt token, completion]`` for its ``G`` rows (right
-    padding: the mask drops it, and neither attention nor routing lets a padded token change another)."""
+    Graph-free forwards run ``[last prompt token, completion]`` for as many rows of a group at once as fit
+    in ``max_tokens`` (at least one row; e.g. the capture chunk size, which bounds the capture's memory
+    the same way). Right padding is masked, and neither attention nor routing lets a padded token change
+    another."""
     from .engine import ReplayContext, _skip_head, forward_model
 
     totals = None
@@ -257,11 +260,15 @@ def prepare_micro_batch(
             width = int(mask.sum(1).max()) if mask.numel() else 0  # one host sync per group
             ids, mask = ids[:, :width].to(state.device), mask[:, :width].to(state.device)
             inputs = torch.cat([state.last_token.view(1, 1).expand(g, 1), ids], dim=1)
-            token_mask = torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1).reshape(-1)
-            with lb.collect(token_mask) as got:
-                ctx = ReplayContext("replay", state)
-                forward_model(model, inputs, state.resident_tokens, ctx, head=_skip_head, logits_to_keep=1)
-            part = got[0] + prompt_stats * g
+            token_mask = torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1)
+            rows = max(1, max_tokens // (width + 1))
+            part = prompt_stats * g
+            for start in range(0, g, rows):
+                with lb.collect(token_mask[start : start + rows].reshape(-1)) as got:
+                    ctx = ReplayContext("replay", state)
+                    batch = inputs[start : start + rows]
+                    forward_model(model, batch, state.resident_tokens, ctx, head=_skip_head, logits_to_keep=1)
+                part = part + got[0]
             totals = part if totals is None else totals + part
             probs = prompt_stats.probs * g
             constant = probs if constant is None else constant + probs

@@ -894,7 +894,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             rows = slice(g * size, (g + 1) * size)
             groups.append((entry.state, stats, completion_ids[rows], completion_mask[rows]))
         with self._no_grad_context(model):
-            return prepare_micro_batch(self._router_aux, model, groups)
+            return prepare_micro_batch(self._router_aux, model, groups, self.args.capture_chunk_size)
 
     def _policy_replay_with_router_aux(self, model, state, aux, ids, mask, length: int):
         """`_policy_replay` one position longer (`[last prompt token, completion]`: TRL routes every completion

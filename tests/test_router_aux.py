@@ -108,7 +108,8 @@ def _engine_aux(model, prompt, comps, mask):
     lb = RouterLoadBalancing(model)
     with lb.collect() as got:
         state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
-    aux = prepare_micro_batch(lb, model, [(state, got[0], comps, mask)])
+    # a budget of 9 tokens: one row per graph-free forward (the trainer tests run whole groups at once)
+    aux = prepare_micro_batch(lb, model, [(state, got[0], comps, mask)], max_tokens=9)
     model.zero_grad()
     total = aux.constant()
     for i in range(comps.shape[0]):

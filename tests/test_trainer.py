@@ -109,7 +109,9 @@ def test_sampling_options_reach_the_sampler_as_in_stock_trl(options):
     ours = make_tiny_longstraw_trainer(**options)
     stock = make_tiny_grpo_trainer(**options)
     two = "min_length" in options["generation_kwargs"]
-    rows = [{"prompt": PROMPTS[0]}] * 4 + [{"prompt": PROMPTS[1]}] * 4 if two else [{"prompt": PROMPTS[1]}] * 4
+    rows = (
+        [{"prompt": PROMPTS[0]}] * 4 + [{"prompt": PROMPTS[1]}] * 4 if two else [{"prompt": PROMPTS[1]}] * 4
+    )
     for trainer in (ours, stock):
         trainer.model.train()
     torch.manual_seed(3)
@@ -383,7 +385,11 @@ def test_nan_loss_stops_training_naming_step_and_group():
     "kwargs,trainer_kwargs,match",
     [
         (dict(use_vllm=True), {}, "use_vllm=True"),
-        (dict(generation_kwargs={"no_repeat_ngram_size": 3}), {}, r"no_repeat_ngram_size.*n-grams of the whole"),
+        (
+            dict(generation_kwargs={"no_repeat_ngram_size": 3}),
+            {},
+            r"no_repeat_ngram_size.*n-grams of the whole",
+        ),
         (dict(generation_kwargs={"num_beams": 2}), {}, r"generation_kwargs\['num_beams'\].*beam search"),
         (dict(generation_kwargs={"typical_p": 0.5, "use_cache": True}), {}, r"typical_p"),
         (dict(generation_kwargs={"output_logits": True}), {}, r"generation_kwargs \['output_logits'\]"),
