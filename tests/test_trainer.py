@@ -196,6 +196,16 @@ def _train(max_steps=2, **kwargs):
     return trainer, [h for h in trainer.state.log_history if "loss" in h]
 
 
+def test_train_a_moe_policy_with_its_config_aux_loss_coefficient():
+    """qwen3_moe with `router_aux_loss_coef=None` takes the config's coefficient (as TRL does); two optimizer steps
+    of generation, capture (with router statistics) and streamed loss, and TRL's `aux_loss` metric is logged."""
+    from _trl_helpers import tiny_qwen3_moe
+
+    trainer, logs = _train(model=tiny_qwen3_moe(router_aux_loss_coef=0.01), max_completion_length=6)
+    assert trainer.loss_spec.router_aux_loss_coef == 0.01 and trainer._router_aux is not None
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) and h["aux_loss"] >= 1.0 for h in logs)
+
+
 def test_train_logs_trl_and_longstraw_metrics_with_gradient_checkpointing():
     """TRL's default gradient checkpointing on; TRL's metrics plus ours reach `log()`."""
     trainer, logs = _train(max_steps=2, activation_checkpointing=True, gradient_accumulation_steps=1)
