@@ -144,13 +144,13 @@ class LogitsProcessing:
             prompt[prompt_ids.to(device)] = True
             self.seen = prompt[None].repeat(num_sequences, 1)  # [G, V]: prompt, then each row's own tokens
         self.suppress = SuppressTokensLogitsProcessor(suppress_tokens, device) if suppress_tokens else None
+        # masks as HF builds them (`isin` over the vocabulary: ids outside it are ignored, e.g. an EOS id past
+        # the head's rows)
+        vocab = torch.arange(vocab_size, device=device)
         self.begin = None
         if begin_suppress_tokens:
-            self.begin = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            self.begin[torch.tensor(list(begin_suppress_tokens), device=device)] = True
-        self.eos_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        if self.eos.numel():
-            self.eos_mask[self.eos] = True
+            self.begin = torch.isin(vocab, torch.tensor(list(begin_suppress_tokens), device=device))
+        self.eos_mask = torch.isin(vocab, self.eos)
 
     def __call__(self, step: int, generated: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if not self.active:

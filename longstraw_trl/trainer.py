@@ -39,9 +39,13 @@ from the batch it buffers; each group keeps its prompt ids once, on the CPU, to 
 Refused at construction (each with a message saying what to change): `tools`, `environment_factory`, `rollout_func`,
 `use_vllm`, `use_transformers_continuous_batching`, generation kwargs the shared-prefix sampler cannot honour
 (`no_repeat_ngram_size`, beam search, ...; `repetition_penalty`, `bad_words_ids`, `sequence_bias`, `min_length`,
-`min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured), `entropy_coef != 0`, `top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router
-auxiliary loss on a model whose HF forward computes none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP, LOMO optimizers, datasets
-without a `prompt` column and models `patch_model` does not support.
+`min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured), `entropy_coef != 0`,
+`top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router auxiliary loss on a model whose HF forward computes
+none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP,
+LOMO optimizers, datasets without a `prompt` column and models `patch_model` does not support.
+
+The MoE router load-balancing loss (`router_aux_loss_coef`, TRL's default being the model config's coefficient) is
+exact: see `longstraw_trl/router_aux.py`.
 """
 
 from __future__ import annotations
@@ -506,7 +510,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         mode = self._mode
         start = time.perf_counter()
         collect = self._router_aux is not None and role == "policy"
-        with self._no_grad_context(model), self._router_aux.collect() if collect else _NULL_CONTEXT as stats:
+        router_stats = self._router_aux.collect() if collect else _NULL_CONTEXT
+        with self._no_grad_context(model), router_stats as stats:
             state = capture_prompt(
                 model,
                 prompt_ids,
