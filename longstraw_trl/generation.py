@@ -10,7 +10,10 @@ tokens), then, when sampling, transformers' own warpers (temperature, top-k, top
 What ``generate`` computes from the whole input (prompt included) is kept in a form that costs nothing
 per step: the repetition penalty reads a ``[V]`` presence mask of the prompt, computed once per call,
 and a ``[G, V]`` mask of each sequence's generated tokens updated in place; bad-word sequences see the
-prompt's last few tokens and the generated ones. Nothing in the processing synchronises with the host.
+prompt's last few tokens and the generated ones. ``no_repeat_ngram_size`` is the exception: it matches
+each sequence's last ``n - 1`` tokens against every window of the prompt, ``O(G * P * n)`` comparisons
+per step on the device (the decode step already reads ``O(P)`` of K/V per layer). Nothing in the
+processing synchronises with the host.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
     NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
     SequenceBiasLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
@@ -63,13 +67,15 @@ class LogitsProcessing:
 
     ``scores = processing(step, generated, scores)`` with ``generated [G, >= step]`` the tokens sampled so far
     (rows padded after their EOS, as ``generate`` pads them) and ``scores [G, V]``; call :meth:`append` with
-    each step's tokens. In ``generate``'s order: ``sequence_bias``, ``repetition_penalty``, ``bad_words_ids``,
+    each step's tokens. In ``generate``'s order: ``sequence_bias``, ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``bad_words_ids``,
     ``min_length``, ``min_new_tokens``, ``suppress_tokens``, ``begin_suppress_tokens``. As in ``generate``, a
     ``min_new_tokens`` that is not ``None`` replaces ``min_length`` by ``input_length + min_new_tokens``.
 
     Args:
         prompt_ids: the prompt's token ids (1-D); needed for ``repetition_penalty`` (its tokens are penalised
-            too) and for multi-token ``sequence_bias`` / ``bad_words_ids`` (which may start in the prompt).
+            too), ``no_repeat_ngram_size`` (its n-grams are banned too) and multi-token ``sequence_bias`` /
+            ``bad_words_ids`` (which may start in the prompt).
         input_length: the length of the input row ``generate`` would see (default: the prompt's). TRL
             left-pads the prompts of a batch to the longest (times ``pad_to_multiple_of``) with
             ``pad_token_id``: ``min_length`` counts that padding, and a bad-word prefix can match it.
@@ -88,6 +94,7 @@ class LogitsProcessing:
         repetition_penalty: float = 1.0,
         sequence_bias=None,
         bad_words_ids: Sequence[Sequence[int]] | None = None,
+        no_repeat_ngram_size: int | None = None,
         min_length: int | None = None,
         min_new_tokens: int | None = None,
         suppress_tokens: Sequence[int] | None = None,
@@ -95,6 +102,7 @@ class LogitsProcessing:
     ):
         self.active = bool(
             repetition_penalty != 1.0
+            or no_repeat_ngram_size
             or sequence_bias
             or bad_words_ids
             or min_length
@@ -126,10 +134,11 @@ class LogitsProcessing:
         ):  # generate's _prepare_generated_length: min_new_tokens takes precedence
             min_length = min_new_tokens + input_length
         self.min_length, self.min_new_tokens = min_length or 0, min_new_tokens or 0
-        needs_prompt = self.penalty != 1.0 or context > 0
+        needs_prompt = self.penalty != 1.0 or context > 0 or bool(no_repeat_ngram_size)
         if needs_prompt and prompt_ids is None:
             raise LongStrawError(
-                "repetition_penalty and multi-token sequence_bias / bad_words_ids read the prompt: pass prompt_ids"
+                "repetition_penalty, no_repeat_ngram_size and multi-token sequence_bias / bad_words_ids read the "
+                "prompt: pass prompt_ids"
             )
         self.tail = torch.zeros(num_sequences, 0, dtype=torch.long, device=device)
         if context > 0:
@@ -143,6 +152,14 @@ class LogitsProcessing:
             prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             prompt[prompt_ids.to(device)] = True
             self.seen = prompt[None].repeat(num_sequences, 1)  # [G, V]: prompt, then each row's own tokens
+        self.ngram = None
+        if no_repeat_ngram_size:
+            # HF's processor on [left padding, prompt, generated]: n pads give every window padding can form
+            n = int(no_repeat_ngram_size)
+            pads = min(max(input_length - prompt_ids.numel(), 0), n)
+            prompt = torch.cat([prompt_ids.new_full((pads,), pad_token_id), prompt_ids]).to(device)
+            self.ngram = NoRepeatNGramLogitsProcessor(n)
+            self.ngram_prompt = prompt[None].expand(num_sequences, -1)
         self.suppress = SuppressTokensLogitsProcessor(suppress_tokens, device) if suppress_tokens else None
         # masks as HF builds them (`isin` over the vocabulary: ids outside it are ignored, e.g. an EOS id past
         # the head's rows)
@@ -160,6 +177,8 @@ class LogitsProcessing:
         if self.seen is not None:  # RepetitionPenaltyLogitsProcessor over prompt + generated tokens
             penalised = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
             scores = torch.where(self.seen, penalised, scores)
+        if self.ngram is not None:
+            scores = self.ngram(torch.cat([self.ngram_prompt, generated[:, :step]], dim=1), scores)
         if self.sequence_bad is not None:
             scores = self.sequence_bad(history, scores)
         if self.input_length + step < self.min_length or step < self.min_new_tokens:
@@ -205,6 +224,7 @@ def generate_from_state(
     input_length: int | None = None,
     sequence_bias=None,
     bad_words_ids: Sequence[Sequence[int]] | None = None,
+    no_repeat_ngram_size: int | None = None,
     min_length: int | None = None,
     min_new_tokens: int | None = None,
     suppress_tokens: Sequence[int] | None = None,
@@ -218,10 +238,10 @@ def generate_from_state(
     ``do_sample=False`` is greedy. ``cuda_graphs``: replay each decode step as one CUDA graph (default:
     on CUDA, unless the state is offloaded or spread over context-parallel ranks; see :class:`DecodeStep`).
 
-    ``repetition_penalty``, ``sequence_bias``, ``bad_words_ids``, ``min_length``, ``min_new_tokens``,
-    ``suppress_tokens`` and ``begin_suppress_tokens`` mean what they mean to ``model.generate`` on the
-    prompt (see :class:`LogitsProcessing`, which also explains ``prompt_ids`` and ``input_length``; the
-    repetition penalty and multi-token sequences need ``prompt_ids``).
+    ``repetition_penalty``, ``no_repeat_ngram_size``, ``sequence_bias``, ``bad_words_ids``, ``min_length``,
+    ``min_new_tokens``, ``suppress_tokens`` and ``begin_suppress_tokens`` mean what they mean to
+    ``model.generate`` on the prompt (see :class:`LogitsProcessing`, which also explains ``prompt_ids`` and
+    ``input_length``; the repetition penalty, n-grams and multi-token sequences need ``prompt_ids``).
     """
     state.check_not_empty()
     if num_generations < 1 or max_new_tokens < 1:
@@ -250,6 +270,7 @@ def generate_from_state(
         repetition_penalty,
         sequence_bias,
         bad_words_ids,
+        no_repeat_ngram_size,
         min_length,
         min_new_tokens,
         suppress_tokens,

@@ -38,8 +38,8 @@ from the batch it buffers; each group keeps its prompt ids once, on the CPU, to 
 
 Refused at construction (each with a message saying what to change): `tools`, `environment_factory`, `rollout_func`,
 `use_vllm`, `use_transformers_continuous_batching`, generation kwargs the shared-prefix sampler cannot honour
-(`no_repeat_ngram_size`, beam search, ...; `repetition_penalty`, `bad_words_ids`, `sequence_bias`, `min_length`,
-`min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured), `entropy_coef != 0`,
+(beam search, `typical_p`, `stop_strings`, ...; `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
+`sequence_bias`, `min_length`, `min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured), `entropy_coef != 0`,
 `top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router auxiliary loss on a model whose HF forward computes
 none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP,
 LOMO optimizers, datasets without a `prompt` column and models `patch_model` does not support.
@@ -108,6 +108,7 @@ _HONOURED_GENERATION_KWARGS = {
     "repetition_penalty",
     "sequence_bias",
     "bad_words_ids",
+    "no_repeat_ngram_size",
     "min_length",
     "min_new_tokens",
     "suppress_tokens",
@@ -115,11 +116,6 @@ _HONOURED_GENERATION_KWARGS = {
 }
 # ... refused by name, unless set to the value that does nothing: (no-op values, why)
 _REFUSED_GENERATION_KWARGS = {
-    "no_repeat_ngram_size": (
-        (None, 0),
-        "it bans every n-gram already in the prompt at every step, which needs the n-grams of the whole (up to "
-        "millions of tokens) prompt; the sampler keeps only a vocabulary presence mask of it",
-    ),
     "num_beams": ((None, 1), "beam search is not shared-prefix sampling"),
     "num_return_sequences": ((None, 1), "use num_generations"),
     "max_length": ((None,), "use max_completion_length (max_length counts the prompt)"),
@@ -668,6 +664,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             repetition_penalty=gk.get("repetition_penalty", self.repetition_penalty) or 1.0,
             sequence_bias=gk.get("sequence_bias"),
             bad_words_ids=gk.get("bad_words_ids"),
+            no_repeat_ngram_size=gk.get("no_repeat_ngram_size"),
             min_length=gk.get("min_length"),
             min_new_tokens=gk.get("min_new_tokens"),
             suppress_tokens=gk.get("suppress_tokens"),

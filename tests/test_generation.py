@@ -127,6 +127,7 @@ def _options(prompt):
     p = prompt.tolist()
     return dict(
         repetition_penalty=1.3,
+        no_repeat_ngram_size=3,
         sequence_bias={(p[-1], 5): -2.5, (11,): 1.5, (40, 41): 3.0},
         # one bad word per kind: a token, a pair ending the prompt, three tokens reaching into the left padding
         bad_words_ids=[[17], [p[-1], 9], [0, p[0], p[1], 21], [30, 31]],

@@ -88,6 +88,7 @@ def test_completions_equal_state_generate_and_stock_trl():
             repetition_penalty=1.4,
             generation_kwargs={
                 "bad_words_ids": [[5], [40, 41]],
+                "no_repeat_ngram_size": 2,
                 "suppress_tokens": [9],
                 "begin_suppress_tokens": [10, 11],
                 "min_new_tokens": 4,
@@ -395,11 +396,7 @@ def test_nan_loss_stops_training_naming_step_and_group():
     "kwargs,trainer_kwargs,match",
     [
         (dict(use_vllm=True), {}, "use_vllm=True"),
-        (
-            dict(generation_kwargs={"no_repeat_ngram_size": 3}),
-            {},
-            r"no_repeat_ngram_size.*n-grams of the whole",
-        ),
+        (dict(generation_kwargs={"stop_strings": ["x"]}), {}, r"stop_strings.*decoded text"),
         (dict(generation_kwargs={"num_beams": 2}), {}, r"generation_kwargs\['num_beams'\].*beam search"),
         (dict(generation_kwargs={"typical_p": 0.5, "use_cache": True}), {}, r"typical_p"),
         (dict(generation_kwargs={"output_logits": True}), {}, r"generation_kwargs \['output_logits'\]"),
@@ -410,7 +407,7 @@ def test_nan_loss_stops_training_naming_step_and_group():
     ],
     ids=[
         "vllm",
-        "no_repeat_ngram_size",
+        "stop_strings",
         "num_beams",
         "typical_p",
         "unknown_generation_kwarg",
