@@ -150,7 +150,7 @@ def test_logits_processing_equals_transformers_processors(prompt_len, padding, l
     model = build("qwen3")
     gen = torch.Generator().manual_seed(prompt_len + padding)
     prompt = torch.randint(1, 97, (prompt_len,), generator=gen)
-    g, steps, eos, pad = 3, 8, [7, 3], 0
+    g, steps, eos, pad = 5, 8, [7, 3], 0
     opts = _options(prompt)
     opts.pop("min_new_tokens" if length_option == "min_length" else "min_length")
     config = GenerationConfig(**opts, eos_token_id=eos, pad_token_id=pad)
@@ -164,11 +164,14 @@ def test_logits_processing_equals_transformers_processors(prompt_len, padding, l
     )
     ours = LogitsProcessing(97, g, torch.device("cpu"), eos, pad, prompt, inputs.shape[1], **opts)
     generated = torch.zeros(g, steps, dtype=torch.long)
-    forced = [
-        [40, 30, 5, 17],
-        [prompt[-1].item(), 2, 2, 2],
-        [int(prompt[0]), 9, 30, 40],
-    ]  # prefixes of the sequences
+    p = [int(prompt[i % prompt_len]) for i in range(5)]
+    forced = [  # rows that start the sequences, then follow the processed scores' argmax
+        [40, 30, 5, 17],  # sequence bias, a bad word
+        [p[-1], 2, 2, 2],  # a bad word pair ending the prompt
+        [p[0], 9, 30, 40],  # a bad word reaching into the left padding
+        [p[3], p[4], p[3], p[4]],  # 3-grams of the prompt, then of the generated tokens
+        [pad, pad, pad],  # 3-grams of the left padding
+    ]
     for step in range(steps):
         scores = torch.randn(g, 97, generator=gen) * 3
         ref = hf(torch.cat([inputs, generated[:, :step]], 1), scores.clone())

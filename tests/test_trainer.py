@@ -105,8 +105,19 @@ def test_completions_equal_state_generate_and_stock_trl():
     ],
     ids=["sampling-one-group", "greedy-two-groups"],
 )
-def test_sampling_options_reach_the_sampler_as_in_stock_trl(options):
-    """TRL passes these to `model.generate`; the trainer's shared-prefix sampler gives the same completions."""
+def test_sampling_options_reach_the_sampler_as_in_stock_trl(options, monkeypatch):
+    """TRL passes these to `model.generate`; the trainer's shared-prefix sampler gets them (with the prompt and TRL's
+    padded input length) and gives the same completions."""
+    from longstraw_trl import generation
+
+    seen = []
+
+    class Spy(generation.LogitsProcessing):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append((args[5], self))
+
+    monkeypatch.setattr(generation, "LogitsProcessing", Spy)
     ours = make_tiny_longstraw_trainer(**options)
     stock = make_tiny_grpo_trainer(**options)
     two = "min_length" in options["generation_kwargs"]
@@ -121,6 +132,13 @@ def test_sampling_options_reach_the_sampler_as_in_stock_trl(options):
     ref = stock._generate_and_score_completions(rows)
     assert torch.equal(out["completion_mask"], ref["completion_mask"])
     assert torch.equal(out["completion_ids"], ref["completion_ids"])
+    prompts = [
+        torch.tensor(ours.processing_class(r["prompt"])["input_ids"]) for r in rows[:: ours.num_generations]
+    ]
+    assert [ids.tolist() for ids, _ in seen] == [p.tolist() for p in prompts]
+    for _, processing in seen:
+        assert processing.input_length == max(p.numel() for p in prompts) and processing.penalty == 1.4
+        assert (processing.ngram is not None) == ("no_repeat_ngram_size" in options["generation_kwargs"])
     if two:  # EOS exactly where min_length (95 with the padding to the longer prompt) first allows it
         longest = len(ours.processing_class(PROMPTS[0])["input_ids"])
         assert out["completion_mask"].sum(1).tolist() == [95 - longest + 1] * 8
