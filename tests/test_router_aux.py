@@ -157,7 +157,7 @@ def _reference_aux(model, prompt, comps, mask):
     return full, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next"])
 def test_engine_shares_match_transformers_aux_loss(family):
     from _models import build_hybrid, sharp_routers
     from _reference import assert_grads_close, padded_completions
