@@ -219,3 +219,17 @@ def test_plan_reproduces_the_whole_model_peak():
         plan.peak / GiB,
         run["peak_gib"],
     )
+
+
+def test_glm_moe_response_graph_follows_the_routed_experts():
+    """GLM configs name their experts `n_routed_experts` (no `num_experts`): the graph estimate must still take the
+    routed experts' width (top-k times `moe_intermediate_size`), not k times the dense `intermediate_size`."""
+    from transformers import Glm4MoeConfig
+
+    def graph(**kw):
+        config = Glm4MoeConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, head_dim=64, **kw)
+        return plan_memory(config, 4096, response_tokens=512, lora_rank=8).response_graph
+
+    base = graph(intermediate_size=2048, moe_intermediate_size=128)
+    assert graph(intermediate_size=4096, moe_intermediate_size=128) == base
+    assert graph(intermediate_size=2048, moe_intermediate_size=256) > base
