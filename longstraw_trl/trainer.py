@@ -777,7 +777,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         if kwargs.get("compute_aux_loss"):
             raise LongStrawError(
-                "MoE router auxiliary losses are not supported; set router_aux_loss_coef=0.0"
+                "TRL's full-sequence MoE aux-loss path is not used here: the trainer streams the load-balancing loss "
+                "per response in _streamed_loss (longstraw_trl.router_aux)"
             )
         ids = input_ids[:, -logits_to_keep:]
         mask = attention_mask[:, -logits_to_keep:]
