@@ -2,14 +2,24 @@
 
 Every decode step feeds the G newest tokens through the model at once; each attention layer reads the
 prompt pages once for all G rows (their queries are folded into one batch of rows) and its own
-response K/V from a per-call buffer. Logits processing uses transformers' own warpers in
-``generate``'s order (temperature, top-k, top-p, min-p), and draws with ``torch.multinomial``, so with
-the same seed the draws equal ``model.generate``'s.
+response K/V from a per-call buffer. Logits processing follows ``generate``'s order: the processors
+(:class:`LogitsProcessing`: sequence bias, repetition penalty, bad words, minimum lengths, suppressed
+tokens), then, when sampling, transformers' own warpers (temperature, top-k, top-p, min-p); draws use
+``torch.multinomial``, so with the same seed the tokens equal ``model.generate``'s.
+
+What ``generate`` computes from the whole input (prompt included) is kept in a form that costs nothing
+per step: the repetition penalty reads a ``[V]`` presence mask of the prompt, computed once per call,
+and a ``[G, V]`` mask of each sequence's generated tokens updated in place; bad-word sequences see the
+prompt's last few tokens and the generated ones. ``no_repeat_ngram_size`` is the exception: it matches
+each sequence's last ``n - 1`` tokens against every window of the prompt, ``O(G * P * n)`` comparisons
+per step on the device (the decode step already reads ``O(P)`` of K/V per layer). Nothing in the
+processing synchronises with the host.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 
@@ -17,12 +27,16 @@ import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from .engine import ReplayContext, check_positions, forward_model
+from .engine import ReplayContext, _vocab_size, check_positions, forward_model
 from .errors import LongStrawError
 from .state import PromptState
 
@@ -48,6 +62,147 @@ def _warpers(temperature: float, top_k: int | None, top_p: float, min_p: float |
     return procs
 
 
+class LogitsProcessing:
+    """``generate``'s logits processors (before the warpers) for G sequences continuing one prompt, exactly.
+
+    ``scores = processing(step, generated, scores)`` with ``generated [G, >= step]`` the tokens sampled so far
+    (rows padded after their EOS, as ``generate`` pads them) and ``scores [G, V]``; call :meth:`append` with
+    each step's tokens. In ``generate``'s order: ``sequence_bias``, ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``bad_words_ids``,
+    ``min_length``, ``min_new_tokens``, ``suppress_tokens``, ``begin_suppress_tokens``. As in ``generate``, a
+    ``min_new_tokens`` that is not ``None`` replaces ``min_length`` by ``input_length + min_new_tokens``.
+
+    Args:
+        prompt_ids: the prompt's token ids (1-D); needed for ``repetition_penalty`` (its tokens are penalised
+            too), ``no_repeat_ngram_size`` (its n-grams are banned too) and multi-token ``sequence_bias`` /
+            ``bad_words_ids`` (which may start in the prompt).
+        input_length: the length of the input row ``generate`` would see (default: the prompt's). TRL
+            left-pads the prompts of a batch to the longest (times ``pad_to_multiple_of``) with
+            ``pad_token_id``: ``min_length`` counts that padding, and a bad-word prefix can match it.
+            (The repetition penalty ignores it: ``generate`` masks left padding out of it.)
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_sequences: int,
+        device: torch.device,
+        eos_token_id: Sequence[int] = (),
+        pad_token_id: int = 0,
+        prompt_ids: torch.Tensor | None = None,
+        input_length: int | None = None,
+        repetition_penalty: float = 1.0,
+        sequence_bias=None,
+        bad_words_ids: Sequence[Sequence[int]] | None = None,
+        no_repeat_ngram_size: int | None = None,
+        min_length: int | None = None,
+        min_new_tokens: int | None = None,
+        suppress_tokens: Sequence[int] | None = None,
+        begin_suppress_tokens: Sequence[int] | None = None,
+    ):
+        self.active = bool(
+            repetition_penalty != 1.0
+            or no_repeat_ngram_size
+            or sequence_bias
+            or bad_words_ids
+            or min_length
+            or min_new_tokens
+            or suppress_tokens
+            or begin_suppress_tokens
+        )
+        if repetition_penalty is None or not repetition_penalty > 0:
+            raise LongStrawError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+        self.penalty = float(repetition_penalty)
+        self.eos = torch.tensor(list(eos_token_id), dtype=torch.long, device=device)
+        # HF's processors for what depends only on the last tokens; they run on a short history
+        self.sequence = LogitsProcessorList()
+        if sequence_bias:
+            self.sequence.append(SequenceBiasLogitsProcessor(sequence_bias=sequence_bias))
+        if bad_words_ids:
+            self.sequence_bad = NoBadWordsLogitsProcessor(
+                bad_words_ids, self.eos if self.eos.numel() else None
+            )
+        else:
+            self.sequence_bad = None
+        lengths = [len(k) for k in _sequences(sequence_bias)] + [len(w) for w in bad_words_ids or []]
+        context = max(lengths, default=1) - 1  # prompt tokens a sequence's prefix can reach
+        if input_length is None:
+            input_length = prompt_ids.numel() if prompt_ids is not None else 0
+        self.input_length = input_length
+        if (
+            min_new_tokens is not None
+        ):  # generate's _prepare_generated_length: min_new_tokens takes precedence
+            min_length = min_new_tokens + input_length
+        self.min_length, self.min_new_tokens = min_length or 0, min_new_tokens or 0
+        needs_prompt = self.penalty != 1.0 or context > 0 or bool(no_repeat_ngram_size)
+        if needs_prompt and prompt_ids is None:
+            raise LongStrawError(
+                "repetition_penalty, no_repeat_ngram_size and multi-token sequence_bias / bad_words_ids read the "
+                "prompt: pass prompt_ids"
+            )
+        self.tail = torch.zeros(num_sequences, 0, dtype=torch.long, device=device)
+        if context > 0:
+            tail = prompt_ids[-context:].to(device)
+            pad = min(context, input_length) - tail.numel()  # left padding the prefix may reach
+            if pad > 0:
+                tail = torch.cat([tail.new_full((pad,), pad_token_id), tail])
+            self.tail = tail[None].expand(num_sequences, -1)
+        self.seen = None
+        if self.penalty != 1.0:
+            prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            prompt[prompt_ids.to(device)] = True
+            self.seen = prompt[None].repeat(num_sequences, 1)  # [G, V]: prompt, then each row's own tokens
+        self.ngram = None
+        if no_repeat_ngram_size:
+            # HF's processor on [left padding, prompt, generated]: n pads give every window padding can form
+            n = int(no_repeat_ngram_size)
+            pads = min(max(input_length - prompt_ids.numel(), 0), n)
+            prompt = torch.cat([prompt_ids.new_full((pads,), pad_token_id), prompt_ids]).to(device)
+            self.ngram = NoRepeatNGramLogitsProcessor(n)
+            self.ngram_prompt = prompt[None].expand(num_sequences, -1)
+        self.suppress = SuppressTokensLogitsProcessor(suppress_tokens, device) if suppress_tokens else None
+        # masks as HF builds them (`isin` over the vocabulary: ids outside it are ignored, e.g. an EOS id past
+        # the head's rows)
+        vocab = torch.arange(vocab_size, device=device)
+        self.begin = None
+        if begin_suppress_tokens:
+            self.begin = torch.isin(vocab, torch.tensor(list(begin_suppress_tokens), device=device))
+        self.eos_mask = torch.isin(vocab, self.eos)
+
+    def __call__(self, step: int, generated: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return scores
+        history = torch.cat([self.tail, generated[:, :step]], dim=1)
+        scores = self.sequence(history, scores)
+        if self.seen is not None:  # RepetitionPenaltyLogitsProcessor over prompt + generated tokens
+            penalised = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
+            scores = torch.where(self.seen, penalised, scores)
+        if self.ngram is not None:
+            scores = self.ngram(torch.cat([self.ngram_prompt, generated[:, :step]], dim=1), scores)
+        if self.sequence_bad is not None:
+            scores = self.sequence_bad(history, scores)
+        if self.input_length + step < self.min_length or step < self.min_new_tokens:
+            scores = torch.where(self.eos_mask, -math.inf, scores)
+        if self.suppress is not None:
+            scores = self.suppress(history, scores)
+        if self.begin is not None and step == 0:
+            scores = torch.where(self.begin, -math.inf, scores)
+        return scores
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """Record each sequence's new token ``[G]`` (in place, no host synchronisation)."""
+        if self.seen is not None:
+            self.seen.scatter_(1, tokens[:, None], True)
+
+
+def _sequences(sequence_bias) -> list:
+    if not sequence_bias:
+        return []
+    if isinstance(sequence_bias, dict):
+        return list(sequence_bias)
+    return [seq for seq, _ in sequence_bias]  # [[ids, bias], ...], as GenerationConfig stores it
+
+
 @torch.no_grad()
 def generate_from_state(
     state: PromptState,
@@ -63,6 +218,17 @@ def generate_from_state(
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
     cuda_graphs: bool | None = None,
+    *,
+    repetition_penalty: float = 1.0,
+    prompt_ids: torch.Tensor | None = None,
+    input_length: int | None = None,
+    sequence_bias=None,
+    bad_words_ids: Sequence[Sequence[int]] | None = None,
+    no_repeat_ngram_size: int | None = None,
+    min_length: int | None = None,
+    min_new_tokens: int | None = None,
+    suppress_tokens: Sequence[int] | None = None,
+    begin_suppress_tokens: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Sample ``[G, <= max_new_tokens]`` completion ids continuing ``state``'s prompt.
 
@@ -71,6 +237,11 @@ def generate_from_state(
     generator may have drawn a few more tokens than ``model.generate`` would; the output is the same).
     ``do_sample=False`` is greedy. ``cuda_graphs``: replay each decode step as one CUDA graph (default:
     on CUDA, unless the state is offloaded or spread over context-parallel ranks; see :class:`DecodeStep`).
+
+    ``repetition_penalty``, ``no_repeat_ngram_size``, ``sequence_bias``, ``bad_words_ids``, ``min_length``,
+    ``min_new_tokens``, ``suppress_tokens`` and ``begin_suppress_tokens`` mean what they mean to
+    ``model.generate`` on the prompt (see :class:`LogitsProcessing`, which also explains ``prompt_ids`` and
+    ``input_length``; the repetition penalty, n-grams and multi-token sequences need ``prompt_ids``).
     """
     state.check_not_empty()
     if num_generations < 1 or max_new_tokens < 1:
@@ -81,8 +252,30 @@ def generate_from_state(
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
+    if prompt_ids is not None and (prompt_ids.dim() != 1 or prompt_ids.numel() != state.num_tokens):
+        raise LongStrawError(
+            f"prompt_ids must be the state's 1-D prompt of {state.num_tokens} tokens, got shape "
+            f"{tuple(prompt_ids.shape)}"
+        )
     warp = _warpers(temperature, top_k, top_p, min_p) if do_sample else LogitsProcessorList()
     g, device = num_generations, state.device
+    process = LogitsProcessing(
+        _vocab_size(model),
+        g,
+        device,
+        eos,
+        pad_token_id,
+        prompt_ids,
+        state.num_tokens if input_length is None else input_length,
+        repetition_penalty,
+        sequence_bias,
+        bad_words_ids,
+        no_repeat_ngram_size,
+        min_length,
+        min_new_tokens,
+        suppress_tokens,
+        begin_suppress_tokens,
+    )
     eos_t = torch.tensor(eos, device=device, dtype=torch.long)
 
     out = torch.full((g, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -91,7 +284,7 @@ def generate_from_state(
     # The first step runs the last prompt token (the state holds the first P - 1), then each new token.
     tokens = state.last_token.view(1, 1).expand(g, 1)
     for step in range(max_new_tokens):
-        scores = warp(out[:, :step], decode(tokens).float())
+        scores = warp(out[:, :step], process(step, out, decode(tokens).float()))
         if do_sample:
             probs = torch.softmax(scores, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
@@ -104,6 +297,7 @@ def generate_from_state(
             )
         nxt = torch.where(done, pad_token_id, nxt)
         out[:, step] = nxt
+        process.append(nxt)
         if eos:
             done |= torch.isin(nxt, eos_t)
             if (step + 1) % DONE_CHECK_INTERVAL == 0 and bool(done.all()):

@@ -70,12 +70,11 @@ Supported
   optimizer-step boundary, summed over processes, it gives the new coefficient through [`adaptive_entropy_coef`].
 - Train and eval mode (`training=` in `batch_loss_context`).
 
-Not supported (`NotImplementedError` from `GRPOLossSpec`)
----------------------------------------------------------
-- A MoE router load-balancing loss (`router_aux_loss_coef != 0` on a model that returns router logits): it is a
-  non-linear function of the router statistics of the whole micro-batch (prompt tokens included), not a sum over
-  responses. Set `router_aux_loss_coef=0.0`. `GRPOLossSpec.from_args(args, model=model)` checks the model like
-  TRL does; without `model` only an explicit non-zero `args.router_aux_loss_coef` is rejected.
+The MoE router loss
+-------------------
+The MoE router load-balancing loss (`router_aux_loss_coef != 0`) is not a function of the log-probs: it is not part
+of `response_loss`. `GRPOLossSpec.router_aux_loss_coef` carries TRL's effective coefficient (resolved from the model
+by `from_args(args, model=model)`), and `longstraw_trl.router_aux` builds each response's exact share of it.
 
 Where the math lives
 --------------------
@@ -199,7 +198,8 @@ class GRPOLossSpec:
             TRL's adaptive entropy control (Skywork-OR1): the coefficient is updated once per optimizer step by the
             caller (see [`adaptive_entropy_coef`]); the bonus is enabled even while the coefficient is zero.
         router_aux_loss_coef (`float`, *optional*, defaults to `0.0`):
-            Effective MoE load-balancing coefficient; only `0.0` is supported (see the module docstring).
+            Effective MoE load-balancing coefficient (TRL's `trainer.router_aux_loss_coef`). `response_loss` does not
+            include that term; the trainer adds it per response (`longstraw_trl.router_aux`).
     """
 
     loss_type: str = "dapo"
@@ -237,12 +237,6 @@ class GRPOLossSpec:
             raise ValueError("loss_type='dr_grpo' normalizes by `max_completion_length`, which is None.")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
-        if self.router_aux_loss_coef != 0.0:
-            raise NotImplementedError(
-                f"A MoE router load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef}) is not "
-                "supported: it depends non-linearly on the router statistics of the whole micro-batch, prompt "
-                "included, and is not a sum over responses. Set router_aux_loss_coef=0.0."
-            )
 
     @property
     def entropy_bonus_enabled(self) -> bool:
@@ -855,8 +849,8 @@ def aggregate_metrics(
     Returns:
         `dict[str, float]`: keyed by TRL's metric names (`policy_loss` only when the entropy bonus is on,
         `kl` only when `beta != 0`, `entropy` only when entropies were passed, then the loss type's clip metrics).
-        TRL also logs `entropy_coef` (the controller's value, at optimizer-step boundaries) and `aux_loss`
-        (unsupported); those are not here.
+        TRL also logs `entropy_coef` (the controller's value, at optimizer-step boundaries) and `aux_loss` (the
+        trainer logs it); those are not here.
     """
     reduce_sum = reduce_sum or (lambda t: t)
     gather = gather or (lambda t: t)

@@ -166,7 +166,9 @@ def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 1
 def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
     """Tensors autograd keeps for one decoder layer over ``tokens`` response tokens."""
     h = config.hidden_size
-    inter = getattr(config, "moe_intermediate_size", None) if getattr(config, "num_experts", 0) else None
+    # routed experts: `num_experts` (Qwen MoE) or `n_routed_experts` (GLM: glm4_moe, glm_moe_dsa)
+    routed = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
+    inter = getattr(config, "moe_intermediate_size", None) if routed else None
     inter = (inter or config.intermediate_size) * max(1, getattr(config, "num_experts_per_tok", 1) or 1)
     mlp = (2 * h + 3 * inter) * b  # norm in/out, gate, up, act(gate)*up
     if kind == "linear_attention":

@@ -53,10 +53,15 @@ accumulation scaling, metrics under `eval_*`; it leaves the training state alone
 states of the training batch, entropy controller).
 
 Refused at construction (each with a message saying what to change): `tools`, `environment_factory`, `rollout_func`,
-`use_vllm`, `use_transformers_continuous_batching`, `repetition_penalty != 1`, generation kwargs the shared-prefix
-sampler cannot honour, `top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss, multimodal
-processors, prompt-learning PEFT methods, DeepSpeed, FSDP, LOMO optimizers, datasets without a `prompt` column and
-models `patch_model` does not support.
+`use_vllm`, `use_transformers_continuous_batching`, generation kwargs the shared-prefix sampler cannot honour
+(beam search, `typical_p`, `stop_strings`, ...; `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
+`sequence_bias`, `min_length`, `min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured),
+`top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss on a model whose HF forward computes
+none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP,
+LOMO optimizers, datasets without a `prompt` column and models `patch_model` does not support.
+
+The MoE router load-balancing loss (`router_aux_loss_coef`, TRL's default being the model config's coefficient) is
+exact: see `longstraw_trl/router_aux.py`.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +100,7 @@ from .loss import (
 )
 from .model_patches import patch_model, unwrap_model
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
+from .router_aux import RouterLoadBalancing, RouterStats, prepare_micro_batch, replay_inputs
 from .state import PromptState
 from .state_cache import EXTEND, CachedPrompt, PromptStateCache, prompt_key
 
@@ -110,7 +117,8 @@ logger = logging.getLogger(__name__)
 REFRESH_STATE_FILE = "longstraw_refresh.json"
 _NULL_CONTEXT = contextlib.nullcontext()
 
-# Generation kwargs (TRL's `generation_kwargs` dict, `args.generation_kwargs` merged in) the sampler honours.
+# Generation kwargs (TRL's `generation_kwargs` dict, `args.generation_kwargs` merged in) the sampler honours
+# exactly as `model.generate` applies them (longstraw_trl.generation.LogitsProcessing).
 _HONOURED_GENERATION_KWARGS = {
     "max_new_tokens",
     "do_sample",
@@ -121,6 +129,33 @@ _HONOURED_GENERATION_KWARGS = {
     "eos_token_id",
     "pad_token_id",
     "bos_token_id",
+    "repetition_penalty",
+    "sequence_bias",
+    "bad_words_ids",
+    "no_repeat_ngram_size",
+    "min_length",
+    "min_new_tokens",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+}
+# ... refused by name, unless set to the value that does nothing: (no-op values, why)
+_REFUSED_GENERATION_KWARGS = {
+    "num_beams": ((None, 1), "beam search is not shared-prefix sampling"),
+    "num_return_sequences": ((None, 1), "use num_generations"),
+    "max_length": ((None,), "use max_completion_length (max_length counts the prompt)"),
+    "typical_p": ((None, 1.0), "the sampler applies temperature, top_k, top_p and min_p only"),
+    "epsilon_cutoff": ((None, 0.0), "the sampler applies temperature, top_k, top_p and min_p only"),
+    "eta_cutoff": ((None, 0.0), "the sampler applies temperature, top_k, top_p and min_p only"),
+    "top_h": ((None,), "the sampler applies temperature, top_k, top_p and min_p only"),
+    "forced_bos_token_id": ((None,), "not implemented in the shared-prefix sampler"),
+    "forced_eos_token_id": ((None,), "not implemented in the shared-prefix sampler"),
+    "exponential_decay_length_penalty": ((None,), "not implemented in the shared-prefix sampler"),
+    "renormalize_logits": ((None, False), "not implemented in the shared-prefix sampler"),
+    "remove_invalid_values": ((None, False), "not implemented in the shared-prefix sampler"),
+    "guidance_scale": ((None, 1.0), "classifier-free guidance needs a second, unconditional prompt"),
+    "stop_strings": ((None,), "stop strings are decoded text; use eos_token_id"),
+    "encoder_repetition_penalty": ((None, 1.0), "encoder-decoder models only"),
+    "encoder_no_repeat_ngram_size": ((None, 0), "encoder-decoder models only"),
 }
 # ... and those that do not change the samples (accepted, ignored).
 _IGNORED_GENERATION_KWARGS = {
@@ -231,15 +266,13 @@ def _refuse_unsupported(
         )
     if args.use_transformers_continuous_batching:
         refuse("use_transformers_continuous_batching=True", "Set it to False.")
-    if args.repetition_penalty != 1.0:
-        refuse(
-            f"repetition_penalty={args.repetition_penalty}",
-            "The shared-prefix sampler applies temperature, top_k, top_p and min_p only. Set repetition_penalty=1.0.",
-        )
     extra = dict(args.generation_kwargs or {})
-    if extra.get("repetition_penalty", 1.0) != 1.0:
-        refuse(f"generation_kwargs['repetition_penalty']={extra['repetition_penalty']}", "Remove it.")
-    extra.pop("repetition_penalty", None)
+    for name, (noop, why) in _REFUSED_GENERATION_KWARGS.items():
+        if name in extra and extra.pop(name) not in noop:
+            refuse(
+                f"generation_kwargs['{name}']",
+                f"The shared-prefix sampler cannot honour it: {why}. Remove it.",
+            )
     unknown = sorted(set(extra) - _HONOURED_GENERATION_KWARGS - _IGNORED_GENERATION_KWARGS)
     if unknown:
         refuse(
@@ -421,6 +454,16 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self.ref_model is not None:
             _check_model(self.ref_model)
         self.loss_spec = GRPOLossSpec.from_args(args, model=unwrap_model(self.model))
+        # MoE load-balancing loss (longstraw_trl.router_aux): the routers, and each policy state's prompt statistics
+        self._router_aux = None
+        self._router_prompt_stats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        if self.loss_spec.router_aux_loss_coef != 0.0:
+            if args.cp_size > 1:
+                raise LongStrawError(
+                    "router_aux_loss_coef != 0 is not supported with context parallelism (cp_size > 1) yet; set "
+                    "router_aux_loss_coef=0.0 or cp_size=1."
+                )
+            self._router_aux = RouterLoadBalancing(self.model)
         self.refresh_policy = RefreshPolicy(
             args.refresh_policy,
             args.refresh_interval,
@@ -474,7 +517,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """
         mode = self._mode
         start = time.perf_counter()
-        with self._no_grad_context(model, cast_adapters=True):
+        collect = self._router_aux is not None and role == "policy"
+        router_stats = self._router_aux.collect() if collect else _NULL_CONTEXT
+        with self._no_grad_context(model, cast_adapters=True), router_stats as stats:
             state = capture_prompt(
                 model,
                 prompt_ids,
@@ -483,6 +528,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 offload=self.args.offload_prompt_state,
                 cp_group=self.cp_group,
             )
+        if collect:  # the router statistics of the P - 1 captured tokens (none for a one-token prompt)
+            self._router_prompt_stats[state] = stats[0] if stats else self._no_router_stats(state.device)
         seconds = time.perf_counter() - start
         metrics = self._metrics[mode]
         metrics["longstraw/capture_seconds"].append(seconds)
@@ -501,6 +548,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _capture_policy(self, prompt_ids: torch.Tensor) -> PromptState:
         return self._capture(self.model, prompt_ids)
+
+    def _no_router_stats(self, device) -> RouterStats:
+        zeros = torch.zeros(self._router_aux.num_experts, device=device)
+        return RouterStats(zeros, zeros.clone(), torch.zeros((), device=device))
 
     def _extend(self, state: PromptState, more_ids: torch.Tensor) -> PromptState:
         """A fork of `state` with `more_ids` appended (the prompt-state cache's prefix reuse)."""
@@ -597,14 +648,29 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             do_sample=gk.get("do_sample", True),
             eos_token_id=eos,
             pad_token_id=gk.get("pad_token_id", self._tokenizer.pad_token_id),
+            repetition_penalty=gk.get("repetition_penalty", self.repetition_penalty) or 1.0,
+            sequence_bias=gk.get("sequence_bias"),
+            bad_words_ids=gk.get("bad_words_ids"),
+            no_repeat_ngram_size=gk.get("no_repeat_ngram_size"),
+            min_length=gk.get("min_length"),
+            min_new_tokens=gk.get("min_new_tokens"),
+            suppress_tokens=gk.get("suppress_tokens"),
+            begin_suppress_tokens=gk.get("begin_suppress_tokens"),
         )
 
-    def _sample_group(self, state: PromptState, num_generations: int) -> torch.Tensor:
-        """`[G, R]` completions sampled from one prompt state (rows padded after their EOS)."""
+    def _sample_group(
+        self, state: PromptState, num_generations: int, prompt_ids=None, input_length: int | None = None
+    ) -> torch.Tensor:
+        """`[G, R]` completions sampled from one prompt state (rows padded after their EOS). `prompt_ids` and
+        `input_length` (TRL's left-padded row length) are what `model.generate` would see of the prompt."""
         kwargs = self._sampling_kwargs()
         max_new_tokens = kwargs.pop("max_new_tokens")
+        if prompt_ids is not None:
+            kwargs["prompt_ids"] = torch.as_tensor(prompt_ids, dtype=torch.long)
         with self._no_grad_context(self.model, cast_adapters=True):
-            return state.generate(self.model, num_generations, max_new_tokens, **kwargs)
+            return state.generate(
+                self.model, num_generations, max_new_tokens, input_length=input_length, **kwargs
+            )
 
     def _truncate_after_eos(self, completion_ids: torch.Tensor) -> list[list[int]]:
         """TRL's post-processing: keep each row up to and including its first EOS."""
@@ -642,10 +708,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 entries[keys[i]] = self._acquire(keys[i], groups[i], purpose="generation")
         completion_ids: list[list[int]] = []
         seconds, new_tokens = 0.0, 0
+        # TRL left-pads the prompts of this call to one length, which `generate`'s min_length counts
+        input_length = max(len(ids) for ids in groups)
+        multiple = getattr(self, "pad_to_multiple_of", None)
+        if multiple:
+            input_length = -(-input_length // multiple) * multiple
         for key in keys:
             entry = entries[key]
             start = time.perf_counter()
-            sampled = self._sample_group(entry.state, num_generations)
+            sampled = self._sample_group(entry.state, num_generations, entry.prompt_ids, input_length)
             seconds += time.perf_counter() - start
             rows = self._truncate_after_eos(sampled)
             new_tokens += sum(len(r) for r in rows)
@@ -700,7 +771,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         if kwargs.get("compute_aux_loss"):
             raise LongStrawError(
-                "MoE router auxiliary losses are not supported; set router_aux_loss_coef=0.0"
+                "TRL's full-sequence MoE aux-loss path is not used here: the trainer streams the load-balancing loss "
+                "per response in _streamed_loss (longstraw_trl.router_aux)"
             )
         ids = input_ids[:, -logits_to_keep:]
         mask = attention_mask[:, -logits_to_keep:]
@@ -890,6 +962,35 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
+    def _micro_batch_router_aux(
+        self, model, entries: dict, completion_ids, completion_mask, rows_of: list[list[int]]
+    ):
+        """The router statistics of the whole micro-batch (graph-free), for TRL's load-balancing loss."""
+        groups = []
+        for g, entry in entries.items():
+            stats = self._router_prompt_stats.get(entry.state)
+            if stats is None:
+                raise LongStrawError(
+                    f"prompt {entry.key} has no router statistics: its state was captured without the trainer's "
+                    "router hooks"
+                )
+            rows = rows_of[g]
+            groups.append((entry.state, stats, completion_ids[rows], completion_mask[rows]))
+        with self._no_grad_context(model):
+            return prepare_micro_batch(self._router_aux, model, groups, self.args.capture_chunk_size)
+
+    def _policy_replay_with_router_aux(
+        self, model, state, aux, ids, mask, length: int, entropy_grad: bool = False
+    ):
+        """`_policy_replay` one position longer (`[last prompt token, completion]`: TRL routes every completion
+        token under its mask), plus the response's differentiable share of the load-balancing loss."""
+        ext_ids, router_mask, keep = replay_inputs(ids, mask, length)
+        with self._router_aux.stash() as router_logits:
+            logps, entropies = self._policy_replay(
+                model, state, ext_ids[None], torch.ones_like(ext_ids)[None], entropy_grad=entropy_grad
+            )
+        return logps[:keep], entropies[:keep], aux.term(router_logits, router_mask)
+
     def _streamed_loss(self, model, inputs: dict[str, Any], backward: bool) -> torch.Tensor:
         """TRL's `_compute_loss` value for this micro-batch, computed (and back-propagated) one response at a time."""
         mode = self._mode
@@ -951,6 +1052,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         total = torch.zeros((), device=self.accelerator.device)
         all_metrics = []
         replay_seconds, replay_tokens = 0.0, 0
+        aux = None
+        if self._router_aux is not None:  # every state first: the router statistics span the micro-batch
+            for g in group_order:
+                self._loss_entry(entries, inputs, g, rows_of[g], lengths, loss_mask)
+            aux = self._micro_batch_router_aux(model, entries, completion_ids, completion_mask, rows_of)
+            total = total + spec.router_aux_loss_coef * aux.constant() / ctx.ga_normalizer
         for g in group_order:
             entry = self._loss_entry(entries, inputs, g, rows_of[g], lengths, loss_mask)
             rows = list(rows_of[g])
@@ -959,7 +1066,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 rows.append(sync_row)
             for i in rows:
                 length = ctx.lengths[i]
-                if length == 0 and i != sync_row:
+                if length == 0 and i != sync_row and aux is None:
                     # No loss token: its term is exactly zero (TRL's sums multiply it by the mask); no replay.
                     zeros = torch.zeros(1, device=device)
                     term, metrics = response_loss(
@@ -977,13 +1084,25 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 )
                 start = time.perf_counter()
                 with sync:
-                    logps, entropies = self._policy_replay(
-                        model,
-                        entry.state,
-                        completion_ids[i : i + 1, :length],
-                        completion_mask[i : i + 1, :length],
-                        entropy_grad=entropy_grad,
-                    )
+                    if aux is None:
+                        logps, entropies = self._policy_replay(
+                            model,
+                            entry.state,
+                            completion_ids[i : i + 1, :length],
+                            completion_mask[i : i + 1, :length],
+                            entropy_grad=entropy_grad,
+                        )
+                    else:
+                        logps, entropies, aux_term = self._policy_replay_with_router_aux(
+                            model,
+                            entry.state,
+                            aux,
+                            completion_ids[i],
+                            completion_mask[i],
+                            length,
+                            entropy_grad,
+                        )
+                        length = max(length, 1)  # a row without completion tokens still routes its prompt
                     term, metrics = response_loss(
                         spec,
                         ctx,
@@ -999,6 +1118,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                         self._raise_non_finite(term, i, g, entry, length, logps, old, ref, advantages)
                     if ctx.lengths[i] == 0:
                         term = term * 0.0
+                    if aux is not None:
+                        term = term + spec.router_aux_loss_coef * aux_term / ctx.ga_normalizer
                     if backward:
                         self.accelerator.backward(term)
                 replay_seconds += time.perf_counter() - start
@@ -1016,6 +1137,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._metrics[mode][name].append(value)
         if spec.entropy_bonus_enabled:
             self._entropy_control(mode, torch.stack([m.bonus_entropy for m in all_metrics]).sum(0))
+        if aux is not None:  # TRL: `gather_for_metrics(aux_loss).mean()`, before the coefficient
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux.value()).mean().item()
+            )
         self._metrics[mode]["longstraw/replay_seconds"].append(replay_seconds)
         self._metrics[mode]["longstraw/replay_tokens_per_second"].append(
             replay_tokens / max(replay_seconds, 1e-9)
@@ -1097,9 +1222,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         finally:
             self._flush_step_counts("eval")
-            # evaluation states are not pinned: the cache keeps them only within its budget
+            # evaluation states are not kept (the training batch's are)
+            self.prompt_cache.drop(self.prompt_cache.pinned - self._train_keys)
             self.prompt_cache.pin(self._train_keys)
-            self.prompt_cache.evict(self.state.global_step)
 
     def _flush_step_counts(self, mode: str) -> None:
         counts = self._step_counts[mode]

@@ -30,14 +30,60 @@ GQA_CONFIGS = {
         decoder_sparse_step=1,
         norm_topk_prob=True,
     ),
+    "glm4_moe": lambda: _glm4_moe(),
 }
+
+
+def _glm4_moe():
+    """GLM-4.5 / 4.6 / 4.7 class: one dense layer, then two MoE layers with a shared expert and a grouped
+    sigmoid router (2 groups of 4 experts, top-1 group, top-2 experts, scaled); partial rotary, qk-norm
+    and attention bias on."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        **{**COMMON, "num_hidden_layers": 3},
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
 
 
 def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
     torch.manual_seed(seed)
     config = GQA_CONFIGS[family]()
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    _spread_router_bias(model)
     return model.float().eval()
+
+
+@torch.no_grad()
+def sharp_routers(model, scale: float = 30.0):
+    """Sharpen the softmax routers (``mlp.gate.weight``): at HF's init every token routes almost uniformly and the
+    load-balancing gradients are tiny. Returns the model."""
+    for name, param in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            param.mul_(scale)
+    return model
+
+
+@torch.no_grad()
+def _spread_router_bias(model):
+    """HF initialises GLM's ``e_score_correction_bias`` (the load-balancing bias added to the scores only for
+    choosing experts) to zeros; draw it so the choice and the weights differ, as in trained checkpoints."""
+    gen = torch.Generator().manual_seed(4321)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
 
 
 # ----------------------------------------------------------------------------------------------------

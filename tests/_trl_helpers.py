@@ -86,6 +86,33 @@ def _tiny_config_kwargs(prefix: str, loss_type: str, beta: float, **extra: Any) 
     )
 
 
+def tiny_qwen3_moe(router_aux_loss_coef: float = 0.3, seed: int = 0):
+    """A 2-layer Qwen3-MoE twin of the tiny model (4 experts, top-2) with sharpened routers (random-init routers are
+    near-uniform, which makes every load-balancing gradient tiny)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dense = tiny_qwen3_config()
+    same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    same += ("num_key_value_heads", "head_dim", "max_position_embeddings", "pad_token_id", "bos_token_id")
+    config = Qwen3MoeConfig(
+        **{k: getattr(dense, k) for k in same},
+        eos_token_id=dense.eos_token_id,
+        tie_word_embeddings=False,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(40.0)
+    return model
+
+
 def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kwargs: Any) -> GRPOTrainer:
     """A real `GRPOTrainer` on the tiny model, built on CPU without any download or logging integration.
 
@@ -102,13 +129,15 @@ def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kw
     callbacks = grpo_kwargs.pop("callbacks", None)
     dataset = grpo_kwargs.pop("train_dataset", None)
     eval_dataset = grpo_kwargs.pop("eval_dataset", None)
+    model = grpo_kwargs.pop("model", None)
     kwargs = _tiny_config_kwargs("longstraw_grpo_", loss_type, beta)
     kwargs.update(grpo_kwargs)
     atexit.register(shutil.rmtree, kwargs["output_dir"], ignore_errors=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = GRPOConfig(**kwargs)
-        model = Qwen3ForCausalLM.from_pretrained(path)
+        if model is None:
+            model = Qwen3ForCausalLM.from_pretrained(path)
         tokenizer = build_toy_tokenizer(TINY_VOCAB)
         if dataset is None:
             dataset = Dataset.from_dict(
@@ -248,38 +277,60 @@ def make_tiny_longstraw_trainer(loss_type: str = "dapo", beta: float = 0.0, **kw
     return trainer
 
 
-def patch_response_only_logps(trainer: GRPOTrainer, prompt_ids: torch.Tensor) -> None:
+def patch_response_only_logps(trainer: GRPOTrainer, prompt_ids: torch.Tensor) -> None:  # noqa: C901
     """Make TRL's `_get_per_token_logps_and_entropies` compute the *response-only* log-probs on the stock model.
 
     The response-only reference of docs/design.md ("Correctness references"): `prompt[:P-1]` is prefilled into the stock HF cache under
     `no_grad`, then each completion row runs as `[prompt[P-1], completion[:-1]]` with autograd on a (rebinding)
     copy of that cache, so its token 0 is scored through every layer. `prompt_ids` is one prompt that every row
     shares (1-D), or one per row (`[B, P]`). TRL's `_compute_loss` then runs unchanged on these log-probs.
+    When TRL asks for the MoE load-balancing loss (`compute_aux_loss`), it is transformers' own
+    `load_balancing_loss_func` over the router logits of every row's `prompt + completion` under TRL's attention
+    mask, the prompt's first P-1 tokens from the `no_grad` prefill (constants) and each row's last prompt token and
+    completion tokens from its own run with autograd (which then runs `[prompt[P-1], completion]`, all R tokens).
     """
     from _reference import rebinding_copy
 
     def response_only(
         model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kw
     ):
+        aux = bool(kw.get("compute_aux_loss"))
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         completions = input_ids[:, -logits_to_keep:]
         per_row = prompt_ids.dim() == 2
-        caches = {}
-        logps, entropies = [], []
+        router = {"output_router_logits": True} if aux else {}
+        prefills = {}
+        logps, entropies, gate_logits = [], [], []
         for i in range(completions.size(0)):
             prompt = prompt_ids[i] if per_row else prompt_ids
             key = tuple(prompt.tolist())
-            if key not in caches:
+            if key not in prefills:
                 with torch.no_grad():
-                    caches[key] = base.model(prompt[None, :-1], use_cache=True).past_key_values
+                    prefills[key] = base.model(prompt[None, :-1], use_cache=True, **router)
+            prefill = prefills[key]
             row = completions[i : i + 1]
-            tokens = torch.cat([prompt[None, -1:], row[:, :-1]], dim=1)
-            h = base.model(
-                tokens, past_key_values=rebinding_copy(caches[key]), use_cache=True
-            ).last_hidden_state
+            tokens = torch.cat([prompt[None, -1:], row if aux else row[:, :-1]], dim=1)
+            out = base.model(
+                tokens,
+                past_key_values=rebinding_copy(prefills[key].past_key_values),
+                use_cache=True,
+                **router,
+            )
+            h = out.last_hidden_state[:, : row.size(1)]
             logp = torch.log_softmax(base.lm_head(h).float() / trainer.temperature, dim=-1)
             logps.append(logp.gather(-1, row[..., None])[..., 0])
             entropies.append(-(logp.exp() * logp).sum(-1))
-        return torch.cat(logps), torch.cat(entropies), None
+            if aux:
+                gate_logits.append(
+                    [torch.cat([p, r]) for p, r in zip(prefill.router_logits, out.router_logits, strict=True)]
+                )
+        aux_loss = None
+        if aux:
+            import sys
+
+            lb = sys.modules[type(base).__module__].load_balancing_loss_func
+            layers = tuple(torch.cat(per_layer) for per_layer in zip(*gate_logits, strict=True))
+            aux_loss = lb(layers, base.num_experts, base.num_experts_per_tok, attention_mask)
+        return torch.cat(logps), torch.cat(entropies), aux_loss
 
     trainer._get_per_token_logps_and_entropies = response_only

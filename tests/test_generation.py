@@ -15,7 +15,7 @@ SAMPLING = {
 }
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "glm4_moe"])
 @pytest.mark.parametrize("mode", list(SAMPLING))
 def test_generate_matches_stock_generate(family, mode):
     """Draws are shared: both consume the global RNG with one multinomial over [G, vocab] per step."""
@@ -122,3 +122,100 @@ def test_cuda_graph_decode_equals_eager(family):
     first = state.last_token.view(1, 1).expand(4, 1)
     step(first)
     assert step.graph is not None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Logits processors before the warpers (repetition penalty, bad words, minimum lengths, suppressed tokens)
+# ----------------------------------------------------------------------------------------------------------------------
+def _options(prompt):
+    p = prompt.tolist()
+    return dict(
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=3,
+        sequence_bias={(p[-1], 5): -2.5, (11,): 1.5, (40, 41): 3.0},
+        # one bad word per kind: a token, a pair ending the prompt, three tokens reaching into the left padding
+        bad_words_ids=[[17], [p[-1], 9], [0, p[0], p[1], 21], [30, 31]],
+        min_length=prompt.numel() + 5,
+        min_new_tokens=3,
+        suppress_tokens=[4, 8],
+        begin_suppress_tokens=[12, 13],
+    )
+
+
+@pytest.mark.parametrize("length_option", ["min_length", "min_new_tokens"])
+@pytest.mark.parametrize("prompt_len,padding", [(30, 0), (30, 4), (2, 0), (2, 3)])
+def test_logits_processing_equals_transformers_processors(prompt_len, padding, length_option):
+    """Same scores in, same scores out as the processors `model.generate` builds (`_get_logits_processor`) on the
+    left-padded `pad + prompt + generated` ids, step after step, with sequences that trigger every option."""
+    from transformers import GenerationConfig
+
+    from longstraw_trl.generation import LogitsProcessing
+
+    model = build("qwen3")
+    gen = torch.Generator().manual_seed(prompt_len + padding)
+    prompt = torch.randint(1, 97, (prompt_len,), generator=gen)
+    g, steps, eos, pad = 5, 8, [7, 3], 0
+    opts = _options(prompt)
+    opts.pop("min_new_tokens" if length_option == "min_length" else "min_length")
+    config = GenerationConfig(**opts, eos_token_id=eos, pad_token_id=pad)
+    config._eos_token_tensor = torch.tensor(eos)
+    if length_option == "min_new_tokens":  # as generate's _prepare_generated_length sets it
+        config.min_length = opts["min_new_tokens"] + padding + prompt_len
+    inputs = torch.cat([torch.full((padding,), pad), prompt])[None].expand(g, -1)
+    attention = torch.cat([torch.zeros(padding), torch.ones(prompt_len)]).long()[None].expand(g, -1)
+    hf = model._get_logits_processor(
+        config, inputs.shape[1], device="cpu", model_kwargs={"attention_mask": attention}
+    )
+    ours = LogitsProcessing(97, g, torch.device("cpu"), eos, pad, prompt, inputs.shape[1], **opts)
+    generated = torch.zeros(g, steps, dtype=torch.long)
+    p = [int(prompt[i % prompt_len]) for i in range(5)]
+    forced = [  # rows that start the sequences, then follow the processed scores' argmax
+        [40, 30, 5, 17],  # sequence bias, a bad word
+        [p[-1], 2, 2, 2],  # a bad word pair ending the prompt
+        [p[0], 9, 30, 40],  # a bad word reaching into the left padding
+        [p[3], p[4], p[3], p[4]],  # 3-grams of the prompt, then of the generated tokens
+        [pad, pad, pad],  # 3-grams of the left padding
+    ]
+    for step in range(steps):
+        scores = torch.randn(g, 97, generator=gen) * 3
+        ref = hf(torch.cat([inputs, generated[:, :step]], 1), scores.clone())
+        got = ours(step, generated, scores.clone())
+        assert torch.equal(got, ref), step
+        nxt = torch.tensor(
+            [row[step] if step < len(row) else int(got[i].argmax()) for i, row in enumerate(forced)]
+        )
+        generated[:, step] = nxt
+        ours.append(nxt)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "minp"])
+def test_generate_with_processors_matches_stock_generate(mode):
+    model = build("qwen3")
+    prompt = torch.randint(0, 97, (33,), generator=torch.Generator().manual_seed(0))
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=5)
+    # an EOS id past the vocabulary (as tokenizers larger than the head have) is ignored by the masks, as in HF
+    kw = dict(SAMPLING[mode], **_options(prompt), eos_token_id=[7, 500], pad_token_id=96)
+    torch.manual_seed(5)
+    ids = state.generate(model, 3, 12, prompt_ids=prompt, **kw)
+    inp = prompt[None].expand(3, -1)
+    torch.manual_seed(5)
+    ref = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=12, **kw)[:, 33:]
+    assert torch.equal(ids, ref)
+    # the repetition penalty reads the prompt: without prompt_ids it is refused, not applied to half the input
+    with pytest.raises(LongStrawError, match="prompt_ids"):
+        state.generate(model, 3, 4, repetition_penalty=1.3)
+    with pytest.raises(LongStrawError, match="33 tokens"):
+        state.generate(model, 3, 4, repetition_penalty=1.3, prompt_ids=prompt[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_processors_with_cuda_graph_decode_equal_eager():
+    """The processors run on the device, outside the decode step's CUDA graph: same tokens as eager decoding."""
+    model = build("qwen3").cuda().to(torch.bfloat16)
+    prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(0)).cuda()
+    state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
+    kw = dict(do_sample=False, eos_token_id=7, prompt_ids=prompt, **_options(prompt.cpu()))
+    eager = state.generate(model, 4, 24, cuda_graphs=False, **kw)
+    graphed = state.generate(model, 4, 24, cuda_graphs=True, **kw)
+    assert torch.equal(eager, graphed)

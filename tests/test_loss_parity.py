@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _trl_helpers import make_tiny_grpo_trainer, random_grpo_inputs, trl_compute_loss
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from _trl_helpers import make_tiny_grpo_trainer, random_grpo_inputs, tiny_qwen3_config, trl_compute_loss
+from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from trl import GRPOConfig
 
 from longstraw_trl.loss import (
@@ -430,12 +430,6 @@ def test_spec_mirrors_trainer_attributes():
     assert spec.beta == GRPOConfig.beta and spec.importance_sampling_level == "token"
 
 
-@pytest.mark.parametrize("kwargs", [dict(router_aux_loss_coef=0.01)], ids=["router_aux_loss"])
-def test_unsupported_options_raise(kwargs):
-    with pytest.raises(NotImplementedError):
-        GRPOLossSpec.from_args(SimpleNamespace(loss_type="dapo", **kwargs))
-
-
 def test_entropy_options_need_their_batch_inputs():
     """The entropy options are supported; what each one needs from the caller is checked."""
     with pytest.raises(ValueError, match=r"top_entropy_quantile must be in \[0, 1\]"):
@@ -455,7 +449,9 @@ def test_entropy_options_need_their_batch_inputs():
         response_loss(adaptive, ctx, 0, -torch.rand(3), None, None, 1.0)
 
 
-def test_moe_router_aux_loss_is_detected_from_the_model():
+def test_moe_router_aux_loss_coefficient_is_resolved_like_trl():
+    """TRL's `trainer.router_aux_loss_coef`: the args' value, else the config's, counted only on a model whose config
+    declares `output_router_logits` (the loss itself: tests/test_trainer_parity.py, tests/test_router_aux.py)."""
     config = Qwen3MoeConfig(
         vocab_size=64,
         hidden_size=32,
@@ -470,10 +466,23 @@ def test_moe_router_aux_loss_is_detected_from_the_model():
         router_aux_loss_coef=0.001,
     )
     model = Qwen3MoeForCausalLM(config)
-    with pytest.raises(NotImplementedError, match="router_aux_loss_coef"):
-        GRPOLossSpec.from_args(SimpleNamespace(router_aux_loss_coef=None), model=model)
-    spec = GRPOLossSpec.from_args(SimpleNamespace(router_aux_loss_coef=0.0), model=model)
-    assert spec.router_aux_loss_coef == 0.0
+    assert (
+        GRPOLossSpec.from_args(SimpleNamespace(router_aux_loss_coef=None), model=model).router_aux_loss_coef
+        == 0.001
+    )
+    assert (
+        GRPOLossSpec.from_args(SimpleNamespace(router_aux_loss_coef=0.0), model=model).router_aux_loss_coef
+        == 0.0
+    )
+    assert (
+        GRPOLossSpec.from_args(SimpleNamespace(router_aux_loss_coef=0.02), model=model).router_aux_loss_coef
+        == 0.02
+    )
+    dense = Qwen3ForCausalLM(tiny_qwen3_config())
+    assert (
+        GRPOLossSpec.from_args(SimpleNamespace(router_aux_loss_coef=None), model=dense).router_aux_loss_coef
+        == 0.0
+    )
 
 
 def test_invalid_inputs_are_rejected():

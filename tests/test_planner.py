@@ -31,7 +31,7 @@ def _planned_state(config, data: dict, prompt_tokens: int, cp_size: int = 1) -> 
     return state_bytes(config, held + 1, cp_size, data["page_size"])
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3", "glm4_moe", "qwen3_5"])
 @pytest.mark.parametrize("cp_size,cp_rank", [(1, 0), (3, 0), (3, 2)])
 def test_planned_state_equals_a_captured_state(family, cp_size, cp_rank):
     """The planner's formula (each layer state class's ``planned_bytes``) against the bytes a capture holds."""
@@ -39,7 +39,7 @@ def test_planned_state_equals_a_captured_state(family, cp_size, cp_rank):
 
     from longstraw_trl import capture_prompt
 
-    model = build("qwen3") if family == "qwen3" else build_hybrid("qwen3_5")
+    model = build_hybrid(family) if family == "qwen3_5" else build(family)
     p, page = 45, 8
     state = capture_prompt(model, torch.randint(0, 50, (p,)), chunk_size=16, page_size=page)
     planned = state_bytes(model.config.get_text_config(), p, 1, page, dtype_bytes=4)
@@ -219,3 +219,17 @@ def test_plan_reproduces_the_whole_model_peak():
         plan.peak / GiB,
         run["peak_gib"],
     )
+
+
+def test_glm_moe_response_graph_follows_the_routed_experts():
+    """GLM configs name their experts `n_routed_experts` (no `num_experts`): the graph estimate must still take the
+    routed experts' width (top-k times `moe_intermediate_size`), not k times the dense `intermediate_size`."""
+    from transformers import Glm4MoeConfig
+
+    def graph(**kw):
+        config = Glm4MoeConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, head_dim=64, **kw)
+        return plan_memory(config, 4096, response_tokens=512, lora_rank=8).response_graph
+
+    base = graph(intermediate_size=2048, moe_intermediate_size=128)
+    assert graph(intermediate_size=4096, moe_intermediate_size=128) == base
+    assert graph(intermediate_size=2048, moe_intermediate_size=256) > base

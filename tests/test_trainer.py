@@ -83,6 +83,69 @@ def test_completions_equal_state_generate_and_stock_trl():
     assert "prompt_ids" not in out and ours.prompt_cache[key].state is not None
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(
+            repetition_penalty=1.4,
+            generation_kwargs={
+                "bad_words_ids": [[5], [40, 41]],
+                "no_repeat_ngram_size": 2,
+                "suppress_tokens": [9],
+                "begin_suppress_tokens": [10, 11],
+                "min_new_tokens": 4,
+            },
+            **SAMPLING,
+        ),
+        # greedy, EOS boosted: each completion ends as soon as min_length allows, which counts TRL's left padding of
+        # the shorter prompt (two groups of different lengths)
+        dict(
+            repetition_penalty=1.4,
+            max_completion_length=10,
+            generation_kwargs={"do_sample": False, "sequence_bias": [[[2], 30.0]], "min_length": 95},
+        ),
+    ],
+    ids=["sampling-one-group", "greedy-two-groups"],
+)
+def test_sampling_options_reach_the_sampler_as_in_stock_trl(options, monkeypatch):
+    """TRL passes these to `model.generate`; the trainer's shared-prefix sampler gets them (with the prompt and TRL's
+    padded input length) and gives the same completions."""
+    from longstraw_trl import generation
+
+    seen = []
+
+    class Spy(generation.LogitsProcessing):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append((args[5], self))
+
+    monkeypatch.setattr(generation, "LogitsProcessing", Spy)
+    ours = make_tiny_longstraw_trainer(**options)
+    stock = make_tiny_grpo_trainer(**options)
+    two = "min_length" in options["generation_kwargs"]
+    rows = (
+        [{"prompt": PROMPTS[0]}] * 4 + [{"prompt": PROMPTS[1]}] * 4 if two else [{"prompt": PROMPTS[1]}] * 4
+    )
+    for trainer in (ours, stock):
+        trainer.model.train()
+    torch.manual_seed(3)
+    out = ours._generate_and_score_completions(rows)
+    torch.manual_seed(3)
+    ref = stock._generate_and_score_completions(rows)
+    assert torch.equal(out["completion_mask"], ref["completion_mask"])
+    assert torch.equal(out["completion_ids"], ref["completion_ids"])
+    prompts = [
+        torch.tensor(ours.processing_class(r["prompt"])["input_ids"]) for r in rows[:: ours.num_generations]
+    ]
+    assert [ids.tolist() for ids, _ in seen] == [p.tolist() for p in prompts]
+    for _, processing in seen:
+        assert processing.input_length == max(p.numel() for p in prompts) and processing.penalty == 1.4
+        assert (processing.ngram is not None) == ("no_repeat_ngram_size" in options["generation_kwargs"])
+    if two:  # EOS exactly where min_length (95 with the padding to the longer prompt) first allows it
+        longest = len(ours.processing_class(PROMPTS[0])["input_ids"])
+        assert out["completion_mask"].sum(1).tolist() == [95 - longest + 1] * 8
+
+
 def test_conversational_prompts_use_the_chat_template():
     messages = [{"role": "user", "content": "where is the needle?"}]
     ours = make_tiny_longstraw_trainer(train_dataset=Dataset.from_dict({"prompt": [messages] * 4}))
@@ -154,6 +217,16 @@ def _train(max_steps=2, **kwargs):
     return trainer, [h for h in trainer.state.log_history if "loss" in h]
 
 
+def test_train_a_moe_policy_with_its_config_aux_loss_coefficient():
+    """qwen3_moe with `router_aux_loss_coef=None` takes the config's coefficient (as TRL does); two optimizer steps
+    of generation, capture (with router statistics) and streamed loss, and TRL's `aux_loss` metric is logged."""
+    from _trl_helpers import tiny_qwen3_moe
+
+    trainer, logs = _train(model=tiny_qwen3_moe(router_aux_loss_coef=0.01), max_completion_length=6)
+    assert trainer.loss_spec.router_aux_loss_coef == 0.01 and trainer._router_aux is not None
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) and h["aux_loss"] >= 1.0 for h in logs)
+
+
 def test_train_logs_trl_and_longstraw_metrics_with_gradient_checkpointing():
     """TRL's default gradient checkpointing on; TRL's metrics plus ours reach `log()`."""
     trainer, logs = _train(max_steps=2, activation_checkpointing=True, gradient_accumulation_steps=1)
@@ -199,7 +272,6 @@ def test_evaluate_generates_scores_and_frees_its_states():
         per_device_eval_batch_size=4,
         num_generations_eval=2,
         eval_strategy="no",
-        prompt_cache_gib=0,  # nothing kept beyond the batch in use
     )
     metrics = trainer.evaluate(eval_dataset=_dataset(4))
     for name in ("eval_loss", "eval_reward", "eval_entropy", "eval_longstraw/prompt_tokens"):
@@ -361,8 +433,10 @@ def test_nan_loss_stops_training_naming_step_and_group():
     "kwargs,trainer_kwargs,match",
     [
         (dict(use_vllm=True), {}, "use_vllm=True"),
-        (dict(repetition_penalty=1.1), {}, "repetition_penalty=1.1"),
-        (dict(generation_kwargs={"num_beams": 2}), {}, r"generation_kwargs \['num_beams'\]"),
+        (dict(generation_kwargs={"stop_strings": ["x"]}), {}, r"stop_strings.*decoded text"),
+        (dict(generation_kwargs={"num_beams": 2}), {}, r"generation_kwargs\['num_beams'\].*beam search"),
+        (dict(generation_kwargs={"typical_p": 0.5, "use_cache": True}), {}, r"typical_p"),
+        (dict(generation_kwargs={"output_logits": True}), {}, r"generation_kwargs \['output_logits'\]"),
         (dict(top_entropy_quantile=0.5, cp_size=2), {}, "top_entropy_quantile=0.5 with cp_size=2"),
         ({}, dict(tools=[len]), "tools"),
         ({}, dict(environment_factory=object), "environment_factory"),
@@ -370,8 +444,10 @@ def test_nan_loss_stops_training_naming_step_and_group():
     ],
     ids=[
         "vllm",
-        "repetition_penalty",
-        "generation_kwargs",
+        "stop_strings",
+        "num_beams",
+        "typical_p",
+        "unknown_generation_kwarg",
         "entropy_quantile_cp",
         "tools",
         "environment",

@@ -93,7 +93,7 @@ def test_evaluate_before_train_matches_stock_trl():
     assert all(name.startswith("eval_") or name == "epoch" for name in metrics)
     assert metrics["eval_loss"] != 0.0 and metrics["eval_reward_std"] > 0  # non-trivial values compared
     _assert_same_metrics(metrics, stock_metrics)
-    assert ours._metrics["train"] == {} and not ours._states
+    assert ours._metrics["train"] == {} and not len(ours.prompt_cache)
     # num_generations_eval: 2 completions per prompt (4 prompts), in groups of 2
     assert len(ours._logs["completion"]) == len(stock._logs["completion"]) == 2 * len(PROMPTS)
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])
@@ -113,7 +113,7 @@ class _TrainingStateProbe(TrainerCallback):
             buffered_ids=[b["completion_ids"].clone() for b in t._buffered_inputs],
             step=t._step,
             train_keys=set(t._train_keys),
-            states={k: e.state for k, e in t._states.items()},
+            states={k: e.state for k, e in t.prompt_cache.entries.items()},
             controller=(t.entropy_coef, t._last_world_entropy, t._entropy_window_stats),
             training=t.model.training,
         )
@@ -124,7 +124,7 @@ class _TrainingStateProbe(TrainerCallback):
         for b, ids in zip(t._buffered_inputs, before["buffered_ids"], strict=True):
             assert torch.equal(b["completion_ids"], ids)
         assert t._step == before["step"] and t._train_keys == before["train_keys"]
-        assert {k: e.state for k, e in t._states.items()} == before[
+        assert {k: e.state for k, e in t.prompt_cache.entries.items()} == before[
             "states"
         ]  # the training batch's states kept
         # logging_steps=1: the step's training metrics were logged (and cleared) just before; evaluation adds none

@@ -22,6 +22,7 @@ from _trl_helpers import (
     random_grpo_inputs,
 )
 
+from longstraw_trl import LongStrawError
 from longstraw_trl.loss import LOSS_TYPES
 from longstraw_trl.state_cache import prompt_key as _prompt_key
 
@@ -293,3 +294,63 @@ def test_adaptive_entropy_trajectory_matches_trl():
     assert our_worlds == pytest.approx(ref_worlds, abs=1e-5)
     assert coefs == pytest.approx(ref_coefs, abs=1e-12)
     assert len(set(ref_coefs)) > 1 and ref_coefs != sorted(ref_coefs)  # it moved, not monotonically
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# MoE router load-balancing loss (TRL adds `router_aux_loss_coef * aux_loss / ga`)
+# ----------------------------------------------------------------------------------------------------------------------
+AUX_LENGTHS = [6, 0, 4, 2]  # one row without completion tokens: TRL still routes its prompt
+
+
+def _aux_inputs(seed: int):
+    inputs, _, _ = random_grpo_inputs(AUX_LENGTHS, seed=seed, prompt_len=PROMPT_LEN, max_len=6)
+    inputs["prompt_ids"] = inputs["prompt_ids"][:1].expand_as(inputs["prompt_ids"]).clone()
+    return inputs
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_router_aux_loss_matches_trl(loss_type):
+    """qwen3_moe with the config's `router_aux_loss_coef` (TRL's default when `args.router_aux_loss_coef=None`):
+    the streamed loss equals TRL's `_compute_loss` on the stock full forward (value and `aux_loss` metric), and the
+    gradient equals TRL's with transformers' `load_balancing_loss_func` on the response-only forward."""
+    import copy
+
+    from _trl_helpers import tiny_qwen3_moe
+
+    model = tiny_qwen3_moe(router_aux_loss_coef=0.3)
+    kwargs = dict(loss_type=loss_type, beta=0.0)
+    # fp32 forward (GRPOConfig's default bf16=True would autocast TRL's full forward, routers included, on CPU)
+    trl = make_tiny_grpo_trainer(model=copy.deepcopy(model), bf16=False, **kwargs)
+    assert trl.aux_loss_enabled and trl.router_aux_loss_coef == 0.3
+    inputs = _aux_inputs(7)
+
+    full_loss, _, _ = trl_loss_and_grads(trl, inputs, response_only=False)
+    full_aux = trl._metrics["train"]["aux_loss"][-1]
+    ref_loss, ref_grads, _ = trl_loss_and_grads(trl, inputs, response_only=True)
+    ref_aux = trl._metrics["train"]["aux_loss"][-1]
+    torch.testing.assert_close(ref_loss, full_loss, atol=1e-5, rtol=0)
+    assert math.isclose(ref_aux, full_aux, rel_tol=1e-5)
+
+    for variant in ("plain", "checkpoint_layers", "hf_gradient_checkpointing"):
+        ours = make_tiny_longstraw_trainer(
+            model=copy.deepcopy(model), replay_checkpoint_layers=variant == "checkpoint_layers", **kwargs
+        )
+        if variant == "hf_gradient_checkpointing":
+            ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loss, grads, _ = ours_loss_and_grads(ours, inputs)
+        torch.testing.assert_close(loss, full_loss, atol=1e-5, rtol=0)
+        assert math.isclose(ours._metrics["train"]["aux_loss"][-1], full_aux, rel_tol=1e-5)
+        assert_grads_close(grads, ref_grads)
+        assert any(".mlp.gate." in n for n in grads)  # the routers are trained by the aux loss
+
+    # reentrant checkpointing hides the router logits' graph: refused, not silently dropped
+    ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(LongStrawError, match="use_reentrant"):
+        ours_loss_and_grads(ours, inputs)
+
+    # the aux loss matters: without it the same trainer's gradient differs
+    plain = make_tiny_longstraw_trainer(model=copy.deepcopy(model), router_aux_loss_coef=0.0, **kwargs)
+    loss0, grads0, _ = ours_loss_and_grads(plain, inputs)
+    assert (loss0 - full_loss).abs() > 1e-3
+    gate = next(n for n in grads if n.endswith("mlp.gate.weight"))
+    assert (grads0[gate] - ref_grads[gate]).norm() > 0.1 * ref_grads[gate].norm()
