@@ -182,8 +182,8 @@ def dense_reference(q, kp, vp, k, v, scale, softcap=None, sinks=None, window=Non
     s = q @ keys.transpose(-1, -2) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    k_pos = torch.arange(n + s_len) - n
-    q_pos = torch.arange(s_len - t, s_len) if q_pos is None else q_pos
+    k_pos = torch.arange(n + s_len, device=q.device) - n
+    q_pos = torch.arange(s_len - t, s_len, device=q.device) if q_pos is None else q_pos.to(q.device)
     visible = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         visible &= q_pos[:, None] - k_pos[None, :] < window
