@@ -222,6 +222,12 @@ class PromptStateCache:
             del self.entries[unkept.pop(0).key]
             held = self.nbytes([e.key for e in unkept])
 
+    def drop(self, keys: Iterable[str]) -> None:
+        """Forget these prompts and their states now (e.g. the per-rollout states of a tool loop)."""
+        for key in keys:
+            self.entries.pop(key, None)
+            self.pinned.discard(key)
+
     def clear(self) -> None:
         self.entries.clear()
         self.pinned = set()
