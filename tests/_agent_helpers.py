@@ -190,7 +190,7 @@ def tool_reward(completions, **kwargs):
 
 def _config(prefix: str, **kwargs):
     config = _tiny_config_kwargs(prefix, kwargs.pop("loss_type", "dapo"), kwargs.pop("beta", 0.0))
-    config.update(max_completion_length=256, bf16=False, **kwargs)
+    config.update({"max_completion_length": 256, "bf16": False, **kwargs})
     atexit.register(shutil.rmtree, config["output_dir"], ignore_errors=True)
     return config
 
