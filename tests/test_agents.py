@@ -249,9 +249,21 @@ def test_tool_turns_sample_from_the_extended_state(family):
     suffix with the same seed (the extended state is the whole sequence's state)."""
     from longstraw_trl import capture_prompt
 
-    stock, ours = make_pair(family, tools=[add, divide], max_tool_calling_iterations=1, max_completion_length=72)
+    # a model whose draws depend on the context, at a low temperature (a random model's near-uniform draws over
+    # 248k tokens hardly depend on anything)
+    stock, ours = make_pair(
+        family,
+        tools=[add, divide],
+        max_tool_calling_iterations=1,
+        max_completion_length=72,
+        temperature=0.3,
+        init_std=0.2,
+    )
     del stock
     script_longstraw(ours, Script(ours.processing_class, SCRIPTS), real_after_first_turn=True)
+    sampled_from = []
+    real = ours._sample_group
+    ours._sample_group = lambda state, g: sampled_from.append(state.num_tokens) or real(state, g)
     torch.manual_seed(7)
     out = ours._generate_and_score_completions([dict(r) for r in ROWS])
     prompt = out["longstraw_prompts"][0][1]
@@ -266,3 +278,4 @@ def test_tool_turns_sample_from_the_extended_state(family):
             state = capture_prompt(ours.model, torch.cat([prompt, ids[:cut]]))
             fresh = state.generate(ours.model, 1, max_new, **kwargs)[0]
         assert n > cut and torch.equal(ids[cut:n], fresh[: n - cut]), i
+        assert prompt.numel() + cut in sampled_from
