@@ -74,6 +74,8 @@ def _assert_same_rollouts(ref, out, stock, ours):
     for name in ("reward", "tools/call_frequency", "tools/failure_frequency", "completions/mean_length"):
         assert ours._metrics["train"][name] == stock._metrics["train"][name], name
     assert list(ours._logs["completion"])[-4:] == list(stock._logs["completion"])[-4:]
+    # one loss group (the tool turns are not groups), and the tool turns' states are gone from the cache
+    assert len(out["longstraw_prompts"]) == 1 and len(ours.prompt_cache) == 1
 
 
 def _assert_loss_parity(ref, out, stock, ours):

@@ -348,18 +348,12 @@ def test_nan_loss_stops_training_naming_step_and_group():
         (dict(repetition_penalty=1.1), {}, "repetition_penalty=1.1"),
         (dict(generation_kwargs={"num_beams": 2}), {}, r"generation_kwargs \['num_beams'\]"),
         (dict(entropy_coef=0.01), {}, "entropy_coef=0.01"),
-        ({}, dict(tools=[len]), "tools"),
-        ({}, dict(environment_factory=object), "environment_factory"),
-        ({}, dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
     ],
     ids=[
         "vllm",
         "repetition_penalty",
         "generation_kwargs",
         "entropy_bonus",
-        "tools",
-        "environment",
-        "rollout",
     ],
 )
 def test_unsupported_options_are_refused(kwargs, trainer_kwargs, match, tmp_path):
