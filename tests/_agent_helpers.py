@@ -48,7 +48,11 @@ def tiny_qwen3_6_vocab_model(family: str, seed: int = 0, init_std: float = 0.02)
     move the residual stream, and the model is close to a bigram model)."""
     torch.manual_seed(seed)
     ids = dict(
-        vocab_size=QWEN3_6_VOCAB_SIZE, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, initializer_range=init_std
+        vocab_size=QWEN3_6_VOCAB_SIZE,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        initializer_range=init_std,
     )
     if family == "qwen3":
         config = Qwen3Config(
@@ -165,7 +169,10 @@ def script_stock(trainer: GRPOTrainer, script: Script) -> None:
     """Stock TRL: `model.generate` (left-padded rows) returns `prompt + script(prompt)` per row."""
 
     def generate(input_ids, attention_mask, **kwargs):
-        rows = [script(ids[m.bool()].tolist(), i) for i, (ids, m) in enumerate(zip(input_ids, attention_mask))]
+        rows = [
+            script(ids[m.bool()].tolist(), i)
+            for i, (ids, m) in enumerate(zip(input_ids, attention_mask, strict=True))
+        ]
         return torch.cat([input_ids, _pad_rows(rows).to(input_ids.device)], dim=1)
 
     trainer.model.generate = generate
@@ -190,7 +197,10 @@ def script_longstraw(trainer, script: Script, real_after_first_turn: bool = Fals
 # ----------------------------------------------------------------------------------------------------------------------
 def tool_reward(completions, **kwargs):
     """Varies across the group: tool messages count 1, content characters 0.01."""
-    return [sum(m["role"] == "tool" for m in c) + 0.01 * sum(len(str(m.get("content") or "")) for m in c) for c in completions]
+    return [
+        sum(m["role"] == "tool" for m in c) + 0.01 * sum(len(str(m.get("content") or "")) for m in c)
+        for c in completions
+    ]
 
 
 def _config(prefix: str, **kwargs):

@@ -56,7 +56,10 @@ class Counts:
 
 
 def _generate_both(stock, ours, scripts, **script_kwargs):
-    stock_script, ours_script = Script(stock.processing_class, scripts), Script(ours.processing_class, scripts)
+    stock_script, ours_script = (
+        Script(stock.processing_class, scripts),
+        Script(ours.processing_class, scripts),
+    )
     script_stock(stock, stock_script)
     script_longstraw(ours, ours_script, **script_kwargs)
     counts = Counts(ours)
@@ -91,7 +94,9 @@ def _assert_loss_parity(ref, out, stock, ours):
     loss = ours._streamed_loss(ours.model, out, backward=True)
     torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
     assert_grads_close(_grads(ours.model), _grads(stock.model))
-    assert ours._metrics["train"]["entropy"][-1] == pytest.approx(stock._metrics["train"]["entropy"][-1], rel=1e-4)
+    assert ours._metrics["train"]["entropy"][-1] == pytest.approx(
+        stock._metrics["train"]["entropy"][-1], rel=1e-4
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
@@ -115,7 +120,9 @@ def test_tools_match_stock_trl(family):
     assert counts.captured == [prompt_len]  # once per group, never again
     # each tool turn extends its rollout's state (the prompt's, then its previous turn's) by the completion so far
     # and the tool suffix: per rollout, its whole completion but the last turn
-    expected = [int(out["completion_mask"][i].sum()) - len(last_turn_ids(ours_script, ours, i)) for i in (0, 1, 3)]
+    expected = [
+        int(out["completion_mask"][i].sum()) - len(last_turn_ids(ours_script, ours, i)) for i in (0, 1, 3)
+    ]
     assert len(counts.extended) == 4 and sum(counts.extended) == sum(expected)
     stats = ours.prompt_cache.pop_stats()
     assert stats["tokens_captured"] == prompt_len + sum(expected)
@@ -180,17 +187,26 @@ def test_environment_factory_matches_stock_trl():
     stock, ours = make_pair("qwen3", environment_factory=Notebook, dataset=dataset)
     assert ours.reward_func_names[-1] == "Notebook"
     rows = [{"prompt": MESSAGES, "secret": "41"}] * 4
-    stock_script, ours_script = Script(stock.processing_class, ENV_SCRIPTS), Script(ours.processing_class, ENV_SCRIPTS)
+    stock_script, ours_script = (
+        Script(stock.processing_class, ENV_SCRIPTS),
+        Script(ours.processing_class, ENV_SCRIPTS),
+    )
     script_stock(stock, stock_script)
     script_longstraw(ours, ours_script)
     counts = Counts(ours)
     Notebook.resets.clear()
     ref = stock._generate_and_score_completions([dict(r) for r in rows])
     out = ours._generate_and_score_completions([dict(r) for r in rows])
-    assert Notebook.resets == [{"prompt": MESSAGES, "secret": "41"}] * 8  # one reset per rollout, with its row
+    assert (
+        Notebook.resets == [{"prompt": MESSAGES, "secret": "41"}] * 8
+    )  # one reset per rollout, with its row
     _assert_same_rollouts(ref, out, stock, ours)
     assert [e.reads for e in ours.environments] == [1, 1, 0, 2]
-    assert ours._metrics["train"]["rewards/Notebook/mean"] == stock._metrics["train"]["rewards/Notebook/mean"] == [1.0]
+    assert (
+        ours._metrics["train"]["rewards/Notebook/mean"]
+        == stock._metrics["train"]["rewards/Notebook/mean"]
+        == [1.0]
+    )
     prompt = ours.processing_class.decode(out["longstraw_prompts"][0][1])
     assert "add 1 and 2 (the notebook is open)" in prompt and '"name": "read"' in prompt
     assert counts.captured == [out["longstraw_prompts"][0][1].numel()] and len(counts.extended) == 4
@@ -206,7 +222,8 @@ def test_rollout_func_matches_stock_trl():
     def rollout(prompts, trainer):
         tok = trainer.processing_class
         prompt_ids = [
-            tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False) for p in prompts
+            tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for p in prompts
         ]
         completion_ids, logprobs, env_mask = [], [], []
         for i in range(len(prompts)):
@@ -242,7 +259,9 @@ def test_rollout_func_matches_stock_trl():
     without = {k: v for k, v in out.items() if k != "sampling_per_token_logps"}
     ours.model.zero_grad()
     with_logps = ours._streamed_loss(ours.model, out, backward=False).item()
-    assert not math.isclose(ours._streamed_loss(ours.model, without, backward=False).item(), with_logps, abs_tol=1e-4)
+    assert not math.isclose(
+        ours._streamed_loss(ours.model, without, backward=False).item(), with_logps, abs_tol=1e-4
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])

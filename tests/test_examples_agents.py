@@ -19,8 +19,11 @@ def test_decision_points_extend_each_other(capsys):
     tokenizer = example.build_qwen3_6_tokenizer()
     prompts = example.decision_points(example.trajectories(1, 2)[0])
     lengths = [
-        len(tokenizer.apply_chat_template(p, tools=[example.read_page], add_generation_prompt=True, tokenize=True,
-                                          return_dict=False))
+        len(
+            tokenizer.apply_chat_template(
+                p, tools=[example.read_page], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
         for p in prompts
     ]
     assert step["tokens_captured"] == lengths[-1]  # every token of the longest history prefilled once
