@@ -79,12 +79,13 @@ def decision_points(trajectory: list[dict]) -> list[list[dict]]:
 
 
 def door_reward(completions, door, **kwargs):
-    """1 if the completion names the key of its door, 0.1 for any digit."""
+    """1 if the completion names the key of its door, minus how far its length is from 40 characters (a random
+    model rarely names the key: the length term gives the group different rewards from the first step)."""
     rewards = []
     for completion, d in zip(completions, door, strict=True):
         text = " ".join(str(m.get("content") or "") for m in completion)
         key = str((7 * d + 3) % 10)
-        rewards.append(1.0 if key in text else 0.1 * any(c.isdigit() for c in text))
+        rewards.append(float(key in text) - abs(len(text) - 40) / 40)
     return rewards
 
 

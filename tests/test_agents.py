@@ -300,3 +300,19 @@ def test_tool_turns_sample_from_the_extended_state(family):
             fresh = state.generate(ours.model, 1, max_new, **kwargs)[0]
         assert n > cut and torch.equal(ids[cut:n], fresh[: n - cut]), i
         assert prompt.numel() + cut in sampled_from
+
+
+def test_train_with_tools_logs_tool_and_token_metrics():
+    """`train()` end to end with tool calls: TRL's tool metrics, and the prompt tokens prefilled = the group's prompt
+    once + each tool turn's new tokens."""
+    stock, ours = make_pair("qwen3", tools=[add, divide], max_tool_calling_iterations=2, max_steps=1)
+    del stock
+    script_longstraw(ours, Script(ours.processing_class, SCRIPTS))
+    counts = Counts(ours)
+    ours.train()
+    (log,) = [h for h in ours.state.log_history if "loss" in h]
+    assert log["tools/call_frequency"] == 1.0 and log["tools/failure_frequency"] == 0.25  # 4 calls, 1 raised
+    assert counts.captured == [counts.captured[0]] and len(counts.extended) == 4
+    assert log["longstraw/tokens_captured"] == counts.captured[0] + sum(counts.extended)
+    assert log["longstraw/refresh/extend"] == 4 and log["longstraw/refresh/capture"] == 1
+    assert math.isfinite(log["loss"]) and log["grad_norm"] > 0
