@@ -40,8 +40,9 @@ Agent training (`tools`, `environment_factory`, `rollout_func`) runs TRL's own c
 `longstraw_trl.agents` (tool turns extend each rollout's state from its group's prompt state; the loss replays each final
 completion on the group's state with TRL's `tool_mask`).
 
-Refused at construction (each with a message saying what to change): `use_vllm`, `use_transformers_continuous_batching`, `repetition_penalty != 1`, generation kwargs the shared-prefix
-sampler cannot honour, `entropy_coef != 0`, `top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router
+Refused at construction (each with a message saying what to change): `use_vllm`,
+`use_transformers_continuous_batching`, `repetition_penalty != 1`, generation kwargs the shared-prefix sampler cannot
+honour, `entropy_coef != 0`, `top_entropy_quantile < 1`, `use_adaptive_entropy`, a MoE router
 auxiliary loss, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP, LOMO optimizers, datasets
 without a `prompt` column and models `patch_model` does not support.
 """

@@ -305,7 +305,13 @@ def test_tool_turns_sample_from_the_extended_state(family):
 def test_train_with_tools_logs_tool_and_token_metrics():
     """`train()` end to end with tool calls: TRL's tool metrics, and the prompt tokens prefilled = the group's prompt
     once + each tool turn's new tokens."""
-    stock, ours = make_pair("qwen3", tools=[add, divide], max_tool_calling_iterations=2, max_steps=1)
+    stock, ours = make_pair(
+        "qwen3",
+        tools=[add, divide],
+        max_tool_calling_iterations=2,
+        max_steps=1,
+        gradient_accumulation_steps=1,
+    )
     del stock
     script_longstraw(ours, Script(ours.processing_class, SCRIPTS))
     counts = Counts(ours)
