@@ -14,6 +14,7 @@ import pytest
 import torch
 from _agent_helpers import (
     ASYNC_SCRIPTS,
+    EOS,
     MESSAGES,
     SCRIPTS,
     Script,
@@ -322,3 +323,23 @@ def test_train_with_tools_logs_tool_and_token_metrics():
     assert log["longstraw/tokens_captured"] == counts.captured[0] + sum(counts.extended)
     assert log["longstraw/refresh/extend"] == 4 and log["longstraw/refresh/capture"] == 1
     assert math.isfinite(log["loss"]) and log["grad_norm"] > 0
+
+
+def test_rollout_func_rows_of_a_group_must_share_their_prompt():
+    from longstraw_trl import LongStrawError
+
+    def rollout(prompts, trainer):
+        tok = trainer.processing_class
+        ids = [
+            tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for p in prompts
+        ]
+        ids[1] = ids[1] + [198]  # a different prompt inside the first group
+        return {"prompt_ids": ids, "completion_ids": [[EOS]] * len(ids), "logprobs": None}
+
+    stock, ours = make_pair("qwen3", rollout_func=rollout)
+    del stock
+    with pytest.raises(
+        LongStrawError, match=r"rows 0\.\.3 should be one group.*rollout_func must return the rows"
+    ):
+        ours._generate_and_score_completions([dict(r) for r in ROWS])
