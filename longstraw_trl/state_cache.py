@@ -223,10 +223,10 @@ class PromptStateCache:
             held = self.nbytes([e.key for e in unkept])
 
     def drop(self, keys: Iterable[str]) -> None:
-        """Forget these prompts and their states (e.g. an evaluation batch's)."""
+        """Forget these prompts and their states now (an evaluation batch's, the per-rollout states of a tool loop)."""
         for key in keys:
             self.entries.pop(key, None)
-        self.pinned -= set(keys)
+            self.pinned.discard(key)
 
     def clear(self) -> None:
         self.entries.clear()

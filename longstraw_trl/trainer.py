@@ -38,6 +38,10 @@ completions it still builds its `(B, P)` prompt tensors and `(B, P + R)` sequenc
 bytes on the device, e.g. 1 GiB for B = 8 and P = 4M; no model runs on them). The trainer drops the prompt tensors
 from the batch it buffers; each group keeps its prompt ids once, on the CPU, to re-capture it.
 
+Agent training (`tools`, `environment_factory`, `rollout_func`) runs TRL's own code on prompt states: see
+`longstraw_trl.agents` (tool turns extend each rollout's state from its group's prompt state; the loss replays each final
+completion on the group's state with TRL's `tool_mask`).
+
 Entropy options (TRL's semantics): the entropy bonus (`entropy_coef`) back-propagates the replay's differentiable
 per-token entropies (chunked and checkpointed like the log-probs). `use_adaptive_entropy` runs TRL's controller on
 TRL's own attributes (`entropy_coef`, `_last_world_entropy`, `_entropy_window_stats`): the coefficient applied during
@@ -52,8 +56,7 @@ Evaluation (`evaluate()`, alone or during training) follows TRL: `num_generation
 accumulation scaling, metrics under `eval_*`; it leaves the training state alone (buffered generation batch, prompt
 states of the training batch, entropy controller).
 
-Refused at construction (each with a message saying what to change): `tools`, `environment_factory`, `rollout_func`,
-`use_vllm`, `use_transformers_continuous_batching`, generation kwargs the shared-prefix sampler cannot honour
+Refused at construction (each with a message saying what to change): `use_vllm`, `use_transformers_continuous_batching`, generation kwargs the shared-prefix sampler cannot honour
 (beam search, `typical_p`, `stop_strings`, ...; `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
 `sequence_bias`, `min_length`, `min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured),
 `top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss on a model whose HF forward computes
@@ -85,6 +88,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
 
 from .adapters import adapters_in_model_dtype
+from .agents import generate_tool_turn, grouped_rollout_func, tool_turns
 from .config import LongStrawGRPOConfig, check_train_groups, check_whole_groups
 from .distributed import new_cp_groups
 from .engine import capture_prompt
@@ -245,19 +249,6 @@ def _refuse_unsupported(
     def refuse(what: str, fix: str):
         raise LongStrawError(f"LongStrawGRPOTrainer does not support {what}. {fix}")
 
-    if tools:
-        refuse(
-            "`tools` (multi-turn tool calling)",
-            "Tool results would be appended to the completions, which the shared prompt state does not cover. Pass "
-            "tools=None, or use trl.GRPOTrainer.",
-        )
-    if environment_factory is not None:
-        refuse("`environment_factory`", "Pass environment_factory=None, or use trl.GRPOTrainer.")
-    if rollout_func is not None:
-        refuse(
-            "`rollout_func` (custom rollouts)",
-            "Completions are sampled from the captured prompt state; pass rollout_func=None.",
-        )
     if args.use_vllm:
         refuse(
             "use_vllm=True",
@@ -428,6 +419,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         # Set before `super().__init__` (TRL's `__init__` may already call overridden methods).
         self._batch_groups: list[str] | None = None
+        self._tool_turn_keys: set[str] | None = None  # set while TRL's tool loop runs (`agents.tool_turns`)
         self.cp_group = None
         self.prompt_cache: PromptStateCache | None = None  # built once the refresh policy exists
         self._train_keys: set[str] = set()
@@ -448,6 +440,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             quantization_config=quantization_config,
             peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
         )
 
         _check_model(self.model)
@@ -475,6 +470,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self.prompt_cache = PromptStateCache(
             self._capture_policy, self._extend, self.refresh_policy, cache_bytes
         )
+        if self.rollout_func is not None:
+            self.rollout_func = grouped_rollout_func(self.rollout_func)
         for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
             if not isinstance(func, nn.Module):
                 self.reward_funcs[i] = _named_reward_function(func, name)
@@ -606,12 +603,21 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------------
     def _tokenize_prompts(self, prompts: list):
         """TRL's tokenization (chat template included), once per run of identical prompts (a group)."""
-        unique, index = [], []
-        for prompt in prompts:
-            if not unique or not (prompt is unique[-1] or prompt == unique[-1]):
+        # with environments TRL renders each prompt with its environment's tools: a group is also one environment
+        envs = self._batch_environments if self.environment_factories is not None else [None] * len(prompts)
+        unique, unique_envs, index = [], [], []
+        for prompt, env in zip(prompts, envs, strict=True):
+            if not unique or not (prompt is unique[-1] or prompt == unique[-1]) or env != unique_envs[-1]:
                 unique.append(prompt)
+                unique_envs.append(env)
             index.append(len(unique) - 1)
-        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(unique)
+        if self.environment_factories is not None:
+            self._batch_environments = unique_envs
+        try:
+            prompt_ids, images, multimodal_fields = super()._tokenize_prompts(unique)
+        finally:
+            if self.environment_factories is not None:
+                self._batch_environments = envs
         if images is not None or multimodal_fields:
             raise LongStrawError("LongStrawGRPOTrainer does not support images in prompts; use text prompts.")
         return [prompt_ids[j] for j in index], None, {}
@@ -631,7 +637,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     raise LongStrawError(
                         f"rows {start}..{start + num_generations - 1} should be one group (one prompt repeated "
                         f"num_generations={num_generations} times, as TRL's RepeatSampler yields them), but row {row} "
-                        "has another prompt. Use the trainer's own dataloader/sampler."
+                        "has another prompt. Use the trainer's own dataloader/sampler; an environment's reset() must "
+                        "give the rollouts of one row the same observation; a rollout_func must return the rows of "
+                        "a prompt consecutively, with identical prompt_ids."
                     )
             groups.append(first)
         return groups
@@ -682,11 +690,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         keep = positions <= eos_idx.unsqueeze(1)
         return [row[m].tolist() for row, m in zip(completion_ids.cpu(), keep.cpu(), strict=True)]
 
-    def _generate_single_turn(
-        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
-    ):
-        if images is not None or multimodal_fields:
-            raise LongStrawError("LongStrawGRPOTrainer does not support images in prompts; use text prompts.")
+    def _acquire_groups(self, prompt_ids, num_generations: int) -> tuple[list[str], dict[str, CachedPrompt]]:
+        """The prompt state of each group of `num_generations` rows, recorded in `_batch_groups` (the groups of the
+        old/reference log-probs and of the loss); the cache is pinned to this batch's prompts first."""
         if self._batch_groups is None:
             raise RuntimeError(
                 "LongStrawGRPOTrainer: generation must go through _generate_and_score_completions"
@@ -706,10 +712,22 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         for i in sorted(range(len(groups)), key=lambda i: len(groups[i])):
             if keys[i] not in entries:
                 entries[keys[i]] = self._acquire(keys[i], groups[i], purpose="generation")
+        self._batch_groups.extend(keys)
+        return keys, entries
+
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
+        if images is not None or multimodal_fields:
+            raise LongStrawError("LongStrawGRPOTrainer does not support images in prompts; use text prompts.")
+        if self._tool_turn_keys is not None:  # TRL's tool loop: one row per rollout, never a loss group
+            return generate_tool_turn(self, prompt_ids)
+        mode = self._mode
+        keys, entries = self._acquire_groups(prompt_ids, num_generations)
         completion_ids: list[list[int]] = []
         seconds, new_tokens = 0.0, 0
         # TRL left-pads the prompts of this call to one length, which `generate`'s min_length counts
-        input_length = max(len(ids) for ids in groups)
+        input_length = max(entries[key].prompt_ids.numel() for key in keys)
         multiple = getattr(self, "pad_to_multiple_of", None)
         if multiple:
             input_length = -(-input_length // multiple) * multiple
@@ -724,12 +742,16 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 probe = torch.tensor(rows[0], dtype=torch.long)
                 self._finish_probe(entry, probe, torch.ones_like(probe))
             completion_ids.extend(rows)
-            self._batch_groups.append(key)
         metrics = self._metrics[mode]
         metrics["longstraw/generation_seconds"].append(seconds)
         metrics["longstraw/generation_tokens_per_second"].append(new_tokens / max(seconds, 1e-9))
         metrics["longstraw/live_state_bytes"].append(float(self.live_state_bytes()))
         return completion_ids, None
+
+    def _tool_call_loop(self, *args, **kwargs):
+        """TRL's tool loop; its generation calls extend each rollout's own state (`agents.generate_tool_turn`)."""
+        with tool_turns(self):
+            return super()._tool_call_loop(*args, **kwargs)
 
     def _is_reference_call(self, model) -> bool:
         """Whether TRL asks for reference log-probs: the separate `ref_model`, or the policy with adapters off/"ref"."""

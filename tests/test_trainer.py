@@ -438,9 +438,6 @@ def test_nan_loss_stops_training_naming_step_and_group():
         (dict(generation_kwargs={"typical_p": 0.5, "use_cache": True}), {}, r"typical_p"),
         (dict(generation_kwargs={"output_logits": True}), {}, r"generation_kwargs \['output_logits'\]"),
         (dict(top_entropy_quantile=0.5, cp_size=2), {}, "top_entropy_quantile=0.5 with cp_size=2"),
-        ({}, dict(tools=[len]), "tools"),
-        ({}, dict(environment_factory=object), "environment_factory"),
-        ({}, dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
     ],
     ids=[
         "vllm",
@@ -449,9 +446,6 @@ def test_nan_loss_stops_training_naming_step_and_group():
         "typical_p",
         "unknown_generation_kwarg",
         "entropy_quantile_cp",
-        "tools",
-        "environment",
-        "rollout",
     ],
 )
 def test_unsupported_options_are_refused(kwargs, trainer_kwargs, match, tmp_path):

@@ -1,0 +1,30 @@
+"""`examples/agent_trajectories.py` in its reduced mode: one trajectory, one step."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent_trajectories.py"
+
+
+def test_decision_points_extend_each_other(capsys):
+    spec = importlib.util.spec_from_file_location("agent_trajectories", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    summary = example.main(["--steps", "1", "--trajectories", "1", "--actions", "2"])
+    (step,) = summary["steps"]
+    # three decision points of one trajectory in one batch: the first captured, the next two extend it
+    assert (step["captures"], step["extends"]) == (1, 2)
+    tokenizer = example.build_qwen3_6_tokenizer()
+    prompts = example.decision_points(example.trajectories(1, 2)[0])
+    lengths = [
+        len(
+            tokenizer.apply_chat_template(
+                p, tools=[example.read_page], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for p in prompts
+    ]
+    assert step["tokens_captured"] == lengths[-1]  # every token of the longest history prefilled once
+    assert "prompt tokens prefilled" in capsys.readouterr().out
