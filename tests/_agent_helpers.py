@@ -183,10 +183,10 @@ def script_longstraw(trainer, script: Script, real_after_first_turn: bool = Fals
     with `real_after_first_turn` only the first turn is scripted and tool turns sample from their state for real."""
     real = trainer._sample_group
 
-    def sample(state, num_generations):
+    def sample(state, num_generations, *args, **kwargs):
         context = next(e.prompt_ids for e in trainer.prompt_cache.entries.values() if e.state is state)
         if real_after_first_turn and trainer._tool_turn_keys is not None:
-            return real(state, num_generations)
+            return real(state, num_generations, *args, **kwargs)
         return _pad_rows([script(context.tolist(), i) for i in range(num_generations)])
 
     trainer._sample_group = sample

@@ -285,7 +285,9 @@ def test_tool_turns_sample_from_the_extended_state(family):
     script_longstraw(ours, Script(ours.processing_class, SCRIPTS), real_after_first_turn=True)
     sampled_from = []
     real = ours._sample_group
-    ours._sample_group = lambda state, g: sampled_from.append(state.num_tokens) or real(state, g)
+    ours._sample_group = lambda state, g, *a, **k: sampled_from.append(state.num_tokens) or real(
+        state, g, *a, **k
+    )
     torch.manual_seed(7)
     out = ours._generate_and_score_completions([dict(r) for r in ROWS])
     prompt = out["longstraw_prompts"][0][1]
