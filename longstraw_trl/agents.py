@@ -68,11 +68,7 @@ def generate_tool_turn(trainer: LongStrawGRPOTrainer, prompt_ids: list) -> tuple
     metrics = trainer._metrics[trainer._mode]
     rows: list[list[int]] = []
     seconds, new_tokens = 0.0, 0
-    # TRL left-pads this call's rows to one length, which `generate`'s min_length counts
-    input_length = max(len(ids) for ids in prompt_ids)
-    multiple = getattr(trainer, "pad_to_multiple_of", None)
-    if multiple:
-        input_length = -(-input_length // multiple) * multiple
+    input_length = trainer._padded_prompt_length(len(ids) for ids in prompt_ids)
     for ids in prompt_ids:
         key = prompt_key(ids)
         entry = trainer._acquire(key, ids, purpose="tool turn")

@@ -715,6 +715,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._batch_groups.extend(keys)
         return keys, entries
 
+    def _padded_prompt_length(self, lengths) -> int:
+        """The row length TRL left-pads one generation call's prompts to (what `generate`'s min_length counts)."""
+        length = max(lengths)
+        multiple = getattr(self, "pad_to_multiple_of", None)
+        return -(-length // multiple) * multiple if multiple else length
+
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ):
@@ -726,11 +732,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         keys, entries = self._acquire_groups(prompt_ids, num_generations)
         completion_ids: list[list[int]] = []
         seconds, new_tokens = 0.0, 0
-        # TRL left-pads the prompts of this call to one length, which `generate`'s min_length counts
-        input_length = max(entries[key].prompt_ids.numel() for key in keys)
-        multiple = getattr(self, "pad_to_multiple_of", None)
-        if multiple:
-            input_length = -(-input_length // multiple) * multiple
+        input_length = self._padded_prompt_length(entries[key].prompt_ids.numel() for key in keys)
         for key in keys:
             entry = entries[key]
             start = time.perf_counter()

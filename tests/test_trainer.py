@@ -47,17 +47,22 @@ def _dataset(n=8, prompts=PROMPTS):
 SAMPLING = dict(temperature=0.9, top_k=20, top_p=0.95, max_completion_length=10)
 
 
+def _generate_on_one_seed(ours, stock, rows, seed: int = 3):
+    """Both trainers' generation batches for `rows`, each drawn from the same seed (train mode)."""
+    outputs = []
+    for trainer in (ours, stock):
+        trainer.model.train()
+        torch.manual_seed(seed)
+        outputs.append(trainer._generate_and_score_completions(rows))
+    return outputs
+
+
 def test_completions_equal_state_generate_and_stock_trl():
     """With one seed: the trainer's completions are `state.generate`'s draws, and stock GRPOTrainer's too."""
     ours = make_tiny_longstraw_trainer(**SAMPLING)
     stock = make_tiny_grpo_trainer(**SAMPLING)
     rows = [{"prompt": PROMPTS[1]}] * 4
-    for trainer in (ours, stock):
-        trainer.model.train()
-    torch.manual_seed(3)
-    out = ours._generate_and_score_completions(rows)
-    torch.manual_seed(3)
-    ref = stock._generate_and_score_completions(rows)
+    out, ref = _generate_on_one_seed(ours, stock, rows)
     assert torch.equal(out["completion_ids"], ref["completion_ids"])
     assert torch.equal(out["completion_mask"], ref["completion_mask"])
 
@@ -126,12 +131,7 @@ def test_sampling_options_reach_the_sampler_as_in_stock_trl(options, monkeypatch
     rows = (
         [{"prompt": PROMPTS[0]}] * 4 + [{"prompt": PROMPTS[1]}] * 4 if two else [{"prompt": PROMPTS[1]}] * 4
     )
-    for trainer in (ours, stock):
-        trainer.model.train()
-    torch.manual_seed(3)
-    out = ours._generate_and_score_completions(rows)
-    torch.manual_seed(3)
-    ref = stock._generate_and_score_completions(rows)
+    out, ref = _generate_on_one_seed(ours, stock, rows)
     assert torch.equal(out["completion_mask"], ref["completion_mask"])
     assert torch.equal(out["completion_ids"], ref["completion_ids"])
     prompts = [
