@@ -8,11 +8,13 @@ reports its GPU-busy time beside its wall time.
 
     python bench/profile_replay.py --prompt 32768 --response 256
     python bench/profile_replay.py --phase capture --prompt 65536
+    python bench/profile_replay.py --phase both --prompt 131072   # replay, then capture, one model build
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -35,7 +37,12 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--phase", choices=("replay", "capture"), default="replay")
+    ap.add_argument("--phase", choices=("replay", "capture", "both"), default="replay")
+    ap.add_argument(
+        "--no-autocast",
+        action="store_true",
+        help="run without bf16 autocast (the trainer runs under accelerate's, so by default this does too)",
+    )
     ap.add_argument("--chunk", type=int, default=16384, help="capture chunk size")
     args = ap.parse_args()
     # positions for the prompt and the response (the preset keeps the model's own 32K limit)
@@ -53,51 +60,54 @@ def main() -> None:
     with Timer() as t_cap:
         state = capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
 
-    def replay() -> None:
-        if args.phase == "capture":
-            capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
-            return
-        (-state.logprobs(model, completion, grad=True).mean()).backward()
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if not args.no_autocast else contextlib.nullcontext()
+    )
 
-    if args.phase == "capture":
-        del state  # the measured captures allocate their own
-    for _ in range(2 if args.phase == "replay" else 0):
-        replay()
-    times = []
-    for _ in range(3 if args.phase == "replay" else 1):
-        with Timer() as t:
-            replay()
-        times.append(t.seconds)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    averages = prof.key_averages()
-    table = averages.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=60)
-    # kernels only: CPU-side ops report their children's device time too, and the profiler's own
-    # "Command Buffer Full" entries overlap the kernels they wait for
-    kernels = [e for e in averages if e.device_type == DeviceType.CUDA and "Command Buffer" not in e.key]
-    cuda_s = sum(e.self_device_time_total for e in kernels) / 1e6
-    calls = sum(e.count for e in averages if e.key.startswith("aten::"))
-    print(f"first capture {t_cap.seconds:.1f} s; {args.phase} (warm): {[round(x, 3) for x in times]} s")
-    print(f"profiled {args.phase}: {cuda_s:.3f} s of CUDA kernels, {calls} aten calls")
-    print(table)
+    def run(phase: str) -> None:
+        with autocast:
+            if phase == "capture":
+                capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
+                return
+            (-state.logprobs(model, completion, grad=True).mean()).backward()
+
+    phases = ("replay", "capture") if args.phase == "both" else (args.phase,)
     out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, f"profile_{args.phase}.txt"), "w") as f:
-        f.write(table)
+    results: dict = {"first_capture_s": t_cap.seconds, "autocast": not args.no_autocast}
+    for phase in phases:
+        for _ in range(2 if phase == "replay" else 0):
+            run(phase)
+        times = []
+        for _ in range(3 if phase == "replay" else 1):
+            with Timer() as t:
+                run(phase)
+            times.append(t.seconds)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(phase)
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        table = averages.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=60)
+        # kernels only: CPU-side ops report their children's device time too, and the profiler's own
+        # "Command Buffer Full" entries overlap the kernels they wait for
+        kernels = [e for e in averages if e.device_type == DeviceType.CUDA and "Command Buffer" not in e.key]
+        cuda_s = sum(e.self_device_time_total for e in kernels) / 1e6
+        calls = sum(e.count for e in averages if e.key.startswith("aten::"))
+        print(f"first capture {t_cap.seconds:.1f} s; {phase} (warm): {[round(x, 3) for x in times]} s")
+        print(f"profiled {phase}: {cuda_s:.3f} s of CUDA kernels, {calls} aten calls")
+        print(table)
+        with open(os.path.join(out, f"profile_{phase}.txt"), "w") as f:
+            f.write(table)
+        results[phase] = {"seconds": times, "profiled_cuda_kernel_s": cuda_s, "profiled_aten_calls": calls}
     write_result(
         f"profile_{args.phase}_{args.preset}",
         {
-            "phase": args.phase,
             "prompt_tokens": args.prompt,
             "response_tokens": args.response,
             "capture_chunk_size": args.chunk,
-            f"{args.phase}_s": times,
-            "first_capture_s": t_cap.seconds,
-            "profiled_cuda_kernel_s": cuda_s,
-            "profiled_aten_calls": calls,
+            **results,
         },
     )
-    print(json.dumps({f"{args.phase}_s": times, "cuda_s": cuda_s}))
+    print(json.dumps({k: v for k, v in results.items()}))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,13 @@ profile)  # where a replay + backward spends its time (whole model, LoRA, HF che
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 400 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/profile.log" | tail -45
   ;;
+gpu-profile)  # the GPU tests, then a replay + backward and a capture of the whole model profiled (args to the script)
+  shift
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 230 python3 -m pytest -q -s -m gpu tests/ > "$OUT/pytest_gpu.log" 2>&1
+  echo "pytest -m gpu: rc=$?"; grep -E "passed|failed|Error|error" "$OUT/pytest_gpu.log" | tail -8
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 330 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
+    | tee "$OUT/profile.log" | grep -E "^first|^profiled|^\{"
+  ;;
 v2smoke)  # engine v2 on a 4-layer slice: GPU tests (CUDA-graph decode, cuDNN/flash paths), then 128K/512K
   PYTHONPATH=/tmp/site:/tmp/fla timeout 200 python3 -m pytest -q -s -m gpu tests/ > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest -m gpu: rc=$?"; grep -E "passed|failed|Error|error" "$OUT/pytest_gpu.log" | tail -8
