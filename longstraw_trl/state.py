@@ -18,7 +18,7 @@ family adds a layer kind by subclassing it, without touching the engine. Replays
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
 import torch
@@ -32,6 +32,70 @@ def _storage_device(device: torch.device, offload: str | None) -> torch.device:
     if offload == "cpu":
         return torch.device("cpu")
     raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _COPY_STREAMS[device]
+
+
+def prefetch_to_device(
+    blocks: Iterable[tuple[torch.Tensor | None, ...]], device: torch.device
+) -> Iterator[tuple[torch.Tensor | None, ...]]:
+    """``blocks`` (tuples of host tensors) on ``device``, each block's copy overlapping the previous one's compute.
+
+    On CUDA the host-to-device copy of block ``j + 1`` is issued on a side stream as soon as block ``j`` is
+    handed out, so it runs while the caller's kernels read block ``j`` (pinned host memory makes the copy
+    asynchronous); the compute stream waits for each block's copy only when it receives that block. Each
+    device tensor is marked as used by the compute stream (``record_stream``), so its memory is not reused
+    while kernels still read it. Elsewhere (CPU), it is a plain ``.to(device)``. Any state kind whose blocks
+    live on the host streams through here (offload), so every family overlaps its copies the same way.
+    """
+    if device.type != "cuda":
+        for block in blocks:
+            yield tuple(None if t is None else t.to(device) for t in block)
+        return
+    compute = torch.cuda.current_stream(device)
+    copy = _copy_stream(device)
+
+    def issue(block):
+        with torch.cuda.stream(copy):
+            moved = tuple(None if t is None else _host_to_device(t, device) for t in block)
+        return moved, copy.record_event()
+
+    pending = None
+    for block in blocks:
+        ahead = issue(block)
+        if pending is not None:
+            yield _receive(pending, compute)
+        pending = ahead
+    if pending is not None:
+        yield _receive(pending, compute)
+
+
+def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An asynchronous copy of host tensor ``t``. A token range of a ``[heads, capacity, dim]`` segment is not
+    contiguous, and ``.to`` would first gather it into pageable memory (a synchronous copy): copy it one head
+    at a time instead, each head's rows being contiguous in the pinned segment."""
+    if t.is_contiguous() or t.dim() < 2 or not t[0].is_contiguous():
+        return t.to(device, non_blocking=True)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    for i in range(t.shape[0]):
+        out[i].copy_(t[i], non_blocking=True)
+    return out
+
+
+def _receive(pending, compute: torch.cuda.Stream) -> tuple[torch.Tensor | None, ...]:
+    moved, copied = pending
+    compute.wait_event(copied)
+    for t in moved:
+        if t is not None:
+            t.record_stream(compute)
+    return moved
 
 
 class LayerState(ABC):
@@ -191,14 +255,18 @@ class KVPages(LayerState):
 
     def stream(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield ``(k, v)`` blocks on ``device``: each resident segment whole (one kernel call each);
-        offloaded segments in ``page_size`` pieces, so the device holds one piece at a time."""
-        for kb, vb, filled in self.segments:
-            if not self.offloaded:
+        offloaded segments in ``page_size`` pieces, the next piece's copy overlapping the current one's
+        compute (:func:`prefetch_to_device`), so the device holds two pieces at a time."""
+        if not self.offloaded:
+            for kb, vb, filled in self.segments:
                 yield kb[:, :filled], vb[:, :filled]
-                continue
-            for s in range(0, filled, self.page_size):
-                e = min(filled, s + self.page_size)
-                yield kb[:, s:e].to(device, non_blocking=True), vb[:, s:e].to(device, non_blocking=True)
+            return
+        pieces = (
+            (kb[:, s : min(filled, s + self.page_size)], vb[:, s : min(filled, s + self.page_size)])
+            for kb, vb, filled in self.segments
+            for s in range(0, filled, self.page_size)
+        )
+        yield from prefetch_to_device(pieces, device)
 
     def token_bytes(self) -> int:
         """Bytes of one token's K and V in this layer."""

@@ -128,6 +128,40 @@ def test_offload_on_cuda_keeps_pages_on_the_host():
         for k, v, _ in layer.segments:
             assert k.device.type == "cpu" and k.is_pinned() and v.is_pinned()
     assert (a.logprobs(model, comps) - b.logprobs(model, comps)).abs().max() <= 1e-4
+    # under autograd the backward streams the pages again (prefetched on the side stream)
+    grads = []
+    for state in (a, b):
+        model.zero_grad()
+        state.logprobs(model, comps, grad=True).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert ((grads[0] - grads[1]).norm() / grads[0].norm()).item() <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefetch_to_device_overlaps_and_keeps_values():
+    """Blocks arrive intact while the compute stream reads the previous one (a slow matmul each time);
+    the next block's copy is issued before the current block is handed out."""
+    from longstraw_trl.state import prefetch_to_device
+
+    dev = torch.device("cuda")
+    # token ranges of a pinned [heads, capacity, dim] segment, as offloaded K/V pages are (not contiguous)
+    segment = torch.randn(2, 6 * 256, 1024).pin_memory()
+    blocks = [(segment[:, i * 256 : (i + 1) * 256], None) for i in range(6)]
+    weight = torch.randn(1024, 1024, device=dev)
+    seen = []
+    for moved, none in prefetch_to_device(iter(blocks), dev):
+        assert none is None and moved.device.type == "cuda"
+        for _ in range(20):  # keep the compute stream busy while the next copy runs
+            moved = moved @ weight / 32
+        seen.append(moved.sum())
+    expected = []
+    for block, _ in blocks:
+        x = block.to(dev)
+        for _ in range(20):
+            x = x @ weight / 32
+        expected.append(x.sum())
+    assert torch.allclose(torch.stack(seen), torch.stack(expected), rtol=1e-4)
 
 
 def test_patch_is_idempotent_and_leaves_stock_forward_alone():
