@@ -44,6 +44,13 @@ def main() -> None:
         help="run without bf16 autocast (the trainer runs under accelerate's, so by default this does too)",
     )
     ap.add_argument("--chunk", type=int, default=16384, help="capture chunk size")
+    ap.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="responses replayed together under autograd (one backward for all); the first is profiled",
+    )
     args = ap.parse_args()
     # positions for the prompt and the response (the preset keeps the model's own 32K limit)
     config = preset_config(
@@ -56,7 +63,10 @@ def main() -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     prompt = torch.randint(0, config.vocab_size, (args.prompt,), device="cuda")
-    completion = torch.randint(0, config.vocab_size, (1, args.response), device="cuda")
+    completions = {
+        k: torch.randint(0, config.vocab_size, (k, args.response), device="cuda") for k in args.batches
+    }
+    completion = completions[args.batches[0]]
     with Timer() as t_cap:
         state = capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
 
@@ -70,6 +80,21 @@ def main() -> None:
                 capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
                 return
             (-state.logprobs(model, completion, grad=True).mean()).backward()
+
+    def replay_batches(batches: dict) -> dict:
+        """Seconds per response of a replay + backward of ``k`` responses together (warm, best of 3)."""
+        per_response = {}
+        for k, ids in batches.items():
+            with autocast:
+                (-state.logprobs(model, ids, grad=True).mean()).backward()  # warm this shape
+            best = float("inf")
+            for _ in range(3):
+                with Timer() as t, autocast:
+                    (-state.logprobs(model, ids, grad=True).mean()).backward()
+                best = min(best, t.seconds)
+            per_response[k] = best / k
+            print(f"replay + backward of {k} responses together: {best:.3f} s, {best / k:.3f} s per response")
+        return per_response
 
     phases = ("replay", "capture") if args.phase == "both" else (args.phase,)
     out = os.environ.get("OUT", ".")
@@ -98,6 +123,8 @@ def main() -> None:
         with open(os.path.join(out, f"profile_{phase}.txt"), "w") as f:
             f.write(table)
         results[phase] = {"seconds": times, "profiled_cuda_kernel_s": cuda_s, "profiled_aten_calls": calls}
+        if phase == "replay":
+            results["replay_seconds_per_response"] = replay_batches(completions)
     write_result(
         f"profile_{args.phase}_{args.preset}",
         {

@@ -34,6 +34,13 @@ gpu-profile)  # the GPU tests, then a replay + backward and a capture of the who
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 330 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/profile.log" | grep -E "^first|^profiled|^\{"
   ;;
+probe)  # what a new key length costs cuDNN; replay + backward of 1, 4, 8 responses together (args to profile_replay)
+  shift
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 60 python3 -u cudnn_shape_probe.py 2>&1 | grep -v -i warn \
+    | tee "$OUT/cudnn_probe.log" | grep -E "^keys"
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 300 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
+    | tee "$OUT/profile.log" | grep -E "^first|^profiled|^replay"
+  ;;
 v2smoke)  # engine v2 on a 4-layer slice: GPU tests (CUDA-graph decode, cuDNN/flash paths), then 128K/512K
   PYTHONPATH=/tmp/site:/tmp/fla timeout 200 python3 -m pytest -q -s -m gpu tests/ > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest -m gpu: rc=$?"; grep -E "passed|failed|Error|error" "$OUT/pytest_gpu.log" | tail -8
