@@ -93,6 +93,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup-prompt", type=int, default=16384)
     ap.add_argument("--warmup-response", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=16384, help="capture_chunk_size")
+    ap.add_argument(
+        "--replay-batch-tokens",
+        type=int,
+        default=8192,
+        help="replay_batch_tokens (0: one response at a time)",
+    )
     ap.add_argument("--page", type=int, default=16384, help="page_size")
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--stock-prompts", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288])
@@ -235,6 +241,7 @@ def longstraw_trainer(model, tokenizer, args, p: int, r: int, peft_config=None) 
         max_completion_length=r,
         capture_chunk_size=args.chunk,
         page_size=args.page,
+        replay_batch_tokens=args.replay_batch_tokens,
         use_cpu=args.tiny,
         bf16=not args.tiny,
     )
@@ -310,6 +317,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         capture_chunk_size=args.chunk,
         page_size=args.page,
         dtype_bytes=plan_dtype_bytes,
+        replay_batch_tokens=args.replay_batch_tokens,
     )
     return {
         "ok": True,

@@ -129,6 +129,12 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--chunk-size", type=int, default=16384)
     ap.add_argument("--page-size", type=int, default=16384)
     ap.add_argument("--checkpoint-layers", action="store_true")
+    ap.add_argument(
+        "--replay-batch-tokens",
+        type=int,
+        default=8192,
+        help="responses replayed together while responses x R stays within this (the trainer's option; 0: one)",
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
     try:
@@ -153,6 +159,8 @@ def _plan(a: argparse.Namespace) -> int:
         value = getattr(a, flag)
         if value is not None and value < 1:
             raise LongStrawError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if a.replay_batch_tokens < 0:
+        raise LongStrawError(f"--replay-batch-tokens must be >= 0, got {a.replay_batch_tokens}")
     gpu = _parse_gpu(a.gpu)
     config = _load_config(a.model, a.layers)
     options = dict(
@@ -165,6 +173,7 @@ def _plan(a: argparse.Namespace) -> int:
         gpu_memory_gib=gpu,
         capture_chunk_size=a.chunk_size,
         checkpoint_layers=a.checkpoint_layers,
+        replay_batch_tokens=a.replay_batch_tokens,
     )
     prompt = a.prompt
     if a.max_prompt:

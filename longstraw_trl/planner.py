@@ -202,11 +202,13 @@ def plan_memory(
     page_size: int = 16384,
     dtype_bytes: int = 2,
     checkpoint_layers: bool = False,
+    replay_batch_tokens: int = 8192,
 ) -> MemoryPlan:
     """Per-rank memory of a LongStraw GRPO step on ``config`` (bf16 weights by default).
 
-    ``num_generations`` does not change the peak (one response's graph at a time); it is kept for the
-    report. ``optimizer``: ``"adamw"`` (two states per trainable parameter, in the parameter dtype) or
+    The responses of a group are replayed together while responses x ``response_tokens`` stays within
+    ``replay_batch_tokens`` (the trainer's option; 0: one at a time), so the autograd graph spans that many
+    responses. ``optimizer``: ``"adamw"`` (two states per trainable parameter, in the parameter dtype) or
     ``"none"`` (e.g. a benchmark that only runs backward). Raises
     :class:`~longstraw_trl.errors.UnsupportedModelError` for a model type it does not model.
     """
@@ -217,7 +219,8 @@ def plan_memory(
     gradients = trainable * dtype_bytes
     optimizer_bytes = {"adamw": 2 * trainable * dtype_bytes, "none": 0}[optimizer]
     types = _layer_types(config)
-    r = response_tokens
+    together = max(1, min(num_generations, replay_batch_tokens // max(response_tokens, 1)))
+    r = response_tokens * together
     if checkpoint_layers:
         graph = len(types) * r * config.hidden_size * dtype_bytes + max(
             _layer_graph_bytes(config, t, r, dtype_bytes) for t in set(types)
@@ -251,7 +254,10 @@ def plan_memory(
     )
     if experts and ep_size > 1:
         plan.notes.append(f"experts sharded over {ep_size} EP ranks")
-    plan.notes.append(f"G={num_generations}: the peak does not grow with G (one response graph at a time)")
+    plan.notes.append(
+        f"G={num_generations}: {together} response(s) replayed together under autograd (replay_batch_tokens="
+        f"{replay_batch_tokens}); the peak does not grow with G beyond that"
+    )
     return plan
 
 

@@ -895,8 +895,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _policy_replay(
         self, model, state: PromptState, ids: torch.Tensor, mask: torch.Tensor, entropy_grad: bool = False
     ):
-        """`[L]` log-probs (with autograd when enabled) and `[L]` entropies (with autograd only for `entropy_grad`:
-        an entropy bonus) of one response.
+        """`[k, L]` log-probs (with autograd when enabled) and `[k, L]` entropies (with autograd only for
+        `entropy_grad`: an entropy bonus) of `k` responses of one prompt state, replayed together.
 
         `model` may be DDP-wrapped: the engine enters it through its root forward, so DDP prepares its gradient
         reduction as for any forward."""
@@ -911,7 +911,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 return_entropy=True,
                 entropy_grad=entropy_grad,
             )
-        return logps[0], entropy.reshape(-1)
+        return logps, entropy.reshape(logps.shape)
 
     def _loss_entry(self, entries: dict, inputs: dict[str, Any], g: int, rows: list[int], lengths, loss_mask):
         """Group `g`'s prompt state for the loss (its rows `rows` of the micro-batch), acquired (refresh policy,
@@ -1013,7 +1013,28 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             logps, entropies = self._policy_replay(
                 model, state, ext_ids[None], torch.ones_like(ext_ids)[None], entropy_grad=entropy_grad
             )
-        return logps[:keep], entropies[:keep], aux.term(router_logits, router_mask)
+        return logps[0, :keep], entropies[0, :keep], aux.term(router_logits, router_mask)
+
+    def _replay_batches(
+        self, rows: list[int], lengths, sync_row: int | None, width: int, one_at_a_time: bool
+    ) -> list[list[int]]:
+        """`rows` (of one prompt group, in order) cut into the batches replayed together under autograd: consecutive
+        rows while the batch's padded tokens (rows x longest) stay within `replay_batch_tokens`. One row a batch
+        when that is 0, or with the router auxiliary loss (each of its replays runs one position longer)."""
+        budget = self.args.replay_batch_tokens
+        if one_at_a_time or budget <= 0:
+            return [[i] for i in rows]
+        batches: list[list[int]] = []
+        longest = 0
+        for i in rows:
+            length = max(lengths[i], min(2, width)) if i == sync_row else lengths[i]
+            if batches and (len(batches[-1]) + 1) * max(longest, length) <= budget:
+                batches[-1].append(i)
+                longest = max(longest, length)
+            else:
+                batches.append([i])
+                longest = length
+        return batches
 
     def _streamed_loss(self, model, inputs: dict[str, Any], backward: bool) -> torch.Tensor:
         """TRL's `_compute_loss` value for this micro-batch, computed (and back-propagated) one response at a time."""
@@ -1088,9 +1109,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if sync_row in rows:  # the synchronising response runs last
                 rows.remove(sync_row)
                 rows.append(sync_row)
+            replayed = []
             for i in rows:
-                length = ctx.lengths[i]
-                if length == 0 and i != sync_row and aux is None:
+                if ctx.lengths[i] == 0 and i != sync_row and aux is None:
                     # No loss token: its term is exactly zero (TRL's sums multiply it by the mask); no replay.
                     zeros = torch.zeros(1, device=device)
                     term, metrics = response_loss(
@@ -1099,58 +1120,70 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     all_metrics.append(metrics)
                     total = total + term.detach()
                     continue
-                if i == sync_row:  # a 1-token replay skips the decoder layers, whose parameters DDP expects
-                    length = max(length, min(2, width))
+                replayed.append(i)
+            for batch in self._replay_batches(replayed, ctx.lengths, sync_row, width, aux is not None):
+                # a 1-token replay skips the decoder layers, whose parameters DDP expects: the sync row has >= 2
+                lengths_b = [
+                    max(ctx.lengths[i], min(2, width)) if i == sync_row else ctx.lengths[i] for i in batch
+                ]
                 sync = (
                     self.accelerator.no_sync(model)
-                    if sync_row is not None and i != sync_row
+                    if sync_row is not None and sync_row not in batch
                     else _NULL_CONTEXT
                 )
                 start = time.perf_counter()
                 with sync:
                     if aux is None:
-                        logps, entropies = self._policy_replay(
+                        longest = max(lengths_b)
+                        logps_b, entropies_b = self._policy_replay(
                             model,
                             entry.state,
-                            completion_ids[i : i + 1, :length],
-                            completion_mask[i : i + 1, :length],
+                            completion_ids[batch, :longest],
+                            completion_mask[batch, :longest],
                             entropy_grad=entropy_grad,
                         )
-                    else:
-                        logps, entropies, aux_term = self._policy_replay_with_router_aux(
-                            model,
-                            entry.state,
-                            aux,
-                            completion_ids[i],
-                            completion_mask[i],
-                            length,
-                            entropy_grad,
+                    batch_term = None
+                    for j, (i, length) in enumerate(zip(batch, lengths_b, strict=True)):
+                        if aux is None:
+                            logps, entropies = logps_b[j, :length], entropies_b[j, :length]
+                        else:
+                            logps, entropies, aux_term = self._policy_replay_with_router_aux(
+                                model,
+                                entry.state,
+                                aux,
+                                completion_ids[i],
+                                completion_mask[i],
+                                length,
+                                entropy_grad,
+                            )
+                            length = max(length, 1)  # a row without completion tokens still routes its prompt
+                        term, metrics = response_loss(
+                            spec,
+                            ctx,
+                            i,
+                            logps,
+                            cut(old, i, length),
+                            cut(ref, i, length),
+                            advantages[i],
+                            sampling_logps_i=cut(sampling, i, length),
+                            entropies_i=entropies,
                         )
-                        length = max(length, 1)  # a row without completion tokens still routes its prompt
-                    term, metrics = response_loss(
-                        spec,
-                        ctx,
-                        i,
-                        logps,
-                        cut(old, i, length),
-                        cut(ref, i, length),
-                        advantages[i],
-                        sampling_logps_i=cut(sampling, i, length),
-                        entropies_i=entropies,
-                    )
-                    if not torch.isfinite(term.detach()):
-                        self._raise_non_finite(term, i, g, entry, length, logps, old, ref, advantages)
-                    if ctx.lengths[i] == 0:
-                        term = term * 0.0
-                    if aux is not None:
-                        term = term + spec.router_aux_loss_coef * aux_term / ctx.ga_normalizer
+                        if not torch.isfinite(term.detach()):
+                            self._raise_non_finite(term, i, g, entry, length, logps, old, ref, advantages)
+                        if ctx.lengths[i] == 0:
+                            term = term * 0.0
+                        if aux is not None:
+                            term = term + spec.router_aux_loss_coef * aux_term / ctx.ga_normalizer
+                        batch_term = term if batch_term is None else batch_term + term
+                        replay_tokens += length
+                        total = total + term.detach()
+                        all_metrics.append(metrics)
                     if backward:
-                        self.accelerator.backward(term)
+                        self.accelerator.backward(batch_term)
                 replay_seconds += time.perf_counter() - start
-                replay_tokens += length
-                total = total + term.detach()
-                all_metrics.append(metrics)
-                del logps, entropies, term
+                del logps, entropies, term, batch_term
+                if aux is None:
+                    del logps_b, entropies_b
 
         for name, value in aggregate_metrics(
             spec,

@@ -75,6 +75,7 @@ def test_plan_reproduces_measured_peaks(path):
             optimizer="none",  # the benchmark runs backward without an optimizer
             capture_chunk_size=data["chunk_size"],
             page_size=data["page_size"],
+            replay_batch_tokens=0,  # the engine benchmark replays one response at a time
         )
         # the state is a formula: exact
         assert _planned_state(config, data, p) == result["state_bytes_by_kind"]
@@ -133,6 +134,7 @@ def test_plan_reproduces_measured_cp_peaks(path):
         optimizer="none",
         capture_chunk_size=data["chunk_size"],
         page_size=data["page_size"],
+        replay_batch_tokens=0,  # measured one response at a time
     )
     for rank in data["ranks"]:
         assert (
@@ -192,6 +194,7 @@ def test_plan_reproduces_trainer_peaks(path):
             response_tokens=data["response_tokens"],
             optimizer="none",
             checkpoint_layers=True,
+            replay_batch_tokens=0,  # measured one response at a time
         )
         peak = r["longstraw"]["peak_gib"]
         assert abs(plan.peak / GiB - peak) <= 0.10 * peak, (r["prompt_tokens"], plan.peak / GiB, peak)
@@ -210,6 +213,7 @@ def test_plan_reproduces_the_whole_model_peak():
         lora_rank=64,
         capture_chunk_size=data["capture_chunk_size"],
         page_size=data["page_size"],
+        replay_batch_tokens=0,  # measured one response at a time
     )
     assert (
         _planned_state(preset_config(data["preset"]), data, run["prompt_tokens"])

@@ -354,3 +354,32 @@ def test_router_aux_loss_matches_trl(loss_type):
     assert (loss0 - full_loss).abs() > 1e-3
     gate = next(n for n in grads if n.endswith("mlp.gate.weight"))
     assert (grads0[gate] - ref_grads[gate]).norm() > 0.1 * ref_grads[gate].norm()
+
+
+@pytest.mark.parametrize(("budget", "batch_sizes"), [(0, [1, 1, 1, 1]), (10, [1, 2, 1]), (8192, [4])])
+def test_responses_replayed_together_keep_parity(budget, batch_sizes):
+    """`replay_batch_tokens`: the rows of a group (lengths 7, 3, 5, 1) are replayed in batches of consecutive rows
+    while rows x longest stays within the budget, one backward a batch; loss and gradients stay TRL's."""
+    kwargs = dict(loss_type="dapo", beta=0.04, epsilon=0.2)
+    trl = make_tiny_grpo_trainer(**kwargs)
+    ours = make_tiny_longstraw_trainer(**kwargs, replay_batch_tokens=budget)
+    inputs = _inputs(7, kwargs["beta"])
+    ref_loss, ref_grads, _ = trl_loss_and_grads(trl, inputs, response_only=True)
+
+    seen = []
+    replay = ours._policy_replay
+
+    def spy(model, state, ids, mask, **kw):
+        seen.append(ids.shape[0])
+        return replay(model, state, ids, mask, **kw)
+
+    ours._policy_replay = spy
+    loss, grads, _ = ours_loss_and_grads(ours, inputs)
+    assert seen == batch_sizes
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
+    assert_grads_close(grads, ref_grads)
+
+
+def test_replay_batch_tokens_must_not_be_negative():
+    with pytest.raises(LongStrawError, match="replay_batch_tokens"):
+        make_tiny_longstraw_trainer(replay_batch_tokens=-1)
