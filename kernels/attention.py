@@ -21,10 +21,13 @@ decode (both return the LSE), the backward the flash backward.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from .prompt_dq import prompt_dq, prompt_dq_ok
 
 # The plain-math path processes keys in blocks so that one fp32 score tile stays under this many
 # elements (1 GiB), whatever the number of query rows.
@@ -386,11 +389,23 @@ def pages_attention_dq(
     qf = fold_gqa(q, num_kv_heads)
     of, df = fold_gqa(out, num_kv_heads), fold_gqa(dout, num_kv_heads)
     lf = fold_gqa(lse.unsqueeze(-1), num_kv_heads)[..., 0]
-    qf, of, lf, df = qf[None], of[None], lf[None], df[None]
     dq = torch.zeros_like(qf, dtype=torch.float32)
+    delta = None
     for k, v in pages():
-        dq += attention_grads(qf, k[None], v[None], of, lf, df, scale, need_kv=False, softcap=softcap)[0]
-    return unfold_gqa(dq[0], b, hq, t)
+        if softcap is None and _use_prompt_dq() and prompt_dq_ok(qf, k):
+            if delta is None:
+                delta = (df.float() * of).sum(-1)  # D_i = dO_i . O_i, shared by every page
+            dq += prompt_dq(qf, k, v, lf, delta, df, scale)
+            continue
+        dq += attention_grads(
+            qf[None], k[None], v[None], of[None], lf[None], df[None], scale, need_kv=False, softcap=softcap
+        )[0][0]
+    return unfold_gqa(dq, b, hq, t)
+
+
+def _use_prompt_dq() -> bool:
+    # LONGSTRAW_PROMPT_DQ=0 takes the flash backward instead (for comparison)
+    return os.environ.get("LONGSTRAW_PROMPT_DQ", "1") != "0"
 
 
 def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:

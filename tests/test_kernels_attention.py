@@ -309,3 +309,60 @@ def test_window_attention_graph_keeps_no_scores(monkeypatch):
     assert sum(saved) < 4 * (q.numel() + 2 * q.shape[1] // k.shape[1] * (k.numel() + kp.numel() * q.shape[0]))
     out.sum().backward()  # and backward recomputes them
     assert sinks.grad is not None and q.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("rows", "keys", "d"), [(48, 70001, 256), (1542, 4133, 256), (300, 9000, 128)])
+def test_prompt_dq_kernel_is_the_softmax_gradient(rows, keys, d):
+    """The query-parallel dQ kernel (key splits for few rows, strided pages, ragged tiles) against autograd
+    through a dense fp32 softmax over [the page | other keys], given the merged out/lse as the replay has them."""
+    from longstraw_trl.kernels.prompt_dq import prompt_dq, prompt_dq_ok, prompt_dq_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, other, scale = 2, 37, d**-0.5
+    q = torch.randn(h, rows, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    # the page is a token range of a larger [heads, capacity, dim] buffer, as a K/V segment is
+    kbuf = torch.randn(h, keys + 11, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    vbuf = torch.randn(h, keys + 11, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k, v = kbuf[:, 5 : 5 + keys], vbuf[:, 5 : 5 + keys]
+    k2 = torch.randn(h, other, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v2 = torch.randn(h, other, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(h, rows, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    qf = q.float().requires_grad_()
+    keys_all, vals_all = torch.cat([k, k2], 1).float(), torch.cat([v, v2], 1).float()
+    s = qf @ keys_all.transpose(-1, -2) * scale
+    out = torch.softmax(s, -1) @ vals_all
+    lse = torch.logsumexp(s, -1).detach()
+    # the page's share of dQ: autograd with the other keys' contribution removed (their scores detached)
+    s_page = torch.cat([s[..., :keys], s[..., keys:].detach()], -1)
+    (dq_page,) = torch.autograd.grad(torch.softmax(s_page, -1) @ vals_all, qf, dout.float())
+    delta = (dout.float() * out.detach()).sum(-1)
+    assert prompt_dq_ok(q, k)
+    got = prompt_dq(q, k, v, lse, delta, dout, scale)
+    err = ((got - dq_page).norm() / dq_page.norm()).item()
+    ref_err = (
+        (prompt_dq_reference(q, k, v, lse, delta, dout, scale) - dq_page).norm() / dq_page.norm()
+    ).item()
+    print(f"prompt_dq rows={rows} keys={keys} d={d}: relative error {err:.2e} (fp32 reference {ref_err:.2e})")
+    assert ref_err <= 1e-4 and err <= 1e-2, (err, ref_err)
+
+
+def test_prompt_dq_reference_is_the_softmax_gradient():
+    """The torch reference of the dQ kernel against autograd through a dense softmax (CPU, fp32)."""
+    from longstraw_trl.kernels.prompt_dq import prompt_dq_reference
+
+    gen = torch.Generator().manual_seed(1)
+    h, rows, keys, other, d = 2, 7, 19, 5, 8
+    q = torch.randn(h, rows, d, generator=gen, requires_grad=True)
+    k, v = torch.randn(h, keys, d, generator=gen), torch.randn(h, keys, d, generator=gen)
+    k2, v2 = torch.randn(h, other, d, generator=gen), torch.randn(h, other, d, generator=gen)
+    dout = torch.randn(h, rows, d, generator=gen)
+    s = q @ torch.cat([k, k2], 1).transpose(-1, -2) * 0.3
+    vals = torch.cat([v, v2], 1)
+    out = torch.softmax(s, -1) @ vals
+    s_page = torch.cat([s[..., :keys], s[..., keys:].detach()], -1)
+    (dq_page,) = torch.autograd.grad(torch.softmax(s_page, -1) @ vals, q, dout)
+    lse = torch.logsumexp(s, -1).detach()
+    delta = (dout * out.detach()).sum(-1)
+    torch.testing.assert_close(prompt_dq_reference(q.detach(), k, v, lse, delta, dout, 0.3), dq_page)

@@ -1,0 +1,198 @@
+"""dQ of queries against read-only prompt keys: a query-parallel Triton kernel, and its plain torch reference.
+
+The replay's backward through the prompt pages needs dQ only (the pages are constants). The flash backward op
+computes dQ, dK and dV, parallel over key blocks with dQ accumulated by atomic adds: for a replay (a few
+thousand query rows against up to millions of prompt keys) that is thousands of atomic adds per dQ element,
+and dK/dV of every prompt key, all thrown away. This kernel is parallel over query blocks (and over key splits
+when there are few query blocks), keeps its dQ block in registers, and runs three matmuls a key tile:
+
+    s = q k^T,  p = exp(scale * s - lse),  dp = dO v^T,  ds = p * (dp - delta),  dQ += scale * ds k
+
+with ``delta_i = dO_i . O_i`` and ``O``/``lse`` the *final* merged output and log-sum-exp (the FlashAttention
+identity: the part's probabilities are exact against the merged normaliser).
+
+Layouts: ``q, dout [H, M, D]`` (grouped query heads folded into rows), ``k, v [H, N, D]`` (any row stride),
+``lse, delta [H, M]`` fp32. Returns fp32 ``dq [H, M, D]``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+LOG2E = 1.4426950408889634
+
+
+def prompt_dq_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dout: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The math of :func:`prompt_dq` in fp32 torch (one matmul over all keys: small problems and tests)."""
+    qf, kf, vf, df = (x.float() for x in (q, k, v, dout))
+    p = torch.exp(scale * qf @ kf.transpose(-1, -2) - lse.float().unsqueeze(-1))
+    ds = p * (df @ vf.transpose(-1, -2) - delta.float().unsqueeze(-1))
+    return scale * ds @ kf
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    configs = [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in ((64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2))
+    ]
+
+    @triton.autotune(configs=configs, key=["D", "M_BUCKET"])
+    @triton.jit
+    def dq_kernel(
+        Q,
+        K,
+        V,
+        DO,
+        LSE,
+        DELTA,
+        DQ,
+        stride_qh,
+        stride_qm,
+        stride_kh,
+        stride_kn,
+        stride_vh,
+        stride_vn,
+        stride_dh,
+        stride_dm,
+        stride_os,
+        stride_oh,
+        stride_om,
+        M,
+        N,
+        keys_per_split,
+        scale,
+        M_BUCKET,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        in_m = offs_m < M
+        q = tl.load(
+            Q + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :], mask=in_m[:, None], other=0.0
+        )
+        do = tl.load(
+            DO + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :], mask=in_m[:, None], other=0.0
+        )
+        # rows past M get lse = +inf: p = 0, so they add nothing
+        lse = tl.load(LSE + h * M + offs_m, mask=in_m, other=float("inf")) * LOG2E
+        delta = tl.load(DELTA + h * M + offs_m, mask=in_m, other=0.0)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        start = split * keys_per_split
+        end = tl.minimum(start + keys_per_split, N)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            in_n = offs_n < end
+            k = tl.load(
+                K + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=in_n[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                V + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                mask=in_n[:, None],
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k))
+            p = tl.exp2(s * (scale * LOG2E) - lse[:, None])
+            p = tl.where(in_n[None, :], p, 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            acc += tl.dot(ds.to(k.dtype), k)
+        acc = acc * scale
+        tl.store(
+            DQ + split * stride_os + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+            acc,
+            mask=in_m[:, None],
+        )
+
+    return triton, dq_kernel
+
+
+def prompt_dq_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`prompt_dq` serves these inputs (CUDA, fp16/bf16, a power-of-two head dim up to 256)."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype):
+        return False
+    d = q.shape[-1]
+    if d not in (16, 32, 64, 128, 256) or k.shape[-1] != d:
+        return False
+    try:
+        _kernel()
+    except Exception:  # noqa: BLE001 - no triton: the caller takes another path
+        return False
+    return True
+
+
+def prompt_dq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dout: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """fp32 ``dq [H, M, D]`` of ``q [H, M, D]`` over keys ``k, v [H, N, D]`` (see the module docstring)."""
+    triton, kernel = _kernel()
+    h, m, d = q.shape
+    n = k.shape[1]
+    q, dout = q.contiguous(), dout.to(q.dtype).contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    lse, delta = lse.float().contiguous(), delta.float().contiguous()
+    # enough programs for the GPU: split the keys when the query blocks alone are few
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    blocks = h * triton.cdiv(m, 64)
+    splits = max(1, min(triton.cdiv(2 * sms, blocks), triton.cdiv(n, 4096)))
+    keys_per_split = triton.cdiv(triton.cdiv(n, splits), 64) * 64
+    splits = triton.cdiv(n, keys_per_split)
+    out = torch.empty(splits, h, m, d, device=q.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]), h, splits)
+
+    kernel[grid](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        dout.stride(0),
+        dout.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        m,
+        n,
+        keys_per_split,
+        float(scale),
+        1 << max(m - 1, 1).bit_length(),  # autotune once per power-of-two row count
+        D=d,
+    )
+    return out[0] if splits == 1 else out.sum(0)
