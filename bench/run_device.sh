@@ -41,6 +41,12 @@ probe)  # what a new key length costs cuDNN; replay + backward of 1, 4, 8 respon
   PYTHONPATH=/tmp/site:/tmp/fla timeout 300 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/profile.log" | grep -E "^first|^profiled|^replay"
   ;;
+dq)  # the replay's dQ kernel: its GPU test, then against the flash backward at replay shapes
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 120 python3 -m pytest -q -s -m gpu tests/test_kernels_attention.py \
+    > "$OUT/pytest_dq.log" 2>&1; echo "pytest kernels: rc=$?"; grep -E "prompt_dq|passed|failed" "$OUT/pytest_dq.log" | tail -8
+  cd bench && timeout 150 python3 -u prompt_dq_probe.py --keys 131072 524288 --responses 1 8 2>&1 \
+    | grep -v -i warn | tee "$OUT/dq_probe.log" | grep -E "^keys|Error"
+  ;;
 v2smoke)  # engine v2 on a 4-layer slice: GPU tests (CUDA-graph decode, cuDNN/flash paths), then 128K/512K
   PYTHONPATH=/tmp/site:/tmp/fla timeout 200 python3 -m pytest -q -s -m gpu tests/ > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest -m gpu: rc=$?"; grep -E "passed|failed|Error|error" "$OUT/pytest_gpu.log" | tail -8
