@@ -11,6 +11,13 @@ dtype and restores the original afterwards. The adapter's contribution is then r
 added, an error of the order of bf16 rounding of that contribution, which is itself added to (and rounded
 with) the base layer's bf16 output. The passes that train or score (every replay: policy, old and reference
 log-probs) never use it: they run the adapters exactly as PEFT does.
+
+In the same block a plain LoRA layer (one active adapter, no dropout, no variant such as DoRA, no LoRA bias, an
+``nn.Linear`` base) also adds its update in the base output's GEMM epilogue: ``result.addmm_(x A^T, B^T,
+alpha=scaling)``. PEFT runs ``result + lora_B(lora_A(x)) * scaling``: a GEMM writing the update, a multiply and an
+add, three more passes over the layer's output and two more kernels per adapted layer, which in a whole-model
+capture or decode step are thousands of launches and passes over every linear layer's output. The update is
+then accumulated once in fp32 and rounded once, instead of rounded after each of the three steps.
 """
 
 from __future__ import annotations
@@ -40,9 +47,70 @@ def _adapter_parameters(model: nn.Module) -> Iterator[tuple[nn.Parameter, torch.
                     yield param, weight.dtype
 
 
+def _fusable_adapter(module: nn.Module) -> str | None:
+    """The one active adapter of a plain PEFT LoRA ``Linear`` (see the module docstring), else ``None``."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:  # no peft: nothing is fused
+        return None
+    if type(module) is not LoraLinear or module.disable_adapters or module.merged:
+        return None
+    if "forward" in module.__dict__ or not isinstance(module.base_layer, nn.Linear):
+        return None  # a forward already bound on the instance (an accelerate hook): leave it alone
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) != 1 or getattr(module, "fan_in_fan_out", False):
+        return None
+    name = active[0]
+    lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+    if name in getattr(module, "lora_variant", {}) or not isinstance(module.lora_dropout[name], nn.Identity):
+        return None
+    if not (isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)) or lora_b.bias is not None:
+        return None
+    return name
+
+
+def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A plain LoRA ``Linear`` without autograd: the update accumulated into the base output by one GEMM."""
+    if args or kwargs:  # adapter_names (mixed batches) or variant keywords: PEFT's own forward
+        return type(self).forward(self, x, *args, **kwargs)
+    name = self._longstraw_fused_adapter
+    lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
+    result = self.base_layer(x)
+    update = torch.nn.functional.linear(x.to(lora_a.dtype), lora_a)
+    if update.dtype != result.dtype or lora_b.dtype != result.dtype:
+        return type(self).forward(self, x)  # mixed dtypes (adapters left in fp32): PEFT's forward
+    flat = result.view(-1, result.shape[-1])
+    flat.addmm_(update.view(-1, update.shape[-1]), lora_b.t(), alpha=self.scaling[name])
+    return result
+
+
+@contextlib.contextmanager
+def fused_lora_forwards(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Inside the block (graph-free only), plain LoRA layers add their update in one GEMM epilogue. Yields how
+    many layers were fused; each gets PEFT's forward back afterwards."""
+    if not enabled:
+        yield 0
+        return
+    if torch.is_grad_enabled():
+        raise LongStrawError("fused_lora_forwards is for graph-free passes: enter it under torch.no_grad()")
+    fused = []
+    try:
+        for module in model.modules():
+            name = _fusable_adapter(module)
+            if name is not None:
+                module._longstraw_fused_adapter = name
+                module.forward = _fused_lora_forward.__get__(module)
+                fused.append(module)
+        yield len(fused)
+    finally:
+        for module in fused:
+            del module.forward, module._longstraw_fused_adapter
+
+
 @contextlib.contextmanager
 def adapters_in_model_dtype(model: nn.Module, enabled: bool = True) -> Iterator[int]:
-    """Inside the block, adapter parameters hold copies in their base layer's dtype (graph-free only).
+    """Inside the block, adapter parameters hold copies in their base layer's dtype (graph-free only), and plain
+    LoRA layers add their update in the base GEMM's epilogue (:func:`fused_lora_forwards`).
 
     Yields how many parameters were cast. Nothing changes for a model without adapters, with adapters
     already in the model's dtype, on fp32 models, or when ``enabled`` is False.
@@ -59,7 +127,8 @@ def adapters_in_model_dtype(model: nn.Module, enabled: bool = True) -> Iterator[
         for param, dtype in _adapter_parameters(model):
             originals.append((param, param.data))
             param.data = param.data.to(dtype)
-        yield len(originals)
+        with fused_lora_forwards(model):
+            yield len(originals)
     finally:
         for param, data in originals:
             param.data = data

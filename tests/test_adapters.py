@@ -110,3 +110,28 @@ def test_trainer_casts_in_capture_and_generation_only(enabled, monkeypatch):
     cast = torch.bfloat16 if enabled else torch.float32
     assert seen == {"capture": {cast}, "generate": {cast}, "logprobs": {torch.float32}}
     assert all(p.dtype == torch.float32 for p in params)
+
+
+def test_fused_lora_forwards_equal_peft_and_are_restored():
+    """Plain LoRA layers add their update in one GEMM epilogue inside the block: same outputs as PEFT's forward
+    (fp32: to rounding), every adapted layer fused, PEFT's forward back afterwards; dropout > 0 is not fused."""
+    from longstraw_trl.adapters import fused_lora_forwards
+
+    model = _lora(build("qwen3"))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A") and len(m.lora_A)]
+    with torch.no_grad():
+        ref = model(ids).logits
+        with fused_lora_forwards(model) as n:
+            assert n == len(adapted) > 0
+            assert all("forward" in m.__dict__ for m in adapted)
+            got = model(ids).logits
+    assert not any("forward" in m.__dict__ for m in adapted)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+    dropped = get_peft_model(build("qwen3"), LoraConfig(r=4, lora_dropout=0.1, target_modules=TARGETS))
+    with torch.no_grad(), fused_lora_forwards(dropped) as n:
+        assert n == 0
+    with pytest.raises(LongStrawError, match="graph-free"):
+        with fused_lora_forwards(model):
+            pass
