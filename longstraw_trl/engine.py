@@ -13,6 +13,7 @@ the engine asks for (token log-probs, or nothing during capture) instead of full
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import sys
 from collections.abc import Callable
@@ -743,7 +744,7 @@ def backward_segment(
     the state (``grads``), plus ``loss(head result)`` when a loss is given (a response block's own tokens).
 
     The segment reads the state at ``start`` (its earlier tokens' K/V are constants whose dK/dV go to
-    ``grads``; the fixed-size states there are leaves of ``grads``). Returns the head's result (detached).
+    ``grads``; the fixed-size states there are leaves of ``grads``). Returns the head's result.
     """
     end = start + ids.shape[1]
     view = state.at(start)
@@ -751,8 +752,8 @@ def backward_segment(
         ctx = ReplayContext(
             "segment", view, checkpoint_layers=checkpoint_layers, grads=grads, segment=(start, end)
         )
-        ctx.cp = _cp_for(state)
-        out = forward_model(model, ids, start, ctx, head=head or _skip_head, logits_to_keep=1)
+        keep = 1 if head is None else 0  # a prompt chunk needs no logits
+        out = forward_model(model, ids, start, ctx, head=head or _skip_head, logits_to_keep=keep)
         tensors = [t for t, _ in ctx.emitted]
         grad_tensors = [g for _, g in ctx.emitted]
         if loss is not None:
@@ -793,3 +794,93 @@ def prompt_backward(
             ids = state.token_ids[s : s + chunk].to(state.device)[None]
             backward_segment(model, state, grads, ids, s, checkpoint_layers=checkpoint_layers)
             bar.update(ids.shape[1])
+
+
+def replay_blocks_backward(
+    state: PromptState,
+    model: nn.Module,
+    completion_ids: torch.Tensor,
+    block_size: int,
+    loss: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    temperature: float = 1.0,
+    grads: StateGrads | None = None,
+    return_entropy: bool = False,
+    entropy_grad: bool = False,
+    checkpoint_layers: bool = False,
+    no_sync: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Reverse block replay of one response: the gradient of ``loss(logps, entropies)`` (``[R]`` each) with
+    peak memory of one block's graph plus the response's own state, whatever R.
+
+    The response (``completion_ids [1, R]`` or ``[R]``) runs in blocks of ``block_size`` positions: forward without
+    autograd block by block on a fork of ``state`` that keeps the state at each block boundary (the
+    response's K/V so far, the GDN states there), then the blocks are recomputed under autograd in reverse
+    order (:func:`backward_segment`): each back-propagates ``loss`` through its own log-probs (the others held
+    at their values, so the gradients of the blocks sum to the whole response's) plus the gradient later
+    blocks sent to its K/V and state. ``grads`` (the full gradient): what reaches the prompt state goes there,
+    as a whole replay with ``grads`` would send it; ``None``: the prompt state is a constant. ``no_sync``: a
+    context factory every backward but the last runs under (DDP). Returns the detached ``[R]`` log-probs,
+    entropies (``None`` unless ``return_entropy``) and the loss value.
+    """
+    state.check_not_empty()
+    if completion_ids.dim() == 1:
+        completion_ids = completion_ids[None]
+    if completion_ids.shape[0] != 1:
+        raise LongStrawError(
+            f"reverse block replay takes one response at a time, got {completion_ids.shape[0]}"
+        )
+    if block_size <= 0:
+        raise LongStrawError(f"block_size must be positive, got {block_size}")
+    if grads is not None and grads.state is not state:
+        raise LongStrawError("grads belong to another prompt state: make them with StateGrads(state)")
+    check_token_ids(completion_ids, model, "completion_ids")
+    r = completion_ids.shape[1]
+    check_positions(model, state.num_tokens + r, f"prompt ({state.num_tokens}) + completion ({r})")
+    ids = completion_ids.to(state.device)
+    inputs = torch.cat([state.last_token.view(1, 1), ids[:, :-1]], dim=1)
+    base = state.resident_tokens
+    starts = list(range(0, r, block_size))
+    with_entropy = return_entropy or entropy_grad
+
+    # forward without autograd: every block but the last appended to a fork, the state kept at each boundary
+    fork = state.fork()
+    logps, entropies = ids.new_zeros(r, dtype=torch.float32), ids.new_zeros(r, dtype=torch.float32)
+    ctx = ReplayContext("capture", fork, reserve_tokens=starts[-1])
+    with torch.no_grad():
+        for s in starts[:-1]:
+            e = min(r, s + block_size)
+            fork.keep_boundary(base + s)
+            head = _TokenLogprobs(ids[:, s:e], temperature, with_entropy)
+            out = forward_model(model, inputs[:, s:e], base + s, ctx, head=head)
+            lp, h = out if with_entropy else (out, None)
+            logps[s:e] = lp[0].float()
+            if h is not None:
+                entropies[s:e] = h[0].float()
+    fork.num_tokens = state.num_tokens + starts[-1]
+    block_grads = StateGrads.for_fork(fork, state, grads)
+
+    value = None
+    for n, s in enumerate(reversed(starts)):
+        e = min(r, s + block_size)
+        head = _TokenLogprobs(ids[:, s:e], temperature, with_entropy, entropy_grad)
+
+        def block_loss(out, s=s, e=e):
+            nonlocal value
+            lp, h = out if with_entropy else (out, None)
+            full_lp = torch.cat([logps[:s], lp[0], logps[e:]])
+            full_h = torch.cat([entropies[:s], h[0], entropies[e:]]) if h is not None else None
+            term = loss(full_lp, full_h)
+            value = term.detach() if value is None else value
+            return term
+
+        last = n == len(starts) - 1
+        sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
+        with sync:
+            out = backward_segment(
+                model, fork, block_grads, inputs[:, s:e], base + s, head, block_loss, checkpoint_layers
+            )
+        lp, h = out if with_entropy else (out, None)
+        logps[s:e] = lp[0].detach().float()
+        if h is not None:
+            entropies[s:e] = h[0].detach().float()
+    return logps, (entropies if return_entropy else None), value
