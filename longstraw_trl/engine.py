@@ -580,9 +580,12 @@ def extend_state(
     check_positions(model, state.num_tokens + more_ids.numel(), "the extended prompt")
     new = state.fork()
     ids = torch.cat([state.last_token.view(1).cpu(), more_ids[:-1].cpu()])
-    _prefill(new, model, ids, state.resident_tokens, new.chunk_size or DEFAULT_CHUNK_SIZE, progress)
+    keep = state.token_ids is not None  # the full gradient: the extension keeps what prompt_backward needs
+    _prefill(new, model, ids, state.resident_tokens, new.chunk_size or DEFAULT_CHUNK_SIZE, progress, keep)
     new.num_tokens = state.num_tokens + more_ids.numel()
     new.last_token = more_ids[-1].to(state.device)
+    if keep:
+        new.token_ids = torch.cat([state.token_ids, ids])
     return new
 
 
@@ -770,6 +773,8 @@ def prompt_backward(
     grads: StateGrads,
     checkpoint_layers: bool = False,
     progress: bool | None = None,
+    no_sync: Callable | None = None,
+    sync_last: bool = False,
 ) -> None:
     """Carry the gradient the replays accumulated in ``grads`` into the prompt's tokens: the capture chunks are
     recomputed under autograd in reverse order, each receiving the gradient that later chunks and every
@@ -779,6 +784,9 @@ def prompt_backward(
     Needs a state captured with ``keep_boundaries=True`` (same chunks); extra memory: one chunk's graph
     (``checkpoint_layers`` recomputes each layer in backward) and the chunk's GDN leaves' gradients.
     Context parallelism: every rank runs every chunk; the chunk's dK/dV are all-reduced before it runs.
+    ``no_sync`` (DDP): a context factory the chunks' backward runs under, except, with ``sync_last``, the last
+    one's (the first chunk), which then also scores its tokens with a zero weight, so that every parameter
+    (the output head too) takes part in the synchronising backward.
     """
     if grads.state is not state:
         raise LongStrawError("grads belong to another prompt state: make them with StateGrads(state)")
@@ -787,12 +795,21 @@ def prompt_backward(
             "prompt_backward needs a state captured with keep_boundaries=True (the prompt's ids and the "
             "GDN states at its chunk boundaries)"
         )
-    n, chunk = state.resident_tokens, state.chunk_size or DEFAULT_CHUNK_SIZE
-    starts = list(range(0, n, chunk))
+    n = state.resident_tokens
+    # the segments are the capture's chunks (an extension's too): one starts at every kept boundary
+    starts = [0] + sorted(t for t in state.boundaries or {} if 0 < t < n)
+    ends = starts[1:] + [n]
     with _progress(n, progress, "prompt backward") as bar:
-        for s in reversed(starts):
-            ids = state.token_ids[s : s + chunk].to(state.device)[None]
-            backward_segment(model, state, grads, ids, s, checkpoint_layers=checkpoint_layers)
+        for s, e in reversed(list(zip(starts, ends, strict=True))):
+            ids = state.token_ids[s:e].to(state.device)[None]
+            head = loss = None
+            if sync_last and s == 0:
+                head, loss = _TokenLogprobs(ids, 1.0), (lambda out: out.sum() * 0.0)
+            sync = (
+                no_sync() if no_sync is not None and not (sync_last and s == 0) else contextlib.nullcontext()
+            )
+            with sync:
+                backward_segment(model, state, grads, ids, s, head, loss, checkpoint_layers)
             bar.update(ids.shape[1])
 
 
