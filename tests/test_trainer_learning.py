@@ -26,7 +26,6 @@ import time
 import warnings
 
 import pytest
-
 import torch
 from _trl_helpers import tiny_qwen3_config
 from datasets import Dataset
