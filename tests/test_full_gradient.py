@@ -114,6 +114,24 @@ def test_prompt_gradient_buffers_and_leaves_are_what_the_design_says():
     assert {key for key in grads._leaves} == {(28, 0), (28, 2)}
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_backward_through_an_extended_state(family):
+    """A state extended from a cached prefix (the trainer's prompt cache, a new turn) keeps what the prompt backward
+    needs: its segments start at the prefix's chunk boundaries, then at the extension's."""
+    model = _model(family)
+    prompt, comps, weights = _data()
+    ref = stock_full_grads(model, prompt, comps, weights)
+    model.zero_grad()
+    prefix = capture_prompt(model, prompt[:13], chunk_size=8, page_size=6, keep_boundaries=True)
+    state = prefix.extend(model, prompt[13:])
+    assert sorted(state.boundaries) == [8, 12, 20]  # the prefix's chunk, then the extension's from token 12
+    grads = StateGrads(state)
+    for i in range(3):
+        (state.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]).sum().backward()
+    prompt_backward(state, model, grads)
+    assert_grads_close(_grads(model), ref)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Engine: reverse block replay
 # ----------------------------------------------------------------------------------------------------
@@ -311,11 +329,18 @@ def _step(trl, ours, inputs, ours_inputs):
         ("qwen3", True, "bnpo", "token"),
         ("qwen3_5", False, "dapo", "token"),
         ("qwen3_5", True, "grpo", "token"),
+        ("qwen3_5", False, "dapo", "checkpointing"),
     ],
 )
 def test_trainer_full_gradient_matches_stock_grpo_trainer(family, lora, loss_type, level):
+    """`level="checkpointing"`: HF gradient checkpointing on (TRL's default); the segments then use the engine's own
+    non-reentrant layer checkpointing."""
+    checkpointing = level == "checkpointing"
+    level = "token" if checkpointing else level
     kwargs = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level)
     trl, ours = _trainer_pair(family, lora, **kwargs)
+    if checkpointing:
+        ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     inputs, ours_inputs = _batch(3, 0.04)
     _step(trl, ours, inputs, ours_inputs)
     assert ours._metrics["train"]["longstraw/prompt_backward_seconds"]
@@ -329,10 +354,11 @@ def test_trainer_full_gradient_with_reverse_block_replay(family):
     _step(trl, ours, inputs, ours_inputs)
 
 
-def test_trainer_reverse_block_replay_response_only_equals_whole_replays():
-    whole = make_tiny_longstraw_trainer(loss_type="dapo", beta=0.04, capture_chunk_size=8)
+@pytest.mark.parametrize("extra", [{}, {"entropy_coef": 0.05}])
+def test_trainer_reverse_block_replay_response_only_equals_whole_replays(extra):
+    whole = make_tiny_longstraw_trainer(loss_type="dapo", beta=0.04, capture_chunk_size=8, **extra)
     blocks = make_tiny_longstraw_trainer(
-        loss_type="dapo", beta=0.04, capture_chunk_size=8, replay_block_size=2
+        loss_type="dapo", beta=0.04, capture_chunk_size=8, replay_block_size=2, **extra
     )
     _, ours_inputs = _batch(5, 0.04)
     results = []
