@@ -732,6 +732,17 @@ class StateGrads:
         return kv + leaves
 
 
+@contextlib.contextmanager
+def _hf_checkpointing_off(modules: list[nn.Module]):
+    for m in modules:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.gradient_checkpointing = True
+
+
 def backward_segment(
     model: nn.Module,
     state: PromptState,
@@ -751,7 +762,11 @@ def backward_segment(
     """
     end = start + ids.shape[1]
     view = state.at(start)
-    with torch.enable_grad():
+    # HF's checkpointing may be reentrant, which runs the layer without a graph and would cut the K/V and states the
+    # segment hands out: the engine's own (non-reentrant) layer checkpointing replaces it here
+    hf = [m for m in unwrap_model(model).modules() if getattr(m, "gradient_checkpointing", False) is True]
+    checkpoint_layers = checkpoint_layers or (bool(hf) and model.training)
+    with torch.enable_grad(), _hf_checkpointing_off(hf):
         ctx = ReplayContext(
             "segment", view, checkpoint_layers=checkpoint_layers, grads=grads, segment=(start, end)
         )
