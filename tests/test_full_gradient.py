@@ -368,3 +368,20 @@ def test_trainer_reverse_block_replay_response_only_equals_whole_replays(extra):
         results.append((t._streamed_loss(t.model, ours_inputs, backward=True), _grads(t.model)))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
     assert_grads_close(results[1][1], results[0][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_full_gradient_on_cuda_bf16(family, offload):
+    """The CUDA paths (cuDNN / flash forward, flash backward with the pages' dK/dV, the torch GDN rule's backward,
+    pinned host buffers when offloaded) in bf16 against the stock model's fp32 full gradient."""
+    model = _model(family)
+    prompt, comps, weights = _data(prompt_len=61)
+    ref = stock_full_grads(model, prompt, comps, weights)
+    model = model.cuda().to(torch.bfloat16)
+    got = engine_full_grads(model, prompt.cuda(), comps.cuda(), weights.cuda(), block_size=4, offload=offload)
+    for name, g in ref.items():
+        rel = ((got[name].float().cpu() - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert rel <= 5e-2, f"{name}: relative L2 {rel:.2e}"
