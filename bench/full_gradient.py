@@ -186,6 +186,15 @@ def main() -> None:
     }
     name = f"full_gradient_{args.preset}_{args.layers}L{args.tag}"
     t0 = time.perf_counter()
+    if args.prompt or args.long_response:  # warm-up at the run's shapes: Triton kernels compile on first use
+        warm = torch.randint(0, config.vocab_size, (2 * args.chunk,), device=dev)
+        state = capture_prompt(model, warm, chunk_size=args.chunk, page_size=args.page, keep_boundaries=True)
+        grads = StateGrads(state)
+        state.logprobs(model, warm[None, : min(args.response, 512)], grad=True, grads=grads).mean().backward()
+        prompt_backward(state, model, grads, progress=False)
+        del state, grads
+        model.zero_grad(set_to_none=True)
+        payload["warm_up_s"] = time.perf_counter() - t0
     if args.check:
         payload["check_bf16"] = check_full_gradient(
             model,

@@ -66,15 +66,18 @@ cp8-4m)  # issue 7: P = 4,456,448, eight G = 8 replay cycles on the same prefix 
   timeout 560 python3 -m torch.distributed.run --nproc_per_node 8 cp_slice.py --preset qwen3.6-27b \
     --prompt 4456448 --cycles 8 2>&1 | grep -v -i warn | tee "$OUT/cp8_4m.log" | tail -16
   ;;
-grad)  # issue 14 on the 27B slice, most important first: bf16 full-gradient check + P = 512K (full and response-only,
-      # G = 8, R = 2048), then one R = 65,536 response (reverse block replay vs whole replay), then P = 1M; short table
+grad)  # issue 14 on the 27B slice, most important first: the bf16 full-gradient check against stock (without fla:
+      # the stock layers would train through fla's backward), then P = 512K (full and response-only, G = 8,
+      # R = 2048), one R = 65,536 response (reverse block replay vs whole replay), P = 1M; a short table last
   cd bench
-  timeout 210 python3 -u full_gradient.py --prompt 524288 --tag _512K 2>&1 | grep -v -i warn \
-    | tee "$OUT/grad_512k.log" | tail -6
-  timeout 150 python3 -u full_gradient.py --prompt --check 0 --long-response 65536 --block 4096 --tag _R64K 2>&1 \
-    | grep -v -i warn | tee "$OUT/grad_r64k.log" | tail -5
-  timeout 200 python3 -u full_gradient.py --prompt 1048576 --check 0 --tag _1M 2>&1 | grep -v -i warn \
-    | tee "$OUT/grad_1m.log" | tail -5
+  timeout 60 python3 -u full_gradient.py --prompt --check 4096 --tag _check 2>&1 | grep -v -i warn \
+    | tee "$OUT/grad_check.log" | tail -2
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 170 python3 -u full_gradient.py --prompt 524288 --check 0 --tag _512K 2>&1 \
+    | grep -v -i warn | tee "$OUT/grad_512k.log" | tail -6
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 120 python3 -u full_gradient.py --prompt --check 0 --long-response 65536 \
+    --block 4096 --tag _R64K 2>&1 | grep -v -i warn | tee "$OUT/grad_r64k.log" | tail -5
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 200 python3 -u full_gradient.py --prompt 1048576 --check 0 --tag _1M 2>&1 \
+    | grep -v -i warn | tee "$OUT/grad_1m.log" | tail -5
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("full_gradient_*.json")):
