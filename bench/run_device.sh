@@ -7,6 +7,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh final      # the 2M point of (c); stock 128K/256K, 1 seq
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cp8-2m     # on nvidia-h200-x8 (then cp8-4m)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full [args] # whole 64-layer 27B + LoRA (full_model.py)
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad         # issue 14: full gradient, reverse block replay
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
 # fla importable, the stock HF Qwen3.5 layers train through fla's backward, which refuses on Triton < 3.7.1
 # (docs/design.md, "Device figures the code relies on"), so both sides of the stock comparison run without it (torch GDN rule).
@@ -84,6 +85,32 @@ cp8-4m)  # issue 7: P = 4,456,448, eight G = 8 replay cycles on the same prefix 
   cd bench
   timeout 560 python3 -m torch.distributed.run --nproc_per_node 8 cp_slice.py --preset qwen3.6-27b \
     --prompt 4456448 --cycles 8 2>&1 | grep -v -i warn | tee "$OUT/cp8_4m.log" | tail -16
+  ;;
+grad)  # issue 14 on the 27B slice, most important first: the bf16 full-gradient check against stock (without fla:
+      # the stock layers would train through fla's backward), then P = 512K (full and response-only, G = 8,
+      # R = 2048), one R = 65,536 response (reverse block replay vs whole replay), P = 1M; a short table last
+  cd bench
+  timeout 60 python3 -u full_gradient.py --prompt --check 4096 --tag _check 2>&1 | grep -v -i warn \
+    | tee "$OUT/grad_check.log" | tail -2
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 170 python3 -u full_gradient.py --prompt 524288 --check 0 --tag _512K 2>&1 \
+    | grep -v -i warn | tee "$OUT/grad_512k.log" | tail -6
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 120 python3 -u full_gradient.py --prompt --check 0 --long-response 65536 \
+    --block 4096 --tag _R64K 2>&1 | grep -v -i warn | tee "$OUT/grad_r64k.log" | tail -5
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 200 python3 -u full_gradient.py --prompt 1048576 --check 0 --tag _1M 2>&1 \
+    | grep -v -i warn | tee "$OUT/grad_1m.log" | tail -5
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("full_gradient_*.json")):
+    d = json.loads(f.read_text())
+    if "check_bf16" in d: print("check", d["check_bf16"])
+    for s in d["steps"]:
+        print(f"P={s['prompt_tokens']} {s['mode']}: step {s['step_s']:.1f}s (capture {s['capture_s']:.1f}, replays "
+              f"{s['replay_s_total']:.1f}, prompt bwd {s['prompt_backward_s']:.1f}); peak replay "
+              f"{s['replay_peak_gib']:.1f} / prompt bwd {s.get('prompt_backward_peak_gib', 0):.1f} GiB")
+    for r in d["long_response"]:
+        print(f"R={r['response_tokens']} {r['replay']}: ok={r['ok']} peak {r['peak_gib']:.1f} GiB "
+              f"{r.get('seconds', float('nan')):.1f}s")
+PY
   ;;
 agents)  # issue 12: P = 512K, G = 8, three tool turns per rollout on the Qwen3.6-27B slice; args to the script
   shift

@@ -374,6 +374,11 @@ def pages_attention(
     return unfold_gqa(out[0], b, hq, t), unfold_gqa(lse[0], b, hq, t)
 
 
+# block index (in ``pages()`` order) -> where that page's dK/dV go (``(dk, dv)``, fp32 ``[Hkv, L, D]``), or
+# ``None`` when the page is a constant whose gradient nobody needs
+PageGradSink = Callable[[int], Callable[[torch.Tensor, torch.Tensor], None] | None]
+
+
 def pages_attention_dq(
     q: torch.Tensor,
     pages: PageIter,
@@ -383,23 +388,39 @@ def pages_attention_dq(
     scale: float,
     num_kv_heads: int,
     softcap: float | None = None,
+    page_grads: PageGradSink | None = None,
 ) -> torch.Tensor:
-    """dQ contribution of the prompt pages (fp32, query layout), given the final ``out``/``lse``."""
+    """dQ contribution of the prompt pages (fp32, query layout), given the final ``out``/``lse``.
+
+    ``page_grads``: pages whose sink is not ``None`` also get their dK/dV (summed over the batch and the
+    grouped query heads), handed to the sink: exact from the final ``out``/``lse`` like dQ."""
     b, hq, t, _ = q.shape
     qf = fold_gqa(q, num_kv_heads)
     of, df = fold_gqa(out, num_kv_heads), fold_gqa(dout, num_kv_heads)
     lf = fold_gqa(lse.unsqueeze(-1), num_kv_heads)[..., 0]
     dq = torch.zeros_like(qf, dtype=torch.float32)
     delta = None
-    for k, v in pages():
-        if softcap is None and _use_prompt_dq() and prompt_dq_ok(qf, k):
+    for i, (k, v) in enumerate(pages()):
+        sink = page_grads(i) if page_grads is not None else None
+        if sink is None and softcap is None and _use_prompt_dq() and prompt_dq_ok(qf, k):
             if delta is None:
                 delta = (df.float() * of).sum(-1)  # D_i = dO_i . O_i, shared by every page
             dq += prompt_dq(qf, k, v, lf, delta, df, scale)
             continue
-        dq += attention_grads(
-            qf[None], k[None], v[None], of[None], lf[None], df[None], scale, need_kv=False, softcap=softcap
-        )[0][0]
+        dq_i, dk, dv = attention_grads(
+            qf[None],
+            k[None],
+            v[None],
+            of[None],
+            lf[None],
+            df[None],
+            scale,
+            need_kv=sink is not None,
+            softcap=softcap,
+        )
+        dq += dq_i[0]
+        if sink is not None:
+            sink(dk[0], dv[0])
     return unfold_gqa(dq, b, hq, t)
 
 
@@ -447,8 +468,8 @@ class PromptResponseAttention(torch.autograd.Function):
     """Exact attention of response queries over read-only prompt pages plus their own causal keys.
 
     Forward merges the two parts by LSE, then the sink term if the layer has one (:func:`merge_sink`).
-    Backward returns dQ (from both parts) and dK/dV of the response keys only: the pages are constants
-    and get no gradient. The sink is a key with a zero value, so the FlashAttention identity over the
+    Backward returns dQ (from both parts) and dK/dV of the response keys; the pages are constants for
+    autograd, and their dK/dV, where ``page_grads`` asks for them, go to its sinks (the full gradient). The sink is a key with a zero value, so the FlashAttention identity over the
     final (sink-merged) ``out``/``lse`` stays exact for the other parts, and the sink's own gradient is
     ``d sink_h = -sum_i exp(sink_h - lse_i) (dO_i . O_i)``. ``reduce_partial`` combines the prompt part
     across context-parallel ranks (identity on one rank) and ``reduce_dq`` sums the page dQ across them
@@ -456,7 +477,7 @@ class PromptResponseAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq):
+    def forward(ctx, q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq, page_grads):
         num_kv = k.shape[1]
         out_p, lse_p = pages_attention(q, pages, scale, num_kv, softcap)
         out_p, lse_p = reduce_partial(out_p, lse_p, q)
@@ -464,13 +485,16 @@ class PromptResponseAttention(torch.autograd.Function):
         out, lse = merge_sink(*merge_partials(out_p, lse_p, out_s, lse_s), sinks)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.pages, ctx.scale, ctx.softcap, ctx.reduce_dq = pages, scale, softcap, reduce_dq
+        ctx.page_grads = page_grads
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         num_kv, rep = k.shape[1], q.shape[1] // k.shape[1]
-        dq_pages = pages_attention_dq(q, ctx.pages, out, lse, dout, ctx.scale, num_kv, ctx.softcap)
+        dq_pages = pages_attention_dq(
+            q, ctx.pages, out, lse, dout, ctx.scale, num_kv, ctx.softcap, ctx.page_grads
+        )
         dq_s, dk, dv = attention_grads(
             q,
             repeat_kv(k, rep),
@@ -491,7 +515,7 @@ class PromptResponseAttention(torch.autograd.Function):
             delta = (dout.float() * out).sum(-1)  # [B, Hq, T]
             p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
             dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
 
 
 def _no_reduce_partial(out, lse, q):
@@ -513,10 +537,12 @@ def prompt_response_attention(
     self_length: torch.Tensor | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    page_grads: PageGradSink | None = None,
 ) -> torch.Tensor:
     """Attention output ``[B, Hq, T, D]`` (q's dtype) of ``q`` over ``pages`` then causally over ``k, v``.
 
-    Differentiable in ``q, k, v`` (and ``sinks``) when autograd is on; the pages never get a gradient.
+    Differentiable in ``q, k, v`` (and ``sinks``) when autograd is on; the pages are constants, whose
+    dK/dV backward hands to ``page_grads`` where it names a sink (:func:`pages_attention_dq`).
     ``self_length`` (decode, no autograd): ``k, v`` are fixed-capacity buffers of which the first
     ``self_length`` keys are filled, the newest one being the query's own (:func:`masked_decode_attention_lse`).
     ``softcap``: scores soft-capped before the softmax (Gemma 2); ``sinks [Hq]``: one more term per head
@@ -526,7 +552,9 @@ def prompt_response_attention(
     reduce_dq = reduce_dq or _no_reduce_dq
     grads = (q, k, v) + ((sinks,) if sinks is not None else ())
     if torch.is_grad_enabled() and any(t.requires_grad for t in grads):
-        return PromptResponseAttention.apply(q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq)
+        return PromptResponseAttention.apply(
+            q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq, page_grads
+        )
     out_p, lse_p = reduce_partial(*pages_attention(q, pages, scale, k.shape[1], softcap), q)
     if self_length is not None:
         out_s, lse_s = masked_decode_attention_lse(q, k, v, scale, self_length, softcap)

@@ -27,6 +27,7 @@ def causal_conv1d_with_state(
     conv_state: torch.Tensor | None = None,
     activation: str | None = "silu",
     state_len: int | None = None,
+    state_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv of ``x`` given the inputs that preceded it.
 
@@ -40,6 +41,8 @@ def causal_conv1d_with_state(
         activation: ``"silu"`` (HF's ``hidden_act`` for Qwen3.5), ``"swish"``, ``"identity"`` or None.
         state_len: width of the returned state; default ``kernel_size - 1`` (HF's cache keeps
             ``kernel_size``).
+        state_grad: ``conv_state`` is differentiable and so is the returned state (the full gradient:
+            a boundary state as a leaf, the next boundary's state as an output).
     Returns:
         ``(y [B, C, T] in x.dtype, new_conv_state [B, C, state_len] in x.dtype)``: ``new_conv_state`` is a
         fresh detached tensor holding the last ``state_len`` inputs of ``concat(conv_state, x)``, ready to
@@ -63,13 +66,14 @@ def causal_conv1d_with_state(
     else:
         if conv_state.shape[:2] != (Bsz, C):
             raise ValueError(f"conv_state must be [B, C, W] = [{Bsz}, {C}, W]; got {tuple(conv_state.shape)}")
-        prev = conv_state.detach().to(device=x.device, dtype=x.dtype)
+        prev = (conv_state if state_grad else conv_state.detach()).to(device=x.device, dtype=x.dtype)
         need = max(hist, L) - prev.shape[-1]
         if need > 0:
             prev = F.pad(prev, (need, 0))
     full = torch.cat([prev, x], dim=-1)  # [B, C, W' + T], W' >= kernel_size - 1
 
-    new_state = full[..., full.shape[-1] - L :].detach().clone() if L > 0 else x.new_zeros(Bsz, C, 0)
+    tail = full[..., full.shape[-1] - L :] if state_grad else full[..., full.shape[-1] - L :].detach()
+    new_state = tail.clone() if L > 0 else x.new_zeros(Bsz, C, 0)
     if T == 0:
         return x.new_zeros(Bsz, C, 0), new_state
 

@@ -144,6 +144,7 @@ def chunk_gated_delta_rule_torch(
     scale: float | None = None,
     block_size: int | None = None,
     checkpoint: bool | None = None,
+    state_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked gated delta rule in torch; HF ``torch_chunk_gated_delta_rule`` semantics.
 
@@ -153,7 +154,8 @@ def chunk_gated_delta_rule_torch(
     Args:
         q, k: ``[B, T, Hk, K]``; v: ``[B, T, Hv, V]``; g, beta: ``[B, T, Hv]`` (any float dtypes;
             computed in fp32 like HF).
-        initial_state: ``[B, Hv, K, V]`` or None. A constant: detached, never written in place.
+        initial_state: ``[B, Hv, K, V]`` or None. A constant (detached) unless ``state_grad``; never
+            written in place.
         output_final_state: return the fp32 state after the last token (a fresh tensor).
         chunk_size: tokens per UT-transform chunk (64 like HF and fla).
         use_qk_l2norm_in_kernel: L2-normalize q and k (eps 1e-6, in fp32) before scaling q.
@@ -163,6 +165,8 @@ def chunk_gated_delta_rule_torch(
         checkpoint: when gradients are needed, recompute each block in backward and keep only its
             inputs and its start state (like fla keeps per-chunk states). Default (None): on when the
             call spans more than one block. Forced off when no gradient is needed.
+        state_grad: the initial state is differentiable (the full gradient: a boundary state as a leaf),
+            and so is the final state whenever autograd is on.
     Returns:
         ``(o [B, T, Hv, V] in q.dtype, final_state fp32 [B, Hv, K, V] or None)``.
     """
@@ -174,10 +178,13 @@ def chunk_gated_delta_rule_torch(
 
     if initial_state is None:
         state = torch.zeros(B, Hv, K, V, dtype=torch.float32, device=q.device)
+    elif state_grad:
+        state = initial_state.to(device=q.device, dtype=torch.float32)
     else:
         state = initial_state.detach().to(device=q.device, dtype=torch.float32)
 
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    inputs = (q, k, v, g, beta) + ((state,) if state_grad and initial_state is not None else ())
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     use_ckpt = needs_grad and (T > block if checkpoint is None else bool(checkpoint))
 
     starts = range(0, T, block)
@@ -289,16 +296,30 @@ def fla_backward_allowed(device: torch.device | None = None) -> bool:
 
 
 def _fla_call(
-    q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, scale, max_tokens
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm_in_kernel,
+    scale,
+    max_tokens,
+    state_grad=False,
 ):
     fn = _fla_chunk_fn()
     Hk, Hv = k.shape[2], v.shape[2]
     if Hv != Hk and not _fla_native_gva():  # older fla: repeat q/k heads (same head mapping)
         q = q.repeat_interleave(Hv // Hk, dim=2)
         k = k.repeat_interleave(Hv // Hk, dim=2)
-    state = None if initial_state is None else initial_state.detach().to(torch.float32)
+    if initial_state is None:
+        state = None
+    else:  # fla returns the initial state's gradient when it requires one
+        state = (initial_state if state_grad else initial_state.detach()).to(torch.float32)
     T = q.shape[1]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    inputs = (q, k, v, g, beta) + ((state,) if state is not None else ())
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     if needs_grad or T <= max_tokens:
         o, final = fn(
             q,
@@ -391,8 +412,10 @@ def gated_delta_rule(
     block_size: int | None = None,
     checkpoint: bool | None = None,
     fla_max_tokens_per_call: int = FLA_MAX_TOKENS_PER_CALL,
+    state_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule from a constant ``initial_state``; picks fla or the torch chunked rule.
+    """Gated delta rule from a constant ``initial_state`` (a differentiable one with ``state_grad``, see
+    :func:`chunk_gated_delta_rule_torch`); picks fla or the torch chunked rule.
 
     ``backend``: ``"auto"`` (fla on CUDA for bf16/fp16 inputs when no gradient is needed, or when
     :func:`fla_backward_allowed`; torch otherwise), ``"fla"`` (force; raises if unavailable), ``"torch"``.
@@ -403,7 +426,8 @@ def gated_delta_rule(
     if backend not in ("auto", "fla", "torch"):
         raise ValueError(f"backend must be 'auto', 'fla' or 'torch'; got {backend!r}")
     scale = K**-0.5 if scale is None else float(scale)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    grad_inputs = (q, k, v, g, beta) + ((initial_state,) if state_grad and initial_state is not None else ())
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs)
     if backend == "auto" and T == 1 and not needs_grad:
         o, final = gated_delta_step(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, scale)
         return o, (final if output_final_state else None)
@@ -431,6 +455,7 @@ def gated_delta_rule(
             use_qk_l2norm_in_kernel,
             scale,
             fla_max_tokens_per_call,
+            state_grad,
         )
     return chunk_gated_delta_rule_torch(
         q,
@@ -445,4 +470,5 @@ def gated_delta_rule(
         scale=scale,
         block_size=block_size,
         checkpoint=checkpoint,
+        state_grad=state_grad,
     )

@@ -4,25 +4,29 @@ Capture the long prompt once (no autograd) into a model-native :class:`PromptSta
 score and replay every response on top of that read-only state.
 """
 
-from .engine import capture_prompt
+from .engine import StateGrads, capture_prompt, prompt_backward, replay_blocks_backward
 from .errors import LongStrawError, PromptTooLongError, UnsupportedModelError
 from .model_patches import patch_model, supported_model_types
 from .model_patches.qwen3_5 import GDNState
-from .state import KVPages, LayerState, PromptState, WindowKV
+from .state import KVGrad, KVPages, LayerState, PromptState, WindowKV
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GDNState",
+    "KVGrad",
     "KVPages",
     "LayerState",
     "LongStrawError",
     "PromptState",
     "PromptTooLongError",
+    "StateGrads",
     "UnsupportedModelError",
     "WindowKV",
     "capture_prompt",
     "patch_model",
+    "prompt_backward",
+    "replay_blocks_backward",
     "supported_model_types",
 ]
 

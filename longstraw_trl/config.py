@@ -9,6 +9,7 @@ from trl import GRPOConfig
 from .errors import LongStrawError
 
 REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
+GRADIENT_MODES = ("response_only", "full")
 OFFLOAD_CHOICES = (None, "cpu")
 
 
@@ -78,6 +79,23 @@ class LongStrawGRPOConfig(GRPOConfig):
         replay_checkpoint_layers (`bool`, *optional*, defaults to `False`):
             Recompute every decoder layer of a response replay in backward instead of storing its activations (only
             where TRL's own gradient checkpointing, on by default, does not already checkpoint the layer).
+
+        gradient_mode (`str`, *optional*, defaults to `"response_only"`):
+            Which gradient a training step back-propagates. `"response_only"`: the prompt state is a constant, so
+            gradients reach the weights through the last prompt token and the responses only (docs/design.md,
+            "Objective"). `"full"`: TRL's full-sequence gradient (the prompt's tokens too): the replays also
+            accumulate the gradient of the prompt state (fp32 buffers the size of its K/V, and the GDN states), then
+            the prompt's capture chunks are recomputed under autograd in reverse order, one chunk's graph at a time.
+            The capture keeps every GDN layer's state at each chunk boundary (per boundary: the model's GDN state
+            bytes, e.g. 144 MiB for Qwen3.6-27B). Needs `refresh_policy="recapture"` (a stale state has no exact
+            gradient), no fp16 loss scaling and no MoE router auxiliary loss.
+        replay_block_size (`int` or `None`, *optional*, defaults to `None`):
+            Reverse block replay: replay each response in blocks of this many tokens, forward without autograd
+            block by block keeping only the state at block boundaries (the response's K/V so far, the GDN states),
+            then recompute the blocks under autograd in reverse order, carrying each block's gradient back to the
+            earlier ones. Peak memory is one block's graph plus the response's state, whatever the response length;
+            the gradient is the same (each block back-propagates the response's loss through its own tokens, the
+            other blocks' log-probs held at their values). `None` (the default): each response is replayed whole.
 
         cp_size (`int`, *optional*, defaults to `1`):
             Context-parallel ranks per prompt: consecutive groups of `cp_size` processes share each prompt, every rank
@@ -171,6 +189,21 @@ class LongStrawGRPOConfig(GRPOConfig):
             "activations (where TRL's gradient checkpointing does not already checkpoint it)."
         },
     )
+    gradient_mode: str = field(
+        default="response_only",
+        metadata={
+            "help": "'response_only' (the prompt state is a constant) or 'full' (TRL's full-sequence gradient: the "
+            "prompt's chunks are recomputed under autograd in reverse order after the replays).",
+            "choices": list(GRADIENT_MODES),
+        },
+    )
+    replay_block_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Replay each response in blocks of this many tokens, recomputed under autograd in reverse order "
+            "(peak memory: one block's graph). None: whole responses."
+        },
+    )
     cp_size: int = field(
         default=1,
         metadata={
@@ -225,6 +258,25 @@ class LongStrawGRPOConfig(GRPOConfig):
                 f"capture_chunk_size and page_size must be positive, got {self.capture_chunk_size} and "
                 f"{self.page_size}."
             )
+        if self.gradient_mode not in GRADIENT_MODES:
+            raise LongStrawError(
+                f"gradient_mode must be one of {', '.join(GRADIENT_MODES)}, got {self.gradient_mode!r}."
+            )
+        if self.gradient_mode == "full" and self.refresh_policy != "recapture":
+            raise LongStrawError(
+                f"gradient_mode='full' with refresh_policy={self.refresh_policy!r} is not supported: a prompt state "
+                "captured with older weights has no exact full gradient. Set refresh_policy='recapture'."
+            )
+        if self.gradient_mode == "full" and self.fp16:
+            raise LongStrawError(
+                "gradient_mode='full' with fp16=True is not supported (the prompt backward runs outside the "
+                "accelerator's loss scaling). Use bf16=True."
+            )
+        if self.replay_block_size is not None:
+            if self.replay_block_size <= 0:
+                raise LongStrawError(
+                    f"replay_block_size must be positive or None, got {self.replay_block_size}."
+                )
         if self.cp_size < 1:
             raise LongStrawError(f"cp_size must be >= 1, got {self.cp_size}.")
         if self.replay_batch_tokens < 0:

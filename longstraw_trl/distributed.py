@@ -75,6 +75,12 @@ class ContextParallel:
         dist.all_reduce(dq, group=self.group)
         return dq
 
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over the group's ranks (a new tensor, the same on every rank)."""
+        out = t.contiguous().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
 
 def new_cp_groups(cp_size: int):
     """Split the world into consecutive groups of ``cp_size`` ranks; returns this rank's group.

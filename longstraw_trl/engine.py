@@ -13,6 +13,7 @@ the engine asks for (token log-probs, or nothing during capture) instead of full
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import sys
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from longstraw_trl.kernels.logprob import token_logprobs
 from longstraw_trl.model_patches import find_patch, patch_model, unwrap_model
 
 from .errors import LongStrawError, PromptTooLongError
-from .state import KVPages, LayerState, PromptState, WindowKV, _storage_device
+from .state import KVGrad, KVPages, LayerState, PromptState, WindowKV, _storage_device
 
 CTX_KWARG = "longstraw"
 
@@ -72,7 +73,7 @@ def install_attention_dispatch() -> None:
 # ----------------------------------------------------------------------------------------------------
 # Context passed down the decoder layers
 # ----------------------------------------------------------------------------------------------------
-MODES = ("capture", "replay", "decode")
+MODES = ("capture", "replay", "decode", "segment")
 
 
 @dataclass
@@ -115,6 +116,12 @@ class ReplayContext:
         step: decode with fixed shapes (CUDA graphs): a 0-dim device tensor counting the tokens each
             sequence has decoded before this call (one token per call). The buffers keep ``capacity``
             slots and attention masks the unfilled ones. ``None``: buffers grow with each call.
+        grads: the full gradient (:class:`StateGrads`): the state's tensors are not constants any more;
+            attention hands the pages' dK/dV to its buffers and fixed-size states start from its leaves.
+        segment: ``"segment"`` mode: the global resident positions ``(start, end)`` of the recomputed
+            segment; ``state`` is then the view at ``start`` (:meth:`PromptState.at`), and every layer
+            hands what it adds to the state (its K/V, its state after the segment) to :attr:`emitted`
+            with the gradient later segments sent to it.
 
     Attributes:
         running: decode only: layer index -> that layer's state for the G sequences (:class:`ResponseKV`
@@ -130,10 +137,17 @@ class ReplayContext:
         capacity: int = 0,
         reserve_tokens: int = 0,
         step: torch.Tensor | None = None,
+        grads: StateGrads | None = None,
+        segment: tuple[int, int] | None = None,
     ):
         if mode not in MODES:
             raise LongStrawError(f"unknown LongStraw mode {mode!r}; one of {', '.join(MODES)}")
+        if (mode == "segment") != (segment is not None) or (mode == "segment" and grads is None):
+            raise LongStrawError("mode 'segment' takes a segment (start, end) and grads, and only it does")
         self.mode = mode
+        self.grads, self.segment = grads, segment
+        # (tensor, its gradient from later segments) of what a segment added to the state
+        self.emitted: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.state = state
         self.cp = cp if cp is not None else _cp_for(state)
         self.checkpoint_layers = checkpoint_layers
@@ -163,7 +177,33 @@ class ReplayContext:
         if self.mode == "capture" and idx not in self._reserved:
             layer.reserve(self.reserve_tokens)
             self._reserved.add(idx)
+        if self.grads is not None:
+            self.grads.check_kind(idx, layer)
+            if layer.grad_kind == "leaf":
+                leaf = self.grads.leaf(self.state.resident_tokens, idx, layer)
+                return layer if leaf is None else leaf
         return layer
+
+    @property
+    def state_grad(self) -> bool:
+        """Whether fixed-size layer states are differentiable in this call (the full gradient)."""
+        return self.grads is not None
+
+    def _emit(self, tensors, grads) -> None:
+        for t, g in zip(tensors, grads, strict=True):
+            if t is not None and g is not None and t.requires_grad:
+                self.emitted.append((t, g.to(t.dtype)))
+
+    def emit_state(self, idx: int, after: LayerState) -> None:
+        """A fixed-size layer's state after the segment, paired with the gradient its next user sent."""
+        self._emit(after.grad_tensors(), self.grads.carried(self.segment[1], idx))
+
+    def _emit_kv(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        start, end = self.segment
+        dk, dv = self.grads.kv(idx).take(start, end, k.device)
+        if self.cp.size > 1:  # the segment is replicated: every rank needs the dK/dV of every rank's pages
+            dk, dv = self.cp.all_reduce_sum(dk), self.cp.all_reduce_sum(dv)
+        self._emit([k, v], [dk, dv])
 
     def _new_kv(self, k: torch.Tensor, v: torch.Tensor) -> KVPages:
         return KVPages(
@@ -230,6 +270,9 @@ class ReplayContext:
                 q, k, v, prompt_k, prompt_v, scale, sliding_window, self_length, softcap=softcap, sinks=sinks
             )
         else:
+            page_grads = None
+            if self.grads is not None and layer is not None:
+                page_grads = self.grads.kv(idx).sink(layer)
             out = prompt_response_attention(
                 q,
                 k,
@@ -241,9 +284,12 @@ class ReplayContext:
                 self_length=self_length,
                 softcap=softcap,
                 sinks=sinks,
+                page_grads=page_grads,
             )
         if self.mode == "capture":
             layer.append(k[0], v[0])
+        elif self.mode == "segment":
+            self._emit_kv(idx, k[0], v[0])
         return out.transpose(1, 2)
 
 
@@ -257,6 +303,10 @@ class _SingleRank:
     @staticmethod
     def reduce_dq(dq_pages, dq_self):
         return dq_pages + dq_self
+
+    @staticmethod
+    def all_reduce_sum(t):
+        return t
 
 
 def _cp_for(state: PromptState):
@@ -443,15 +493,24 @@ def _progress(total: int, enabled: bool | None, desc: str):
 
 @torch.no_grad()
 def _prefill(
-    state: PromptState, model: nn.Module, ids: torch.Tensor, start: int, chunk_size: int, progress
+    state: PromptState,
+    model: nn.Module,
+    ids: torch.Tensor,
+    start: int,
+    chunk_size: int,
+    progress,
+    keep_boundaries: bool = False,
 ) -> None:
-    """Append ``ids`` (1-D) at positions ``start...`` to the layer states of ``state``."""
+    """Append ``ids`` (1-D) at positions ``start...`` to the layer states of ``state``; with
+    ``keep_boundaries`` also keep the fixed-size layers' states at every chunk boundary (the full gradient)."""
     if ids.numel() == 0:
         return
     device = state.device
     ctx = ReplayContext("capture", state, reserve_tokens=ids.numel())
     with _progress(ids.numel(), progress, "capture") as bar:
         for s in range(0, ids.numel(), chunk_size):
+            if keep_boundaries and start + s > 0:
+                state.keep_boundary(start + s)
             chunk = ids[s : s + chunk_size].to(device)[None]
             forward_model(model, chunk, start + s, ctx, head=_skip_head, logits_to_keep=1)
             bar.update(chunk.shape[1])
@@ -465,6 +524,7 @@ def capture_prompt(
     offload: str | None = None,
     cp_group=None,
     progress: bool | None = None,
+    keep_boundaries: bool = False,
 ) -> PromptState:
     """Capture ``prompt_ids`` (1-D) once, without autograd, into a :class:`PromptState`.
 
@@ -482,6 +542,9 @@ def capture_prompt(
             streams it to the device a page at a time.
         cp_group: a ``torch.distributed`` group: pages are spread round-robin over its ranks.
         progress: show a progress bar (default: only for prompts of 128K tokens or more).
+        keep_boundaries: keep what :func:`prompt_backward` needs (the full gradient): the prompt's token
+            ids and, at every chunk boundary, the fixed-size layers' states (GDN: conv + recurrent state,
+            the state's fixed-size bytes once per chunk boundary, on the model's device).
     """
     patch_model(model)
     check_token_ids(prompt_ids, model, "prompt_ids")
@@ -497,9 +560,12 @@ def capture_prompt(
     device = model_device(model)
     _storage_device(device, offload)  # validates `offload`
     state = PromptState({}, device, offload, cp_group, page_size, chunk_size)
-    _prefill(state, model, prompt_ids[:-1], 0, chunk_size, progress)
+    _prefill(state, model, prompt_ids[:-1], 0, chunk_size, progress, keep_boundaries)
     state.num_tokens = prompt_ids.numel()
     state.last_token = prompt_ids[-1].to(device)
+    if keep_boundaries:
+        state.token_ids = prompt_ids[:-1].detach().cpu().clone()
+        state.boundaries = state.boundaries or {}
     return state
 
 
@@ -514,9 +580,12 @@ def extend_state(
     check_positions(model, state.num_tokens + more_ids.numel(), "the extended prompt")
     new = state.fork()
     ids = torch.cat([state.last_token.view(1).cpu(), more_ids[:-1].cpu()])
-    _prefill(new, model, ids, state.resident_tokens, new.chunk_size or DEFAULT_CHUNK_SIZE, progress)
+    keep = state.token_ids is not None  # the full gradient: the extension keeps what prompt_backward needs
+    _prefill(new, model, ids, state.resident_tokens, new.chunk_size or DEFAULT_CHUNK_SIZE, progress, keep)
     new.num_tokens = state.num_tokens + more_ids.numel()
     new.last_token = more_ids[-1].to(state.device)
+    if keep:
+        new.token_ids = torch.cat([state.token_ids, ids])
     return new
 
 
@@ -540,6 +609,7 @@ def replay_logprobs(
     checkpoint_layers: bool = False,
     return_entropy: bool = False,
     entropy_grad: bool = False,
+    grads: StateGrads | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``[G, R]`` log-probs of ``completion_ids`` continuing the captured prompt (fp32); with
     ``return_entropy`` also ``[G, R]`` entropies of the same distributions (without gradient unless
@@ -549,9 +619,13 @@ def replay_logprobs(
     log-prob of completion token ``j`` is read at position ``j``. Positions past a row's mask are computed
     but meaningless (right padding cannot affect earlier tokens under causal attention). With
     ``grad=True`` the result carries the autograd graph of these rows only; ``checkpoint_layers``
-    recomputes each decoder layer in backward instead of storing it.
+    recomputes each decoder layer in backward instead of storing it. ``grads`` (the full gradient, with
+    ``grad=True``): backward also accumulates the gradient of the prompt state into it, for
+    :func:`prompt_backward` to carry into the prompt's tokens.
     """
     state.check_not_empty()
+    if grads is not None and grads.state is not state:
+        raise LongStrawError("grads belong to another prompt state: make them with StateGrads(state)")
     if completion_ids.dim() == 1:
         completion_ids = completion_ids[None]
     check_token_ids(completion_ids, model, "completion_ids")
@@ -562,7 +636,283 @@ def replay_logprobs(
     ids = completion_ids.to(state.device)
     inputs = torch.cat([state.last_token.view(1, 1).expand(g, 1), ids[:, :-1]], dim=1)
     with torch.set_grad_enabled(grad):
-        ctx = ReplayContext("replay", state, checkpoint_layers=checkpoint_layers)
+        ctx = ReplayContext(
+            "replay", state, checkpoint_layers=checkpoint_layers, grads=grads if grad else None
+        )
         head = _TokenLogprobs(ids, temperature, return_entropy, entropy_grad)
         out = forward_model(model, inputs, state.resident_tokens, ctx, head=head)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The full gradient: segments recomputed in reverse under autograd
+# ----------------------------------------------------------------------------------------------------
+class StateGrads:
+    """The gradient of a loss with respect to a :class:`PromptState`'s resident tensors, accumulated by the
+    calls that read the state under autograd and carried back by :func:`prompt_backward`.
+
+    One mechanism for every segment of a sequence (the prompt's capture chunks, a response's blocks): a
+    segment is recomputed under autograd from the state at its start, where
+
+    - growing layer states (``grad_kind == "buffer"``, K/V pages) are constants whose gradient the attention
+      backward accumulates into a buffer of the state's size (:class:`~longstraw_trl.state.KVGrad`, fp32);
+      the segment that produced those tokens takes it back as the gradient of its own K/V;
+    - fixed-size layer states (``grad_kind == "leaf"``, GDN conv + recurrent state) at each boundary are a
+      leaf (one per boundary, shared by every call starting there, so the gradients of all of them add up);
+      the segment ending at that boundary takes the leaf's gradient as that of the state it produced.
+
+    ``parent`` / ``base_tokens``: the grads of a state forked from ``parent.state`` after its
+    ``base_tokens`` resident tokens (a response's reverse block replay): what lies before goes to
+    ``parent`` (``None``: constants, the response-only gradient).
+
+    Attributes:
+        state: the state whose gradient this is.
+    """
+
+    def __init__(self, state: PromptState, parent: StateGrads | None = None, base_tokens: int = 0):
+        self.state, self.parent, self.base_tokens = state, parent, base_tokens
+        self.base_state: PromptState | None = None
+        self._kv: dict[int, KVGrad] = {}
+        self._leaves: dict[tuple[int, int], LayerState] = {}
+
+    @classmethod
+    def for_fork(cls, fork: PromptState, base: PromptState, parent: StateGrads | None) -> StateGrads:
+        """Grads of ``fork`` (``base.fork()``, then extended): ``base``'s part goes to ``parent``."""
+        grads = cls(fork, parent, base.resident_tokens)
+        grads.base_state = base
+        return grads
+
+    def check_kind(self, idx: int, layer: LayerState) -> None:
+        if layer.grad_kind is None:
+            raise LongStrawError(
+                f"layer {idx} keeps a {type(layer).__name__}, which has no full gradient (gradient_mode='full' "
+                "and reverse block replay support K/V pages and Gated DeltaNet states)"
+            )
+
+    def kv(self, idx: int) -> KVGrad:
+        """The dK/dV buffers of layer ``idx`` (K/V pages)."""
+        if idx not in self._kv:
+            layer = self.state.layers[idx]
+            shared, parent = 0, None
+            if self.base_state is not None and idx in self.base_state.layers:
+                shared = len(self.base_state.layers[idx].segments)
+                parent = self.parent.kv(idx) if self.parent is not None else None
+            self._kv[idx] = KVGrad(layer, shared, parent)
+        return self._kv[idx]
+
+    def leaf(self, tokens: int, idx: int, layer: LayerState) -> LayerState | None:
+        """The leaf standing for layer ``idx``'s state ``layer`` after ``tokens`` resident tokens (``None``:
+        a constant, when that boundary belongs to no gradient)."""
+        if tokens <= self.base_tokens and self.base_state is not None:
+            return None if self.parent is None else self.parent.leaf(tokens, idx, layer)
+        key = (tokens, idx)
+        if key not in self._leaves:
+            tensors = [None if t is None else t.detach().requires_grad_() for t in layer.grad_tensors()]
+            self._leaves[key] = layer.with_tensors(tensors)
+        return self._leaves[key]
+
+    def carried(self, tokens: int, idx: int) -> list[torch.Tensor | None]:
+        """The gradient the calls starting after ``tokens`` resident tokens sent to layer ``idx``'s state."""
+        if tokens <= self.base_tokens and self.base_state is not None:
+            return [None, None] if self.parent is None else self.parent.carried(tokens, idx)
+        leaf = self._leaves.get((tokens, idx))
+        if leaf is None:
+            return [None] * len(self.state.layers[idx].grad_tensors())
+        return [None if t is None else t.grad for t in leaf.grad_tensors()]
+
+    def nbytes(self) -> int:
+        """Bytes of the gradient buffers and leaves held now."""
+        kv = sum(g.nbytes() for g in self._kv.values())
+        leaves = sum(
+            t.numel() * t.element_size()
+            for leaf in self._leaves.values()
+            for t in leaf.grad_tensors()
+            if t is not None and t.grad is not None
+        )
+        return kv + leaves
+
+
+@contextlib.contextmanager
+def _hf_checkpointing_off(modules: list[nn.Module]):
+    for m in modules:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.gradient_checkpointing = True
+
+
+def backward_segment(
+    model: nn.Module,
+    state: PromptState,
+    grads: StateGrads,
+    ids: torch.Tensor,
+    start: int,
+    head: Callable | None = None,
+    loss: Callable[[object], torch.Tensor] | None = None,
+    checkpoint_layers: bool = False,
+):
+    """Recompute the segment ``ids [1, T]`` at resident positions ``start ... start + T`` of ``state`` under
+    autograd and back-propagate into the parameters: the gradient later segments sent to what it added to
+    the state (``grads``), plus ``loss(head result)`` when a loss is given (a response block's own tokens).
+
+    The segment reads the state at ``start`` (its earlier tokens' K/V are constants whose dK/dV go to
+    ``grads``; the fixed-size states there are leaves of ``grads``). Returns the head's result.
+    """
+    end = start + ids.shape[1]
+    view = state.at(start)
+    # HF's checkpointing may be reentrant, which runs the layer without a graph and would cut the K/V and states the
+    # segment hands out: the engine's own (non-reentrant) layer checkpointing replaces it here
+    hf = [m for m in unwrap_model(model).modules() if getattr(m, "gradient_checkpointing", False) is True]
+    checkpoint_layers = checkpoint_layers or (bool(hf) and model.training)
+    with torch.enable_grad(), _hf_checkpointing_off(hf):
+        ctx = ReplayContext(
+            "segment", view, checkpoint_layers=checkpoint_layers, grads=grads, segment=(start, end)
+        )
+        keep = 1 if head is None else 0  # a prompt chunk needs no logits
+        out = forward_model(model, ids, start, ctx, head=head or _skip_head, logits_to_keep=keep)
+        tensors = [t for t, _ in ctx.emitted]
+        grad_tensors = [g for _, g in ctx.emitted]
+        if loss is not None:
+            tensors.append(loss(out))
+            grad_tensors.append(None)
+        if tensors:
+            torch.autograd.backward(tensors, grad_tensors)
+    return out
+
+
+def prompt_backward(
+    state: PromptState,
+    model: nn.Module,
+    grads: StateGrads,
+    checkpoint_layers: bool = False,
+    progress: bool | None = None,
+    no_sync: Callable | None = None,
+    sync_last: bool = False,
+) -> None:
+    """Carry the gradient the replays accumulated in ``grads`` into the prompt's tokens: the capture chunks are
+    recomputed under autograd in reverse order, each receiving the gradient that later chunks and every
+    response sent to its K/V and state, and passing its own on. Adds to the parameters' ``.grad``: after the
+    replays' backward, the parameter gradient is the full-sequence one (docs/design.md, "The full gradient").
+
+    Needs a state captured with ``keep_boundaries=True`` (same chunks); extra memory: one chunk's graph
+    (``checkpoint_layers`` recomputes each layer in backward) and the chunk's GDN leaves' gradients.
+    Context parallelism: every rank runs every chunk; the chunk's dK/dV are all-reduced before it runs.
+    ``no_sync`` (DDP): a context factory the chunks' backward runs under, except, with ``sync_last``, the last
+    one's (the first chunk), which then also scores its tokens with a zero weight, so that every parameter
+    (the output head too) takes part in the synchronising backward.
+    """
+    if grads.state is not state:
+        raise LongStrawError("grads belong to another prompt state: make them with StateGrads(state)")
+    if state.token_ids is None:
+        raise LongStrawError(
+            "prompt_backward needs a state captured with keep_boundaries=True (the prompt's ids and the "
+            "GDN states at its chunk boundaries)"
+        )
+    n = state.resident_tokens
+    # the segments are the capture's chunks (an extension's too): one starts at every kept boundary
+    starts = [0] + sorted(t for t in state.boundaries or {} if 0 < t < n)
+    ends = starts[1:] + [n]
+    with _progress(n, progress, "prompt backward") as bar:
+        for s, e in reversed(list(zip(starts, ends, strict=True))):
+            ids = state.token_ids[s:e].to(state.device)[None]
+            head = loss = None
+            if sync_last and s == 0:
+                head, loss = _TokenLogprobs(ids, 1.0), (lambda out: out.sum() * 0.0)
+            sync = (
+                no_sync() if no_sync is not None and not (sync_last and s == 0) else contextlib.nullcontext()
+            )
+            with sync:
+                backward_segment(model, state, grads, ids, s, head, loss, checkpoint_layers)
+            bar.update(ids.shape[1])
+
+
+def replay_blocks_backward(
+    state: PromptState,
+    model: nn.Module,
+    completion_ids: torch.Tensor,
+    block_size: int,
+    loss: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    temperature: float = 1.0,
+    grads: StateGrads | None = None,
+    return_entropy: bool = False,
+    entropy_grad: bool = False,
+    checkpoint_layers: bool = False,
+    no_sync: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Reverse block replay of one response: the gradient of ``loss(logps, entropies)`` (``[R]`` each) with
+    peak memory of one block's graph plus the response's own state, whatever R.
+
+    The response (``completion_ids [1, R]`` or ``[R]``) runs in blocks of ``block_size`` positions: forward without
+    autograd block by block on a fork of ``state`` that keeps the state at each block boundary (the
+    response's K/V so far, the GDN states there), then the blocks are recomputed under autograd in reverse
+    order (:func:`backward_segment`): each back-propagates ``loss`` through its own log-probs (the others held
+    at their values, so the gradients of the blocks sum to the whole response's) plus the gradient later
+    blocks sent to its K/V and state. ``grads`` (the full gradient): what reaches the prompt state goes there,
+    as a whole replay with ``grads`` would send it; ``None``: the prompt state is a constant. ``no_sync``: a
+    context factory every backward but the last runs under (DDP). Returns the detached ``[R]`` log-probs,
+    entropies (``None`` unless ``return_entropy``) and the loss value.
+    """
+    state.check_not_empty()
+    if completion_ids.dim() == 1:
+        completion_ids = completion_ids[None]
+    if completion_ids.shape[0] != 1:
+        raise LongStrawError(
+            f"reverse block replay takes one response at a time, got {completion_ids.shape[0]}"
+        )
+    if block_size <= 0:
+        raise LongStrawError(f"block_size must be positive, got {block_size}")
+    if grads is not None and grads.state is not state:
+        raise LongStrawError("grads belong to another prompt state: make them with StateGrads(state)")
+    check_token_ids(completion_ids, model, "completion_ids")
+    r = completion_ids.shape[1]
+    check_positions(model, state.num_tokens + r, f"prompt ({state.num_tokens}) + completion ({r})")
+    ids = completion_ids.to(state.device)
+    inputs = torch.cat([state.last_token.view(1, 1), ids[:, :-1]], dim=1)
+    base = state.resident_tokens
+    starts = list(range(0, r, block_size))
+    with_entropy = return_entropy or entropy_grad
+
+    # forward without autograd: every block but the last appended to a fork, the state kept at each boundary
+    fork = state.fork()
+    logps, entropies = ids.new_zeros(r, dtype=torch.float32), ids.new_zeros(r, dtype=torch.float32)
+    ctx = ReplayContext("capture", fork, reserve_tokens=starts[-1])
+    with torch.no_grad():
+        for s in starts[:-1]:
+            e = min(r, s + block_size)
+            fork.keep_boundary(base + s)
+            head = _TokenLogprobs(ids[:, s:e], temperature, with_entropy)
+            out = forward_model(model, inputs[:, s:e], base + s, ctx, head=head)
+            lp, h = out if with_entropy else (out, None)
+            logps[s:e] = lp[0].float()
+            if h is not None:
+                entropies[s:e] = h[0].float()
+    fork.num_tokens = state.num_tokens + starts[-1]
+    block_grads = StateGrads.for_fork(fork, state, grads)
+
+    value = None
+    for n, s in enumerate(reversed(starts)):
+        e = min(r, s + block_size)
+        head = _TokenLogprobs(ids[:, s:e], temperature, with_entropy, entropy_grad)
+
+        def block_loss(out, s=s, e=e):
+            nonlocal value
+            lp, h = out if with_entropy else (out, None)
+            full_lp = torch.cat([logps[:s], lp[0], logps[e:]])
+            full_h = torch.cat([entropies[:s], h[0], entropies[e:]]) if h is not None else None
+            term = loss(full_lp, full_h)
+            value = term.detach() if value is None else value
+            return term
+
+        last = n == len(starts) - 1
+        sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
+        with sync:
+            out = backward_segment(
+                model, fork, block_grads, inputs[:, s:e], base + s, head, block_loss, checkpoint_layers
+            )
+        lp, h = out if with_entropy else (out, None)
+        logps[s:e] = lp[0].detach().float()
+        if h is not None:
+            entropies[s:e] = h[0].detach().float()
+    return logps, (entropies if return_entropy else None), value

@@ -154,6 +154,34 @@ class LayerState(ABC):
         Must equal :meth:`nbytes` of a captured state (``tests/test_planner.py`` checks it).
         """
 
+    # --- the full gradient (engine: ``StateGrads``, ``prompt_backward``, reverse block replay) -----------
+    #: how the gradient reaches this kind: ``"buffer"`` (states that grow with the tokens, read by later
+    #: tokens as constants: their gradient is accumulated into a buffer of the state's size), ``"leaf"``
+    #: (fixed-size states rebound at every boundary: the boundary state is a leaf whose gradient is carried
+    #: back to the segment that produced it), ``None`` (no full gradient for this kind).
+    grad_kind: ClassVar[str | None] = None
+
+    def boundary(self) -> LayerState | None:
+        """What to keep at a segment boundary so that :meth:`prefix` can give this state back there
+        (``"leaf"`` kinds: a snapshot; ``"buffer"`` kinds: ``None``, their prefix is a view)."""
+        return self.fork()
+
+    def prefix(self, tokens: int, kept: LayerState | None) -> LayerState:
+        """This state as it was after the first ``tokens`` tokens; ``kept`` is what :meth:`boundary` gave there."""
+        if kept is None:
+            raise LongStrawError(
+                f"no {type(self).__name__} was kept at token {tokens}: capture with keep_boundaries=True"
+            )
+        return kept
+
+    def grad_tensors(self) -> list[torch.Tensor | None]:
+        """``"leaf"`` kinds: the tensors that carry gradient across a boundary."""
+        raise LongStrawError(f"{type(self).__name__} has no full gradient")
+
+    def with_tensors(self, tensors: list[torch.Tensor | None]) -> LayerState:
+        """``"leaf"`` kinds: the same state with :meth:`grad_tensors` replaced (e.g. by leaves)."""
+        raise LongStrawError(f"{type(self).__name__} has no full gradient")
+
 
 def owned_tokens(start: int, count: int, page_size: int, cp_rank: int = 0, cp_size: int = 1) -> int:
     """Tokens of global positions ``[start, start + count)`` on pages ``j`` with ``j % cp_size == cp_rank``."""
@@ -253,20 +281,58 @@ class KVPages(LayerState):
         self.segments[-1] = (kb, vb, filled + n)
         self._reserved = max(0, self._reserved - n)
 
+    def blocks(self) -> Iterator[tuple[int, int, int]]:
+        """``(segment, start, end)`` of each block :meth:`stream` yields, in its order (stored indices)."""
+        for j, (_, _, filled) in enumerate(self.segments):
+            step = self.page_size if self.offloaded else max(filled, 1)
+            for s in range(0, filled, step):
+                yield j, s, min(filled, s + step)
+
     def stream(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield ``(k, v)`` blocks on ``device``: each resident segment whole (one kernel call each);
         offloaded segments in ``page_size`` pieces, the next piece's copy overlapping the current one's
-        compute (:func:`prefetch_to_device`), so the device holds two pieces at a time."""
+        compute (:func:`prefetch_to_device`), so the device holds two pieces at a time. The blocks are
+        those of :meth:`blocks`, in its order."""
         if not self.offloaded:
-            for kb, vb, filled in self.segments:
-                yield kb[:, :filled], vb[:, :filled]
+            for j, s, e in self.blocks():
+                kb, vb, _ = self.segments[j]
+                yield kb[:, s:e], vb[:, s:e]
             return
-        pieces = (
-            (kb[:, s : min(filled, s + self.page_size)], vb[:, s : min(filled, s + self.page_size)])
-            for kb, vb, filled in self.segments
-            for s in range(0, filled, self.page_size)
-        )
+        pieces = ((self.segments[j][0][:, s:e], self.segments[j][1][:, s:e]) for j, s, e in self.blocks())
         yield from prefetch_to_device(pieces, device)
+
+    grad_kind = "buffer"
+
+    def boundary(self) -> None:
+        return None  # the prefix is a view of the segments
+
+    def prefix(self, tokens: int, kept: LayerState | None = None) -> KVPages:
+        """A read-only view of the first ``tokens`` tokens (all ranks; this rank keeps its owned ones)."""
+        if tokens > self.num_tokens:
+            raise LongStrawError(f"prefix of {tokens} tokens asked of a KVPages of {self.num_tokens}")
+        left = owned_tokens(0, tokens, self.page_size, self.cp_rank, self.cp_size)
+        view = KVPages(
+            self.num_kv_heads,
+            self.head_dim,
+            self.v_head_dim,
+            self.page_size,
+            self.dtype,
+            self.storage,
+            self.cp_rank,
+            self.cp_size,
+            self.offloaded,
+        )
+        view.num_tokens = tokens
+        for kb, vb, filled in self.segments:
+            if left <= 0:
+                break
+            view.segments.append((kb, vb, min(filled, left)))
+            left -= filled
+        return view
+
+    def stored_index(self, position: int) -> int:
+        """Stored index of the owned global token ``position`` (tokens arrive in position order)."""
+        return owned_tokens(0, position, self.page_size, self.cp_rank, self.cp_size)
 
     def token_bytes(self) -> int:
         """Bytes of one token's K and V in this layer."""
@@ -304,6 +370,81 @@ class KVPages(LayerState):
     def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 2 * config.num_key_value_heads * head_dim * dtype_bytes * tokens_on_rank
+
+
+class KVGrad:
+    """dK/dV of a loss with respect to the tokens one :class:`KVPages` holds on this rank (the full gradient).
+
+    fp32 buffers in the layout of the pages' segments, on their storage device (host memory when the
+    pages are offloaded), allocated when first written. Later tokens read the pages as constants: their
+    attention backward hands each page's dK/dV to :meth:`sink`, and the segment that produced the tokens
+    takes the sum back with :meth:`take`. A fork's buffers: the first ``shared`` segments are ``parent``'s
+    (its buffers, or no gradient at all when ``parent`` is ``None``), the others its own.
+    """
+
+    def __init__(self, pages: KVPages, shared: int = 0, parent: KVGrad | None = None):
+        self.pages, self.shared, self.parent = pages, shared, parent
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _buffer(self, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if j < self.shared:
+            return None if self.parent is None else self.parent._buffer(j)
+        if j not in self._buffers:
+            kb, vb, filled = self.pages.segments[j]
+            self._buffers[j] = (
+                torch.zeros(kb.shape[0], filled, kb.shape[2], dtype=torch.float32, device=kb.device),
+                torch.zeros(vb.shape[0], filled, vb.shape[2], dtype=torch.float32, device=vb.device),
+            )
+        return self._buffers[j]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self._buffers.values() for t in pair)
+
+    def sink(self, view: KVPages):
+        """For the attention backward over ``view`` (this state or a :meth:`KVPages.prefix` of it): block
+        index (``view.stream`` order) -> accumulator of that block's ``(dk, dv)``, or ``None`` (constant)."""
+        blocks = list(view.blocks())
+
+        def for_block(i: int):
+            j, s, e = blocks[i]
+            if self._buffer(j) is None:
+                return None
+
+            def add(dk: torch.Tensor, dv: torch.Tensor) -> None:
+                bk, bv = self._buffer(j)
+                bk[:, s:e] += dk.to(bk.device, torch.float32)
+                bv[:, s:e] += dv.to(bv.device, torch.float32)
+
+            return add
+
+        return for_block
+
+    def take(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accumulated ``(dk [Hkv, T, D], dv)`` of global tokens ``[start, end)`` on ``device``: this
+        rank's owned tokens, zeros elsewhere (context parallelism: the caller all-reduces)."""
+        pages = self.pages
+        dk = torch.zeros(pages.num_kv_heads, end - start, pages.head_dim, device=device)
+        dv = torch.zeros(pages.num_kv_heads, end - start, pages.v_head_dim, device=device)
+        pos = start
+        while pos < end:
+            page, offset = divmod(pos, pages.page_size)
+            n = min(pages.page_size - offset, end - pos) if pages.cp_size > 1 else end - pos
+            if pages.owns(page):
+                self._copy_stored(pages.stored_index(pos), n, dk, dv, pos - start)
+            pos += n
+        return dk, dv
+
+    def _copy_stored(self, index: int, n: int, dk: torch.Tensor, dv: torch.Tensor, out: int) -> None:
+        base = 0
+        for j, (_, _, filled) in enumerate(self.pages.segments):
+            lo, hi = max(index, base), min(index + n, base + filled)
+            if lo < hi:
+                buf = self._buffer(j)
+                if buf is not None:
+                    dst = slice(out + lo - index, out + hi - index)
+                    dk[:, dst] = buf[0][:, lo - base : hi - base].to(dk.device)
+                    dv[:, dst] = buf[1][:, lo - base : hi - base].to(dv.device)
+            base += filled
 
 
 class WindowKV(LayerState):
@@ -396,10 +537,42 @@ class PromptState:
         self.page_size = page_size
         self.num_tokens = 0
         self.last_token: torch.Tensor | None = None
+        # the full gradient (``capture_prompt(keep_boundaries=True)``): the resident tokens' ids, and at
+        # every capture-chunk boundary (resident tokens before it) the fixed-size layers' states there
+        self.token_ids: torch.Tensor | None = None
+        self.boundaries: dict[int, dict[int, LayerState]] | None = None
 
     @property
     def resident_tokens(self) -> int:
         return max(self.num_tokens - 1, 0)
+
+    def at(self, tokens: int) -> PromptState:
+        """A read-only view of this state after its first ``tokens`` resident tokens (a segment boundary:
+        growing layers give a prefix view, fixed-size ones the state kept there)."""
+        if tokens == self.resident_tokens:
+            return self
+        if tokens == 0:  # the start of the sequence: every layer from its initial state
+            view = PromptState({}, self.device, self.offload, self.cp_group, self.page_size, self.chunk_size)
+            view.num_tokens = 1
+            return view
+        kept = (self.boundaries or {}).get(tokens)
+        if kept is None:
+            raise LongStrawError(
+                f"the prompt state kept no layer states at token {tokens} (boundaries: "
+                f"{sorted(self.boundaries or {})}): capture with keep_boundaries=True"
+            )
+        layers = {i: layer.prefix(tokens, kept.get(i)) for i, layer in self.layers.items()}
+        view = PromptState(layers, self.device, self.offload, self.cp_group, self.page_size, self.chunk_size)
+        view.num_tokens = tokens + 1
+        return view
+
+    def keep_boundary(self, tokens: int) -> None:
+        """Keep the fixed-size layers' states after ``tokens`` resident tokens (a segment boundary)."""
+        if self.boundaries is None:
+            self.boundaries = {}
+        self.boundaries[tokens] = {
+            i: kept for i, layer in self.layers.items() if (kept := layer.boundary()) is not None
+        }
 
     # --- bookkeeping ------------------------------------------------------------------------------
     def nbytes_by_kind(self) -> dict[str, int]:
@@ -427,6 +600,8 @@ class PromptState:
             self.chunk_size,
         )
         new.num_tokens, new.last_token = self.num_tokens, self.last_token
+        new.token_ids = self.token_ids
+        new.boundaries = None if self.boundaries is None else dict(self.boundaries)
         return new
 
     def __repr__(self) -> str:

@@ -91,7 +91,7 @@ from .adapters import adapters_in_model_dtype
 from .agents import generate_tool_turn, grouped_rollout_func, tool_turns
 from .config import LongStrawGRPOConfig, check_train_groups, check_whole_groups
 from .distributed import new_cp_groups
-from .engine import capture_prompt
+from .engine import StateGrads, capture_prompt, prompt_backward, replay_blocks_backward
 from .errors import LongStrawError, UnsupportedModelError
 from .loss import (
     GRPOLossSpec,
@@ -297,6 +297,14 @@ def _refuse_unsupported(
             "multimodal processors (images)",
             "Pass the tokenizer as processing_class and text (or chat) prompts only.",
         )
+    if args.gradient_mode == "full" and (
+        tools or rollout_func is not None or environment_factory is not None
+    ):
+        refuse(
+            "gradient_mode='full' with tools, environment_factory or rollout_func",
+            "The full gradient is carried through captured prompts only, not through tool turns. Use "
+            "gradient_mode='response_only'.",
+        )
     # Loss options (raises NotImplementedError for what the per-response loss cannot stream)
     GRPOLossSpec.from_args(args)
 
@@ -458,6 +466,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     "router_aux_loss_coef != 0 is not supported with context parallelism (cp_size > 1) yet; set "
                     "router_aux_loss_coef=0.0 or cp_size=1."
                 )
+            if args.gradient_mode == "full" or args.replay_block_size is not None:
+                raise LongStrawError(
+                    "router_aux_loss_coef != 0 is not supported with gradient_mode='full' or replay_block_size (the "
+                    "router loss of the prompt's tokens would need its own gradient). Set router_aux_loss_coef=0.0, "
+                    "or gradient_mode='response_only' and replay_block_size=None."
+                )
             self._router_aux = RouterLoadBalancing(self.model)
         self.refresh_policy = RefreshPolicy(
             args.refresh_policy,
@@ -524,6 +538,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 page_size=self.args.page_size,
                 offload=self.args.offload_prompt_state,
                 cp_group=self.cp_group,
+                keep_boundaries=self.args.gradient_mode == "full" and role == "policy",
             )
         if collect:  # the router statistics of the P - 1 captured tokens (none for a one-token prompt)
             self._router_prompt_stats[state] = stats[0] if stats else self._no_router_stats(state.device)
@@ -892,26 +907,71 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------------
     # The policy loss, one response at a time
     # ------------------------------------------------------------------------------------------------------------------
+    def _segment_context(self, model):
+        """Around a call that recomputes segments under autograd (the full gradient, reverse block replay): the
+        accelerator's autocast, and the engine's own (non-reentrant) layer checkpointing in place of HF's, since a
+        segment hands its layers' K/V and states out of the layer (a reentrant checkpoint would cut their graph)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.accelerator.autocast())
+        stack.enter_context(_checkpointing_off(model))
+        return stack
+
+    @property
+    def _segment_checkpoint_layers(self) -> bool:
+        return bool(self.args.gradient_checkpointing or self.args.replay_checkpoint_layers)
+
     def _policy_replay(
-        self, model, state: PromptState, ids: torch.Tensor, mask: torch.Tensor, entropy_grad: bool = False
+        self,
+        model,
+        state: PromptState,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        entropy_grad: bool = False,
+        grads: StateGrads | None = None,
     ):
         """`[k, L]` log-probs (with autograd when enabled) and `[k, L]` entropies (with autograd only for
         `entropy_grad`: an entropy bonus) of `k` responses of one prompt state, replayed together.
 
         `model` may be DDP-wrapped: the engine enters it through its root forward, so DDP prepares its gradient
         reduction as for any forward."""
-        with self.accelerator.autocast():
+        context = self._segment_context(model) if grads is not None else self.accelerator.autocast()
+        checkpoint_layers = (
+            self._segment_checkpoint_layers if grads is not None else self.args.replay_checkpoint_layers
+        )
+        with context:
             logps, entropy = state.logprobs(
                 model,
                 ids,
                 mask,
                 self.temperature,
                 grad=torch.is_grad_enabled(),
-                checkpoint_layers=self.args.replay_checkpoint_layers,
+                checkpoint_layers=checkpoint_layers,
                 return_entropy=True,
                 entropy_grad=entropy_grad,
+                grads=grads,
             )
         return logps, entropy.reshape(logps.shape)
+
+    def _block_replay_backward(
+        self, model, state: PromptState, ids: torch.Tensor, loss_term, entropy_grad, grads, sync
+    ):
+        """Reverse block replay of one response (`replay_block_size`): the engine back-propagates `loss_term(logps,
+        entropies)` block by block (the last backward under DDP's sync when `sync`, the others not)."""
+        no_sync = (lambda: self.accelerator.no_sync(model)) if sync else None
+        with self._segment_context(model):
+            return replay_blocks_backward(
+                state,
+                model,
+                ids,
+                self.args.replay_block_size,
+                loss_term,
+                self.temperature,
+                grads=grads,
+                return_entropy=True,
+                entropy_grad=entropy_grad,
+                checkpoint_layers=self._segment_checkpoint_layers,
+                no_sync=no_sync,
+            )
 
     def _loss_entry(self, entries: dict, inputs: dict[str, Any], g: int, rows: list[int], lengths, loss_mask):
         """Group `g`'s prompt state for the loss (its rows `rows` of the micro-batch), acquired (refresh policy,
@@ -1020,7 +1080,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     ) -> list[list[int]]:
         """`rows` (of one prompt group, in order) cut into the batches replayed together under autograd: consecutive
         rows while the batch's padded tokens (rows x longest) stay within `replay_batch_tokens`. One row a batch
-        when that is 0, or with the router auxiliary loss (each of its replays runs one position longer)."""
+        when that is 0, with the router auxiliary loss (each of its replays runs one position longer), or with reverse
+        block replay (each response is back-propagated block by block)."""
         budget = self.args.replay_batch_tokens
         if one_at_a_time or budget <= 0:
             return [[i] for i in rows]
@@ -1085,11 +1146,19 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         # `accelerator.no_sync`. A rank without any loss token still takes part, with a zero-weighted replay.
         sync_row = None
         group_order = list(range(len(prompts)))
-        if backward and self.accelerator.num_processes > 1:
+        ddp = backward and self.accelerator.num_processes > 1
+        if ddp:
             with_tokens = [i for i in range(num_rows) if ctx.lengths[i] > 0]
             sync_row = max(with_tokens, key=lambda i: ctx.lengths[i]) if with_tokens else 0
             group_order.remove(row_group[sync_row])
             group_order.append(row_group[sync_row])
+        # The full gradient: each group's replays accumulate its prompt state's gradient, then its prompt backward
+        # carries it into the prompt's tokens. Under DDP every backward runs under `no_sync` but the last segment
+        # of the last group's prompt backward, which touches every parameter.
+        full = backward and self.args.gradient_mode == "full"
+        blocks = backward and self.args.replay_block_size is not None
+        if full:
+            sync_row = None
 
         def cut(x, i, length):
             return None if x is None else x[i, :length]
@@ -1103,8 +1172,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 self._loss_entry(entries, inputs, g, rows_of[g], lengths, loss_mask)
             aux = self._micro_batch_router_aux(model, entries, completion_ids, completion_mask, rows_of)
             total = total + spec.router_aux_loss_coef * aux.constant() / ctx.ga_normalizer
+        no_sync = (lambda: self.accelerator.no_sync(model)) if ddp else None
         for g in group_order:
             entry = self._loss_entry(entries, inputs, g, rows_of[g], lengths, loss_mask)
+            grads = StateGrads(entry.state) if full else None
             rows = list(rows_of[g])
             if sync_row in rows:  # the synchronising response runs last
                 rows.remove(sync_row)
@@ -1121,18 +1192,31 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     total = total + term.detach()
                     continue
                 replayed.append(i)
-            for batch in self._replay_batches(replayed, ctx.lengths, sync_row, width, aux is not None):
+            for batch in self._replay_batches(
+                replayed, ctx.lengths, sync_row, width, aux is not None or blocks
+            ):
                 # a 1-token replay skips the decoder layers, whose parameters DDP expects: the sync row has >= 2
                 lengths_b = [
                     max(ctx.lengths[i], min(2, width)) if i == sync_row else ctx.lengths[i] for i in batch
                 ]
                 sync = (
                     self.accelerator.no_sync(model)
-                    if sync_row is not None and sync_row not in batch
+                    if (sync_row is not None and sync_row not in batch) or (full and ddp)
                     else _NULL_CONTEXT
                 )
                 start = time.perf_counter()
                 with sync:
+                    # reverse block replay: one response a batch (`_replay_batches`), its blocks back-propagated in turn
+                    if blocks:
+                        (i,), (length,) = batch, lengths_b
+                        term, metrics = self._block_replay_term(
+                            model, entry, inputs, ctx, i, g, length, entropy_grad, grads, sync_row == i
+                        )
+                        replay_seconds += time.perf_counter() - start
+                        replay_tokens += length
+                        total = total + term
+                        all_metrics.append(metrics)
+                        continue
                     if aux is None:
                         longest = max(lengths_b)
                         logps_b, entropies_b = self._policy_replay(
@@ -1141,6 +1225,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                             completion_ids[batch, :longest],
                             completion_mask[batch, :longest],
                             entropy_grad=entropy_grad,
+                            grads=grads,
                         )
                     batch_term = None
                     for j, (i, length) in enumerate(zip(batch, lengths_b, strict=True)):
@@ -1184,6 +1269,25 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 del logps, entropies, term, batch_term
                 if aux is None:
                     del logps_b, entropies_b
+            if full:
+                start = time.perf_counter()
+                last = ddp and g == group_order[-1]
+                if last and entry.state.resident_tokens == 0:
+                    raise LongStrawError(
+                        "gradient_mode='full' under DDP needs the last prompt of a micro-batch to have more than one "
+                        "token (its prompt backward synchronises the gradients)."
+                    )
+                with self._segment_context(model):
+                    prompt_backward(
+                        entry.state,
+                        model,
+                        grads,
+                        checkpoint_layers=self._segment_checkpoint_layers,
+                        no_sync=no_sync,
+                        sync_last=last,
+                    )
+                self._metrics[mode]["longstraw/prompt_backward_seconds"].append(time.perf_counter() - start)
+                del grads
 
         for name, value in aggregate_metrics(
             spec,
@@ -1203,6 +1307,39 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             replay_tokens / max(replay_seconds, 1e-9)
         )
         return total
+
+    def _block_replay_term(self, model, entry, inputs, ctx, i, g, length, entropy_grad, grads, sync):
+        """Response `i` by reverse block replay: its loss term (detached, back-propagated) and metrics."""
+        spec = self.loss_spec
+        old, ref = inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps")
+        sampling, advantages = inputs.get("sampling_per_token_logps"), inputs["advantages"]
+        ids = inputs["completion_ids"][i : i + 1, :length]
+        kept = {}
+
+        def cut(x):
+            return None if x is None else x[i, :length]
+
+        def loss_term(logps, entropies):
+            term, metrics = response_loss(
+                spec,
+                ctx,
+                i,
+                logps,
+                cut(old),
+                cut(ref),
+                advantages[i],
+                sampling_logps_i=cut(sampling),
+                entropies_i=entropies,
+            )
+            if not torch.isfinite(term.detach()):
+                self._raise_non_finite(term, i, g, entry, length, logps, old, ref, advantages)
+            kept.setdefault("metrics", metrics)  # the first block's: every block sees the same values
+            return term * 0.0 if ctx.lengths[i] == 0 else term
+
+        _, _, term = self._block_replay_backward(
+            model, entry.state, ids, loss_term, entropy_grad, grads, sync
+        )
+        return term, kept["metrics"]
 
     def _raise_non_finite(self, term, i, g, entry, length, logps, old, ref, advantages):
         suspects = []

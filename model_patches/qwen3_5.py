@@ -16,7 +16,10 @@ it, :func:`gdn_forward` reuses the module's own submodules (projections, conv we
 
 - ``capture``: the chunk continues from ``state.layers[i]`` (a :class:`GDNState`, fixed size), which then
   takes the new tensors (rebound, never written in place, so forks and earlier states stay valid);
-- ``replay``: the prompt state, expanded to the batch, is a read-only constant (no gradient reaches it);
+- ``replay``: the prompt state, expanded to the batch, is a read-only constant (no gradient reaches it),
+  or, for the full gradient (``ctx.grads``), a leaf whose gradient the engine carries back;
+- ``segment`` (the full gradient's reverse recompute): as replay, from the state at the segment's start, and
+  the state after it goes to the engine (``ctx.emit_state``) with the gradient the next segment sent it;
 - ``decode``: the G sequences' states live in ``ctx.running[i]``, started from the prompt state; after
   each call they are rebound, or, when decoding with fixed shapes (``ctx.step``, CUDA graphs), updated in
   place; the prompt state is not touched.
@@ -82,6 +85,15 @@ class GDNState(LayerState):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent) if t is not None)
 
+    # the full gradient: the boundary state is a leaf whose gradient is carried back to the segment before
+    grad_kind = "leaf"
+
+    def grad_tensors(self) -> list[torch.Tensor | None]:
+        return [self.conv, self.recurrent]
+
+    def with_tensors(self, tensors: list[torch.Tensor | None]) -> GDNState:
+        return GDNState(*tensors)
+
     def expand(self, batch: int) -> GDNState:
         """This state for ``batch`` sequences (a view: no copy)."""
         return GDNState(_expand(self.conv, batch), _expand(self.recurrent, batch))
@@ -129,6 +141,8 @@ def _store_state(ctx, idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> 
             running.recurrent.copy_(recurrent)
         else:
             ctx.running[idx] = GDNState(conv, recurrent)
+    elif ctx.mode == "segment":  # the state after the segment: its gradient comes from the next one
+        ctx.emit_state(idx, GDNState(conv, recurrent))
 
 
 def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Projection) -> torch.Tensor:
@@ -148,6 +162,7 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
         module.conv1d.bias,
         conv_state=start.conv,
         activation=module.activation,
+        state_grad=ctx.state_grad,
     )
     query, key, value = torch.split(
         conv_out.transpose(1, 2), [module.key_dim, module.key_dim, module.value_dim], dim=-1
@@ -170,6 +185,7 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
         initial_state=start.recurrent,
         output_final_state=keep,
         use_qk_l2norm_in_kernel=True,
+        state_grad=ctx.state_grad,
     )
     if keep:
         _store_state(ctx, idx, conv_state, recurrent)

@@ -4,6 +4,7 @@
     accelerate launch --config_file examples/accelerate/cp2.yaml --mixed_precision no tests/_cp_step.py \
         --cp-size 2 --out cp.json
 
+``--gradient-mode full`` / ``--replay-block-size N`` train with the full gradient / reverse block replay.
 ``--bf16`` trains under TRL's default ``bf16=True`` (on CPU: bf16 autocast; launch with
 ``--mixed_precision bf16`` then); ``--prompt`` replaces the default ~7-page prompt (a prompt shorter than
 one 32-token page leaves every rank but the first without pages).
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--prompt", default="the long straw holds a long history. " * 6)
+    ap.add_argument("--gradient-mode", default="response_only")
+    ap.add_argument("--replay-block-size", type=int, default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -81,6 +84,8 @@ def main() -> None:
         seed=0,
         max_grad_norm=0.0,  # no clipping: the recorded gradients are the raw ones
         bf16=a.bf16,
+        gradient_mode=a.gradient_mode,
+        replay_block_size=a.replay_block_size,
     )
     record = RecordGradients(trainer.model)
     trainer.add_callback(record)

@@ -103,3 +103,20 @@ def test_agent_turns_dry_run(tmp_path):
         2 * 16,
     ]  # then only completion + tool tokens
     assert data["replay"]["tokens"] == 6 + 2 * (10 + 6)
+
+
+def test_full_gradient_smoke(tmp_path):
+    _run(tmp_path, "full_gradient.py", "--smoke")
+    data = json.loads((tmp_path / "full_gradient_qwen3.6-27b_4L.json").read_text())
+    check = data[
+        "check_bf16"
+    ]  # bf16: the full gradient near the stock one, the response-only one far from it
+    assert check["full_rel_l2_vs_stock_full"] < 0.05 < check["response_only_rel_l2_vs_stock_full"]
+    full, response_only = data["steps"]
+    assert (full["mode"], response_only["mode"]) == ("full", "response_only")
+    assert (
+        full["prompt_backward_s"] > 0 and full["kept_boundaries"] == 3 and full["gradient_buffer_bytes"] > 0
+    )
+    assert full["step_s"] == full["capture_s"] + full["replay_s_total"] + full["prompt_backward_s"]
+    assert [r["replay"] for r in data["long_response"]] == ["blocks", "whole"]
+    assert all(r["ok"] for r in data["long_response"])

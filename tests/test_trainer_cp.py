@@ -67,7 +67,26 @@ def test_cp2_bf16_step_with_a_rank_without_pages(tmp_path):
     assert worst <= 5e-2
 
 
-def _launch(out: Path, cp_size: int, bf16: bool = False, prompt: str | None = None) -> dict:
+def test_cp2_full_gradient_with_reverse_block_replay_equals_single_process(tmp_path):
+    """gradient_mode='full' with reverse block replay: each rank's prompt backward accumulates dK/dV of its own pages,
+    every chunk's dK/dV are all-reduced before its (replicated) recompute. Same gradients as one process (which
+    tests/test_full_gradient.py checks against stock GRPOTrainer), bit-identical on both ranks."""
+    extra = ["--gradient-mode", "full", "--replay-block-size", "3"]
+    single = _launch(tmp_path / "single.json", cp_size=1, extra=extra)
+    cp = _launch(tmp_path / "cp.json", cp_size=2, extra=extra)
+    other = json.loads((tmp_path / "cp.json.rank1").read_text())
+    assert abs(single["loss"][0] - cp["loss"][0]) <= 1e-5
+    assert set(single["grads"]) == set(cp["grads"]) == set(other["grads"]) and single["grads"]
+    worst = 0.0
+    for name, ref in single["grads"].items():
+        ref_t, got = torch.tensor(ref), torch.tensor(cp["grads"][name])
+        assert torch.equal(got, torch.tensor(other["grads"][name])), f"{name}: rank gradients differ"
+        worst = max(worst, float((got - ref_t).norm() / ref_t.norm().clamp_min(1e-12)))
+    print(f"cp2 full vs single full: worst grad rel L2 {worst:.2e}")
+    assert worst <= 1e-5
+
+
+def _launch(out: Path, cp_size: int, bf16: bool = False, prompt: str | None = None, extra=()) -> dict:
     cmd = [sys.executable]
     if cp_size > 1:
         assert cp_size == 2, "only the shipped cp2.yaml is launched here"
@@ -84,6 +103,7 @@ def _launch(out: Path, cp_size: int, bf16: bool = False, prompt: str | None = No
         cmd.append("--bf16")
     if prompt is not None:
         cmd += ["--prompt", prompt]
+    cmd += list(extra)
     proc = subprocess.run(
         cmd,
         capture_output=True,

@@ -1,0 +1,387 @@
+"""The full-sequence gradient (``gradient_mode="full"``) and reverse block replay, fp32 on CPU.
+
+References (never the engine itself):
+- the full gradient: the stock HF model's full forward on ``prompt + completion`` with autograd everywhere (the
+  prompt's tokens included), and stock TRL ``GRPOTrainer`` unpatched (its loss runs that same full forward);
+- reverse block replay: a plain whole replay (itself checked against the stock response-only reference in
+  tests/test_engine_*.py), and the stock full gradient when combined with the full mode.
+Prompts span several capture chunks (29 tokens in chunks of 8, pages of 6), so the reverse prompt recompute crosses
+chunk and page boundaries and carries GDN states across chunks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+
+import pytest
+import torch
+from _models import HYBRID_COMMON, MROPE_INTERLEAVED, build, build_hybrid, build_window
+from _reference import VOCAB, assert_grads_close, with_lora
+from _trl_helpers import TINY_VOCAB, make_tiny_grpo_trainer, make_tiny_longstraw_trainer, random_grpo_inputs
+
+from longstraw_trl import LongStrawError, capture_prompt
+from longstraw_trl.engine import StateGrads, prompt_backward, replay_blocks_backward
+from longstraw_trl.state_cache import prompt_key
+
+FAMILIES = ["qwen3", "qwen3_5"]  # GQA; hybrid (GDN + gated full attention)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "down_proj"]
+
+
+def _model(family: str):
+    return build(family) if family == "qwen3" else build_hybrid(family)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _data(seed: int = 1, prompt_len: int = 29, g: int = 3, r: int = 11):
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
+    comps = torch.randint(0, VOCAB, (g, r), generator=gen)
+    return prompt, comps, torch.randn(g, r, generator=gen)
+
+
+def stock_full_grads(model, prompt, comps, weights):
+    """Gradient of sum_ij w_ij log p(c_ij | prompt, c_i<j) through the stock model's full forward (prompt live)."""
+    model.zero_grad()
+    p = prompt.numel()
+    for i in range(comps.shape[0]):
+        logits = model(torch.cat([prompt, comps[i]])[None]).logits.float()
+        logp = torch.log_softmax(logits[0, p - 1 : -1], -1).gather(-1, comps[i][:, None])[:, 0]
+        (logp * weights[i]).sum().backward()
+    return _grads(model)
+
+
+def engine_full_grads(model, prompt, comps, weights, block_size=None, **capture):
+    model.zero_grad()
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=6, keep_boundaries=True, **capture)
+    grads = StateGrads(state)
+    for i in range(comps.shape[0]):
+        if block_size is None:
+            logp = state.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0]
+            (logp * weights[i]).sum().backward()
+        else:
+            replay_blocks_backward(
+                state, model, comps[i], block_size, lambda lp, h, w=weights[i]: (lp * w).sum(), grads=grads
+            )
+    prompt_backward(state, model, grads)
+    return _grads(model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Engine: the full gradient against the stock model
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["plain", "lora", "offload"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_backward_gives_the_stock_full_sequence_gradient(family, variant):
+    model = _model(family)
+    if variant == "lora":
+        model = with_lora(model, [t for t in LORA_TARGETS if family == "qwen3_5" or "proj_" not in t])
+    prompt, comps, weights = _data()
+    ref = stock_full_grads(model, prompt, comps, weights)
+    got = engine_full_grads(model, prompt, comps, weights, offload="cpu" if variant == "offload" else None)
+    assert_grads_close(got, ref)
+
+
+def test_the_prompt_path_matters_here():
+    """The tests above could not pass with the response-only gradient: it differs from the full one here."""
+    model = _model("qwen3_5")
+    prompt, comps, weights = _data()
+    ref = stock_full_grads(model, prompt, comps, weights)
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
+    model.zero_grad()
+    for i in range(3):
+        (state.logprobs(model, comps[i : i + 1], grad=True)[0] * weights[i]).sum().backward()
+    rel = max(((g - ref[n]).norm() / ref[n].norm()).item() for n, g in _grads(model).items())
+    assert rel > 1e-2
+
+
+def test_prompt_gradient_buffers_and_leaves_are_what_the_design_says():
+    """One fp32 dK/dV buffer per attention layer the size of its pages; one GDN leaf per boundary used."""
+    model = _model("qwen3_5")
+    prompt, comps, _ = _data()
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=6, keep_boundaries=True)
+    assert sorted(state.boundaries) == [8, 16, 24]  # 28 resident tokens in chunks of 8
+    grads = StateGrads(state)
+    state.logprobs(model, comps[:1], grad=True, grads=grads)[0].sum().backward()
+    kv = state.layers[1]
+    fp32_factor = 4 // kv.dtype.itemsize  # fp32 buffers: the K/V's size here (fp32), twice it for bf16 K/V
+    assert grads.kv(1).nbytes() == kv.stored_tokens() * kv.token_bytes() * fp32_factor
+    assert {key for key in grads._leaves} == {(28, 0), (28, 2)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_backward_through_an_extended_state(family):
+    """A state extended from a cached prefix (the trainer's prompt cache, a new turn) keeps what the prompt backward
+    needs: its segments start at the prefix's chunk boundaries, then at the extension's."""
+    model = _model(family)
+    prompt, comps, weights = _data()
+    ref = stock_full_grads(model, prompt, comps, weights)
+    model.zero_grad()
+    prefix = capture_prompt(model, prompt[:13], chunk_size=8, page_size=6, keep_boundaries=True)
+    state = prefix.extend(model, prompt[13:])
+    assert sorted(state.boundaries) == [8, 12, 20]  # the prefix's chunk, then the extension's from token 12
+    grads = StateGrads(state)
+    for i in range(3):
+        (state.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]).sum().backward()
+    prompt_backward(state, model, grads)
+    assert_grads_close(_grads(model), ref)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Engine: reverse block replay
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reverse_block_replay_equals_a_plain_replay(family):
+    """Block sizes that divide R (11: one block), do not (3, 4), and exceed it (16); the loss couples the tokens
+    (a sequence-level term), so a block's share is the response's loss through its own tokens only."""
+    model = _model(family)
+    prompt, comps, weights = _data()
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
+
+    def loss(lp, h, w):
+        return (lp * w).sum() + 0.3 * (lp.mean() ** 2)  # a sequence-level term couples the tokens
+
+    model.zero_grad()
+    for i in range(3):
+        loss(state.logprobs(model, comps[i : i + 1], grad=True)[0], None, weights[i]).backward()
+    ref = _grads(model)
+    plain = state.logprobs(model, comps)
+    for block in (3, 4, 11, 16):
+        model.zero_grad()
+        for i in range(3):
+            logps, _, value = replay_blocks_backward(
+                state, model, comps[i], block, lambda lp, h, w=weights[i]: loss(lp, h, w)
+            )
+            torch.testing.assert_close(logps, plain[i], atol=1e-5, rtol=0)
+            torch.testing.assert_close(value, loss(plain[i], None, weights[i]), atol=1e-5, rtol=1e-5)
+        assert_grads_close(_grads(model), ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reverse_block_replay_in_full_mode_gives_the_stock_full_gradient(family):
+    model = _model(family)
+    prompt, comps, weights = _data()
+    ref = stock_full_grads(model, prompt, comps, weights)
+    assert_grads_close(engine_full_grads(model, prompt, comps, weights, block_size=4), ref)
+
+
+def test_reverse_block_replay_with_lora_and_offload():
+    model = with_lora(_model("qwen3_5"), LORA_TARGETS)
+    prompt, comps, weights = _data()
+    ref = stock_full_grads(model, prompt, comps, weights)
+    assert_grads_close(engine_full_grads(model, prompt, comps, weights, block_size=3, offload="cpu"), ref)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Refusals
+# ----------------------------------------------------------------------------------------------------
+def test_prompt_backward_needs_kept_boundaries():
+    model = _model("qwen3")
+    state = capture_prompt(model, torch.arange(20) % VOCAB, chunk_size=8)
+    grads = StateGrads(state)
+    with pytest.raises(LongStrawError, match="keep_boundaries=True"):
+        prompt_backward(state, model, grads)
+    other = capture_prompt(model, torch.arange(20) % VOCAB, chunk_size=8, keep_boundaries=True)
+    with pytest.raises(LongStrawError, match="another prompt state"):
+        prompt_backward(other, model, grads)
+
+
+def test_layer_kinds_without_a_full_gradient_are_refused():
+    model = build_window("mistral")
+    state = capture_prompt(model, torch.arange(20) % VOCAB, chunk_size=8, keep_boundaries=True)
+    with pytest.raises(LongStrawError, match="no full gradient"):
+        state.logprobs(model, torch.arange(5)[None], grad=True, grads=StateGrads(state))
+    with pytest.raises(LongStrawError, match="no full gradient"):
+        replay_blocks_backward(state, model, torch.arange(5), 2, lambda lp, h: lp.sum())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(gradient_mode="fully"), "gradient_mode must be one of"),
+        (dict(gradient_mode="full", refresh_policy="reuse"), "refresh_policy='recapture'"),
+        (dict(replay_block_size=0), "replay_block_size must be positive"),
+    ],
+)
+def test_config_refuses_what_it_cannot_make_exact(kwargs, match):
+    with pytest.raises(LongStrawError, match=match):
+        make_tiny_longstraw_trainer(**kwargs)
+
+
+def test_trainer_refuses_full_mode_with_tool_turns():
+    def tool(x: int) -> int:
+        """Echo.
+
+        Args:
+            x: a number.
+        """
+        return x
+
+    from longstraw_trl.trainer import _refuse_unsupported
+
+    args = make_tiny_longstraw_trainer(gradient_mode="full").args
+    with pytest.raises(LongStrawError, match="tool turns"):
+        _refuse_unsupported(args, [tool], None, None, None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Trainer: gradient_mode="full" against stock GRPOTrainer (unpatched: TRL's own full-sequence gradient)
+# ----------------------------------------------------------------------------------------------------
+LENGTHS = [7, 3, 5, 1]
+PROMPT_LEN = 21  # 20 resident tokens: 3 capture chunks of 8
+
+
+@functools.cache
+def _tiny_hybrid_dir() -> str:
+    """A saved tiny Qwen3.5 (TRL loads its reference model from the policy's path when beta != 0)."""
+    path = tempfile.mkdtemp(prefix="longstraw_tiny_qwen3_5_")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    _new_tiny_hybrid().save_pretrained(path)
+    return path
+
+
+def _tiny_hybrid():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(_tiny_hybrid_dir()).float()
+
+
+def _new_tiny_hybrid():
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        **{**HYBRID_COMMON, "vocab_size": TINY_VOCAB},
+        rope_parameters=MROPE_INTERLEAVED,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # as tests/_models.py: every GDN head carries state across chunks
+        gen = torch.Generator().manual_seed(1234)
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.1, 2.0, generator=gen).log())
+    return model.float()
+
+
+def _models(family: str, lora: bool):
+    if family == "qwen3":
+        from _trl_helpers import tiny_model_dir
+        from transformers import Qwen3ForCausalLM
+
+        make = lambda: Qwen3ForCausalLM.from_pretrained(tiny_model_dir())  # noqa: E731
+    else:
+        make = _tiny_hybrid
+    pair = [make(), make()]
+    if lora:
+        targets = LORA_TARGETS if family == "qwen3_5" else ["q_proj", "v_proj", "down_proj"]
+        pair = [with_lora(m, targets) for m in pair]
+        pair[1].load_state_dict(pair[0].state_dict())
+    return pair
+
+
+def _trainer_pair(family: str, lora: bool = False, replay_block_size: int | None = None, **kwargs):
+    stock_model, our_model = _models(family, lora)
+    trl = make_tiny_grpo_trainer(model=stock_model, bf16=False, **kwargs)  # fp32: no CPU autocast
+    ours = make_tiny_longstraw_trainer(
+        model=our_model,
+        gradient_mode="full",
+        capture_chunk_size=8,
+        page_size=6,
+        replay_block_size=replay_block_size,
+        **kwargs,
+    )
+    return trl, ours
+
+
+def _batch(seed: int, beta: float):
+    inputs, _, _ = random_grpo_inputs(LENGTHS, seed=seed, beta=beta, prompt_len=PROMPT_LEN)
+    inputs["prompt_ids"] = inputs["prompt_ids"][:1].expand_as(inputs["prompt_ids"]).clone()
+    prompt = inputs["prompt_ids"][0]
+    ours = {k: v for k, v in inputs.items() if k not in ("prompt_ids", "prompt_mask")}
+    ours["longstraw_prompts"] = [(prompt_key(prompt), prompt)]
+    return inputs, ours
+
+
+def _step(trl, ours, inputs, ours_inputs):
+    for t in (trl, ours):
+        t.model.train()
+        t.model.zero_grad()
+    ref_loss = trl._compute_loss(trl.model, inputs)
+    ref_loss.backward()
+    loss = ours._streamed_loss(ours.model, ours_inputs, backward=True)
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
+    assert_grads_close(_grads(ours.model), _grads(trl.model))
+
+
+@pytest.mark.parametrize(
+    "family,lora,loss_type,level",
+    [
+        ("qwen3", False, "dapo", "token"),
+        ("qwen3", False, "grpo", "sequence"),
+        ("qwen3", True, "bnpo", "token"),
+        ("qwen3_5", False, "dapo", "token"),
+        ("qwen3_5", True, "grpo", "token"),
+        ("qwen3_5", False, "dapo", "checkpointing"),
+    ],
+)
+def test_trainer_full_gradient_matches_stock_grpo_trainer(family, lora, loss_type, level):
+    """`level="checkpointing"`: HF gradient checkpointing on (TRL's default); the segments then use the engine's own
+    non-reentrant layer checkpointing."""
+    checkpointing = level == "checkpointing"
+    level = "token" if checkpointing else level
+    kwargs = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level)
+    trl, ours = _trainer_pair(family, lora, **kwargs)
+    if checkpointing:
+        ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    inputs, ours_inputs = _batch(3, 0.04)
+    _step(trl, ours, inputs, ours_inputs)
+    assert ours._metrics["train"]["longstraw/prompt_backward_seconds"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trainer_full_gradient_with_reverse_block_replay(family):
+    kwargs = dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence")
+    trl, ours = _trainer_pair(family, replay_block_size=3, **kwargs)
+    inputs, ours_inputs = _batch(4, 0.04)
+    _step(trl, ours, inputs, ours_inputs)
+
+
+@pytest.mark.parametrize("extra", [{}, {"entropy_coef": 0.05}])
+def test_trainer_reverse_block_replay_response_only_equals_whole_replays(extra):
+    whole = make_tiny_longstraw_trainer(loss_type="dapo", beta=0.04, capture_chunk_size=8, **extra)
+    blocks = make_tiny_longstraw_trainer(
+        loss_type="dapo", beta=0.04, capture_chunk_size=8, replay_block_size=2, **extra
+    )
+    _, ours_inputs = _batch(5, 0.04)
+    results = []
+    for t in (whole, blocks):
+        t.model.train()
+        t.model.zero_grad()
+        results.append((t._streamed_loss(t.model, ours_inputs, backward=True), _grads(t.model)))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
+    assert_grads_close(results[1][1], results[0][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_full_gradient_on_cuda_bf16(family, offload):
+    """The CUDA paths (cuDNN / flash forward, flash backward with the pages' dK/dV, the torch GDN rule's backward,
+    pinned host buffers when offloaded) in bf16 against the stock model's fp32 full gradient."""
+    model = _model(family)
+    prompt, comps, weights = _data(prompt_len=61)
+    ref = stock_full_grads(model, prompt, comps, weights)
+    model = model.cuda().to(torch.bfloat16)
+    got = engine_full_grads(model, prompt.cuda(), comps.cuda(), weights.cuda(), block_size=4, offload=offload)
+    for name, g in ref.items():
+        rel = ((got[name].float().cpu() - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert rel <= 5e-2, f"{name}: relative L2 {rel:.2e}"
