@@ -22,8 +22,8 @@ GiB = 2**30
 
 GPU_MEMORY_GIB = {"h200": 139.8, "h100": 79.1, "h20": 95.0, "a100-80g": 79.1, "a100-40g": 39.4}
 
-# The planner's formulas cover these too, but the engine has no patch for them yet (see presets.py).
-PLANNER_ONLY_MODEL_TYPES = ("glm_moe_dsa",)
+# The planner's formulas cover these too, but the engine has no patch for them (see presets.py).
+PLANNER_ONLY_MODEL_TYPES: tuple[str, ...] = ()
 
 # The LoRA rank a plan that does not fit is re-planned with (a common default, not a recommendation).
 SUGGESTED_LORA_RANK = 64
@@ -86,9 +86,11 @@ def check_plannable(model_type: str | None) -> None:
 
     supported = supported_model_types()
     if model_type not in supported and model_type not in PLANNER_ONLY_MODEL_TYPES:
+        only = PLANNER_ONLY_MODEL_TYPES
+        extra = f" (and, for planning only, {', '.join(only)})" if only else ""
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported by LongStraw-TRL; supported model types: "
-            f"{', '.join(supported)} (and, for planning only, {', '.join(PLANNER_ONLY_MODEL_TYPES)})"
+            f"{', '.join(supported)}{extra}"
         )
 
 
@@ -149,17 +151,12 @@ def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 1
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     out: dict[str, int] = {}
-    if getattr(config, "kv_lora_rank", None):  # GLM-5 class: planner-only until its family patch lands
-        latent = (config.kv_lora_rank + config.qk_rope_head_dim) * dtype_bytes
-        out["mla"] = len(types) * latent * on_rank
-        if getattr(config, "index_head_dim", None):
-            out["indexer"] = len(types) * config.index_head_dim * dtype_bytes * on_rank
-        return out
     patch = patch_for_model_type(config.model_type)
     for i in range(len(types)):
         cls = patch.layer_state_type(config, i)
         tokens = on_rank if cls.sharded else resident
-        out[cls.kind] = out.get(cls.kind, 0) + cls.planned_bytes(config, i, tokens, dtype_bytes)
+        for kind, n in cls.planned_bytes_by_kind(config, i, tokens, dtype_bytes).items():
+            out[kind] = out.get(kind, 0) + n
     return out
 
 

@@ -72,6 +72,11 @@ class LayerState(ABC):
         """Allocated but unused bytes on this rank."""
         return 0
 
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """:meth:`nbytes` split by kind of state; a layer that holds several kinds (an MLA latent and
+        indexer keys) reports each. The default: all of it under :attr:`kind`."""
+        return {self.kind: self.nbytes()}
+
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor the state holds (shared ones included), e.g. to count memory once across forks.
 
@@ -89,6 +94,13 @@ class LayerState(ABC):
 
         Must equal :meth:`nbytes` of a captured state (``tests/test_planner.py`` checks it).
         """
+
+    @classmethod
+    def planned_bytes_by_kind(
+        cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2
+    ) -> dict[str, int]:
+        """:meth:`planned_bytes` split as :meth:`nbytes_by_kind` splits :meth:`nbytes`."""
+        return {cls.kind: cls.planned_bytes(config, layer_idx, tokens_on_rank, dtype_bytes)}
 
 
 def owned_tokens(start: int, count: int, page_size: int, cp_rank: int = 0, cp_size: int = 1) -> int:
@@ -217,7 +229,7 @@ class KVPages(LayerState):
         return (kb.shape[1] - filled) * self.token_bytes()
 
     def fork(self) -> KVPages:
-        new = KVPages(
+        new = type(self)(
             self.num_kv_heads,
             self.head_dim,
             self.v_head_dim,
@@ -338,7 +350,8 @@ class PromptState:
         """Bytes held on this rank by kind of state (``kv``, ``gdn``, ...), allocation slack excluded."""
         out: dict[str, int] = {}
         for layer in self.layers.values():
-            out[layer.kind] = out.get(layer.kind, 0) + layer.nbytes()
+            for kind, n in layer.nbytes_by_kind().items():
+                out[kind] = out.get(kind, 0) + n
         return out
 
     def nbytes(self) -> int:

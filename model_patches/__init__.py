@@ -10,6 +10,7 @@ from .base import FamilyPatch, SlidingWindowPatch
 from .cohere2 import Cohere2Patch, apply_longstraw_to_cohere2
 from .gemma2 import Gemma2Patch, apply_longstraw_to_gemma2
 from .gemma3 import Gemma3TextPatch, apply_longstraw_to_gemma3
+from .glm_moe_dsa import GlmMoeDsaPatch, apply_longstraw_to_glm_moe_dsa
 from .gpt_oss import GptOssPatch, apply_longstraw_to_gpt_oss
 from .gqa import GQAPatch, apply_longstraw_to_gqa
 from .mistral import MistralPatch, apply_longstraw_to_mistral
@@ -30,6 +31,7 @@ _PATCHES: list[FamilyPatch] = [
     Gemma2Patch(),
     Gemma3TextPatch(),
     GptOssPatch(),
+    GlmMoeDsaPatch(),
 ]
 
 PATCH_ATTR = "_longstraw_patch"
@@ -104,6 +106,7 @@ __all__ = [
     "GatedDeltaNetHybridPatch",
     "Gemma2Patch",
     "Gemma3TextPatch",
+    "GlmMoeDsaPatch",
     "GptOssPatch",
     "MistralPatch",
     "SlidingWindowPatch",
@@ -113,6 +116,7 @@ __all__ = [
     "apply_longstraw_to_cohere2",
     "apply_longstraw_to_gemma2",
     "apply_longstraw_to_gemma3",
+    "apply_longstraw_to_glm_moe_dsa",
     "apply_longstraw_to_gpt_oss",
     "apply_longstraw_to_gqa",
     "apply_longstraw_to_mistral",

@@ -1,0 +1,377 @@
+"""GLM-5 (``glm_moe_dsa``): multi-head latent attention (MLA) with DeepSeek Sparse Attention (DSA) and
+cross-layer top-k sharing (IndexShare), dense then MoE blocks.
+
+What a layer keeps of the prompt (:class:`DSAPages`, one :class:`KVPages` per layer): the MLA latent
+``[c_kv after kv_a_layernorm | k_rot after RoPE]`` (``kv_lora_rank + qk_rope_head_dim`` per token) and, on
+``"full"`` indexer layers, the indexer keys (``index_head_dim`` per token). Nothing else: K/V are never
+expanded over the prompt.
+
+Attention runs in latent space with absorbed weights, exactly: query head ``h`` becomes
+``[W_uk_h^T q_nope_h | q_rot_h]`` (``W_uk``: the K half of ``kv_b_proj``), the key of token ``j`` is its
+latent ``[c_j | k_rot_j]`` and its value ``c_j``, so ``q_h . k_hj`` is HF's score and the head's output is
+``W_uv_h`` (the V half) applied to the latent-space output. That is multi-query attention with one key
+head (key dim 576, value dim 512 at GLM-5's sizes). ``kv_b_proj``'s effective weight is read by applying
+the module to an identity, so LoRA on it (with ``lora_dropout=0``) and accelerate hooks apply.
+
+DSA: a ``"full"`` layer's indexer scores every causally visible key (prompt pages, then the call's own
+keys), keeps each query's ``index_topk`` best (HF keeps ``min(index_topk, visible)`` visible keys: its
+causal mask puts the rest at ``-inf``), and attention runs over the selected keys only, the prompt part and
+the response part merged by log-sum-exp (``kernels/sparse_attention.py``). The selection
+(:class:`DSASelection`) travels to the following ``"shared"`` layers the way HF passes it: as the third
+output of the attention, which the decoder stack feeds to the next layer as ``prev_topk_indices``. The
+indexer runs without gradient, as in HF. MoE blocks, norms and the router are the stock modules.
+
+Context parallelism: a rank holds its pages of both the latent and the indexer keys; each rank proposes
+its local top-k, every rank takes the top-k of all proposals (plus the replicated response keys), attends
+over its own selected prompt keys and the partial results merge over ranks. Offload: the pages live in
+pinned host memory and each layer's pages are streamed to the device when the layer runs (and again in
+backward).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from longstraw_trl.errors import LongStrawError
+from longstraw_trl.kernels.attention import merge_partials
+from longstraw_trl.kernels.sparse_attention import (
+    indexer_topk,
+    prompt_selected_attention,
+    selected_attention,
+    topk_merge,
+)
+from longstraw_trl.state import KVPages, LayerState
+
+from .base import CALL_DEPENDENT_ROPE, FamilyPatch, apply_family_patch
+
+FULL_INDEXER, SHARED_INDEXER = "full", "shared"
+MASK_KEY = "indexed_attention"
+
+
+def _indexer_types(config) -> list[str]:
+    return list(config.indexer_types)[: config.num_hidden_layers]
+
+
+class DSAPages(KVPages):
+    """One GLM-5 layer's prompt state: MLA latent pages, with the indexer keys alongside on ``"full"`` layers.
+
+    A :class:`KVPages` with one key head whose "keys" are the latent ``[c_kv | k_rot]`` (``head_dim =
+    kv_lora_rank + qk_rope_head_dim``) and whose "values" are the indexer keys (``v_head_dim =
+    index_head_dim``, or 0 on ``"shared"`` layers), so paging, context-parallel ownership, forks and offload
+    streaming are KVPages' own. ``nbytes_by_kind`` reports ``mla`` and ``indexer`` apart.
+    """
+
+    kind = "mla"
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        n = self.stored_tokens() * self.num_kv_heads * self.dtype.itemsize
+        out = {"mla": n * self.head_dim}
+        if self.v_head_dim:
+            out["indexer"] = n * self.v_head_dim
+        return out
+
+    @classmethod
+    def planned_bytes_by_kind(
+        cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2
+    ) -> dict[str, int]:
+        out = {"mla": (config.kv_lora_rank + config.qk_rope_head_dim) * dtype_bytes * tokens_on_rank}
+        if _indexer_types(config)[layer_idx] == FULL_INDEXER:
+            out["indexer"] = config.index_head_dim * dtype_bytes * tokens_on_rank
+        return out
+
+    @classmethod
+    def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        return sum(cls.planned_bytes_by_kind(config, layer_idx, tokens_on_rank, dtype_bytes).values())
+
+
+@dataclass
+class DSASelection:
+    """The keys each query of one call attends to: a ``"full"`` layer's top-k, reused by the ``"shared"``
+    layers after it within the same call.
+
+    Args:
+        prompt_rows: ``[B, T, k]`` rows of this rank's prompt pages (as :func:`_materialize` lays them out);
+            -1 where the slot holds no prompt key of this rank.
+        self_rows: ``[B, T, k]`` indices into the call's own keys (the response, or the capture chunk, or the
+            decode buffer); -1 where the slot holds none.
+    """
+
+    prompt_rows: torch.Tensor
+    self_rows: torch.Tensor
+
+
+def _materialize(layer: DSAPages | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's pages of ``layer`` on ``device``: ``(latent [N, D], indexer keys [N, Di])`` (views of a
+    resident single segment; otherwise the segments or streamed pages joined)."""
+    pieces = list(layer.stream(device))
+    if not pieces:  # nothing stored on this rank yet
+        return (
+            torch.empty(0, layer.head_dim, dtype=layer.dtype, device=device),
+            torch.empty(0, layer.v_head_dim, dtype=layer.dtype, device=device),
+        )
+    if len(pieces) == 1:
+        k, v = pieces[0]
+    else:
+        k, v = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1)
+    return k[0], v[0]
+
+
+def _local_positions(n: int, page_size: int, rank: int, size: int, device) -> torch.Tensor:
+    """Global positions of this rank's ``n`` stored tokens (pages ``j`` with ``j % size == rank``, in order)."""
+    r = torch.arange(n, device=device)
+    if size == 1:
+        return r
+    return ((r // page_size) * size + rank) * page_size + r % page_size
+
+
+def _local_rows(pos: torch.Tensor, page_size: int, rank: int, size: int) -> torch.Tensor:
+    """Inverse of :func:`_local_positions`: the row of global position ``pos`` on this rank, -1 if not owned."""
+    if size == 1:
+        return pos
+    page = pos // page_size
+    rows = (page // size) * page_size + pos % page_size
+    return torch.where(page % size == rank, rows, torch.full_like(pos, -1))
+
+
+@torch.no_grad()
+def _indexer_qkw(indexer: nn.Module, hidden_states, q_resid, cos, sin):
+    """HF's ``GlmMoeDsaIndexer`` projections: queries ``[B, T, Hi, Di]``, keys ``[B, T, Di]`` (interleaved RoPE
+    on the first ``qk_rope_head_dim`` dims) and head weights ``[B, T, Hi]`` (fp32, times ``Hi ** -0.5``)."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+    b, t, _ = hidden_states.shape
+    rope, dim = indexer.qk_rope_head_dim, indexer.head_dim
+    q = indexer.wq_b(q_resid).view(b, t, indexer.n_heads, dim)
+    q_rot, q_pass = torch.split(q, [rope, dim - rope], dim=-1)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rope, dim - rope], dim=-1)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    return q, k, w * indexer.n_heads**-0.5
+
+
+@torch.no_grad()
+def _select(indexer, iq, w, prompt_keys, prompt_pos, resident, self_keys, q_pos, ctx, page_size):
+    """The top-k over the prompt (this rank's pages, then every rank's proposals) and the call's own keys."""
+    b, t = iq.shape[:2]
+    topk, scale = indexer.index_topk, indexer.softmax_scale
+    width = min(topk, resident)  # every rank proposes this many (padded), so the gather has one shape
+    if prompt_keys is not None and prompt_keys.shape[0]:
+        s, p = indexer_topk(iq, w, prompt_keys[None], prompt_pos, None, scale, topk)
+    else:
+        s, p = iq.new_empty((b, t, 0), dtype=torch.float32), q_pos.new_empty((b, t, 0))
+    if s.shape[-1] < width:
+        pad = width - s.shape[-1]
+        s = torch.cat([s, s.new_full((b, t, pad), float("-inf"))], -1)
+        p = torch.cat([p, p.new_full((b, t, pad), -1)], -1)
+    if ctx.cp.size > 1:
+        s, p = torch.cat(ctx.cp.all_gather(s), -1), torch.cat(ctx.cp.all_gather(p), -1)
+    self_pos = torch.arange(self_keys.shape[1], device=iq.device) + resident
+    s2, p2 = indexer_topk(iq, w, self_keys, self_pos, q_pos, scale, topk)
+    s, p = topk_merge(s, p, s2, p2, topk)
+    valid = s > float("-inf")
+    in_prompt = valid & (p < resident)
+    prompt_rows = torch.where(
+        in_prompt, _local_rows(p, page_size, ctx.cp.rank, ctx.cp.size), torch.full_like(p, -1)
+    )
+    self_rows = torch.where(valid & ~in_prompt, p - resident, torch.full_like(p, -1))
+    return DSASelection(prompt_rows, self_rows)
+
+
+def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_ids, prev, ctx):
+    """HF's ``GlmMoeDsaAttention.forward`` on the prompt state: same projections, norms, RoPE, scaling and
+    selection; attention in latent space over the selected prompt pages and the call's own keys."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+    from longstraw_trl.engine import ResponseKV
+
+    idx = module.layer_idx
+    b, t, _ = hidden_states.shape
+    nope, rope, r, hv = (
+        module.qk_nope_head_dim,
+        module.qk_rope_head_dim,
+        module.kv_lora_rank,
+        module.v_head_dim,
+    )
+    q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
+    q = module.q_b_proj(q_resid).view(b, t, -1, module.qk_head_dim).transpose(1, 2)
+    heads = q.shape[1]
+    q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+    kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden_states), [r, rope], dim=-1)
+    c_kv = module.kv_a_layernorm(kv_pass)
+    cos, sin = position_embeddings
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(b, 1, t, rope), cos, sin)
+    # kv_b_proj's effective weight [r, H, nope + v] (LoRA and hooks included), then the absorbed query
+    w = module.kv_b_proj(torch.eye(r, dtype=c_kv.dtype, device=c_kv.device)).view(r, heads, nope + hv)
+    query = torch.cat([torch.einsum("bhtn,rhn->bhtr", q_pass, w[..., :nope]), q_rot], dim=-1)
+    latent = torch.cat([c_kv, k_rot[:, 0]], dim=-1)  # [B, T, r + rope]: key [c | k_rot], value c
+
+    indexer = module.indexer
+    if indexer is not None:
+        iq, ik, iw = _indexer_qkw(indexer, hidden_states, q_resid, cos, sin)
+    else:
+        iq = iw = None
+        ik = latent.new_zeros(b, t, 0)
+    layer = ctx.layer_state(
+        idx, DSAPages, lambda: ctx.new_pages(latent.unsqueeze(1), ik.unsqueeze(1), DSAPages)
+    )
+    if layer is not None and layer.v_head_dim != ik.shape[-1]:
+        raise LongStrawError(f"layer {idx}: the state's indexer keys do not match the model's indexer types")
+    resident = layer.num_tokens if layer is not None else 0
+
+    self_kv, self_ik = latent, ik.detach()
+    if ctx.mode == "decode":
+        running = ctx.running.get(idx)
+        if running is None:
+            cap = max(ctx.capacity, t)
+            running = ctx.running[idx] = ResponseKV(
+                latent.new_zeros(b, 1, cap, latent.shape[-1]), ik.new_zeros(b, 1, cap, ik.shape[-1])
+            )
+        if ctx.step is not None:
+            running.write_at(ctx.step, latent.unsqueeze(1), ik.unsqueeze(1))
+            kb, vb = running.k, running.v
+        else:
+            kb, vb = running.append(latent.unsqueeze(1), ik.unsqueeze(1))
+        self_kv, self_ik = kb[:, 0], vb[:, 0]
+
+    device = hidden_states.device
+    prompt_latent = prompt_ik = None
+    if layer is not None:
+        prompt_latent, prompt_ik = _materialize(layer, device)
+    if indexer is not None:
+        q_pos = position_ids[0] if position_ids.dim() == 2 else position_ids
+        prompt_pos = None
+        if prompt_ik is not None:
+            prompt_pos = _local_positions(
+                prompt_ik.shape[0], layer.page_size, ctx.cp.rank, ctx.cp.size, device
+            )
+        sel = _select(
+            indexer, iq, iw, prompt_ik, prompt_pos, resident, self_ik, q_pos, ctx, ctx.state.page_size
+        )
+    else:
+        if not isinstance(prev, DSASelection):
+            raise LongStrawError(
+                f"layer {idx} reuses the previous layer's top-k ('shared' indexer) but got {type(prev).__name__}: "
+                "the first layer must be a 'full' indexer layer"
+            )
+        sel = prev
+
+    scale = module.scaling
+    out_p = lse_p = None
+    if resident:  # (every rank, pages or not: the merge over ranks is a collective)
+        out_p, lse_p = prompt_selected_attention(
+            query,
+            sel.prompt_rows,
+            prompt_latent,
+            lambda: _materialize(layer, device)[0],
+            scale,
+            r,
+            ctx.cp.reduce_partial,
+            ctx.cp.reduce_dq,
+        )
+    out_s, lse_s = selected_attention(query, self_kv, sel.self_rows, scale, r)
+    out, _ = merge_partials(out_p, lse_p, out_s, lse_s)
+    if ctx.mode == "capture":
+        layer.append(latent[0].unsqueeze(0).detach(), ik[0].unsqueeze(0))
+    # back from latent space through kv_b_proj's V half: [B, H, T, r] -> [B, T, H * v]
+    attn = torch.einsum("bhtr,rhv->bthv", out.to(query.dtype), w[..., nope:]).reshape(b, t, heads * hv)
+    return module.o_proj(attn), None, sel
+
+
+def install_dsa_forward(cls: type[nn.Module], ctx_kwarg: str) -> None:
+    """Wrap ``cls.forward`` (idempotent): with ``ctx_kwarg`` run :func:`dsa_forward`, else the stock code."""
+    stock = cls.forward
+    if getattr(stock, "_longstraw_dsa", False):
+        return
+
+    @functools.wraps(stock)
+    def forward(
+        self,
+        hidden_states,
+        position_embeddings=None,
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=None,
+        prev_topk_indices=None,
+        **kwargs,
+    ):
+        ctx = kwargs.pop(ctx_kwarg, None)
+        if ctx is None:
+            return stock(
+                self,
+                hidden_states,
+                position_embeddings,
+                attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+                prev_topk_indices=prev_topk_indices,
+                **kwargs,
+            )
+        if past_key_values is not None:
+            raise LongStrawError("a LongStraw call cannot also use an HF cache (past_key_values)")
+        if attention_mask is not None:
+            raise LongStrawError("a LongStraw call takes no attention_mask: rows are right-padded instead")
+        return dsa_forward(self, hidden_states, position_embeddings, position_ids, prev_topk_indices, ctx)
+
+    forward._longstraw_dsa = True
+    forward._longstraw_stock = stock
+    cls.forward = forward
+
+
+class GlmMoeDsaPatch(FamilyPatch):
+    """``glm_moe_dsa`` (GLM-5): every layer keeps a :class:`DSAPages`; attention is dispatched by
+    :func:`dsa_forward`, installed on the attention class by :meth:`apply`."""
+
+    model_types = ("glm_moe_dsa",)
+
+    def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
+        return DSAPages
+
+    def no_attention_masks(self, model: nn.Module) -> dict:
+        return {MASK_KEY: None}  # a prepared mapping: HF builds no causal mask (the engine masks by position)
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.decoder(model).layers]
+
+    def validate(self, model: nn.Module) -> None:
+        config = self.text_config(model)
+        types = _indexer_types(config)
+        other = sorted(set(types) - {FULL_INDEXER, SHARED_INDEXER})
+        if other:
+            raise self.unsupported(
+                f"indexer types {other} (only {FULL_INDEXER!r} and {SHARED_INDEXER!r} are)"
+            )
+        if types and types[0] != FULL_INDEXER:
+            raise self.unsupported(
+                f"indexer_types[0]={types[0]!r} (the first layer must run its indexer: 'full')"
+            )
+        if getattr(config, "attention_dropout", 0.0):
+            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
+        if not config.index_topk or config.index_topk < 1:
+            raise self.unsupported(f"index_topk={config.index_topk!r} (must be >= 1)")
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type") in CALL_DEPENDENT_ROPE:
+            raise self.unsupported(
+                f"rope_type={rope['rope_type']!r} (its frequencies depend on the length of each call, so a "
+                "chunked capture cannot reproduce a full forward)"
+            )
+        for module in self.attention_modules(model):
+            if not hasattr(module, "kv_b_proj") or not hasattr(module, "q_a_proj"):
+                raise self.unsupported(f"an attention layer of type {type(module).__name__}")
+
+    def apply(self, model: nn.Module) -> None:
+        from longstraw_trl.engine import CTX_KWARG
+
+        for cls in {type(m) for m in self.attention_modules(model)}:
+            install_dsa_forward(cls, CTX_KWARG)
+
+
+def apply_longstraw_to_glm_moe_dsa(model: nn.Module) -> nn.Module:
+    """Patch a GLM-5 model (``glm_moe_dsa``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, GlmMoeDsaPatch)
