@@ -127,11 +127,24 @@ def test_logprobs_match_stock_forward_all_keys_selected(prompt_len, chunk, page)
     assert len(state.layers) == (0 if prompt_len == 1 else 4)
 
 
-@pytest.mark.parametrize("prompt_len,chunk,page", [(29, 8, 5), (40, 16, 7)])
-def test_small_topk_selects_the_stock_keys_and_matches_stock(prompt_len, chunk, page):
+# YaRN with mscale_all_dim: the softmax scale is qk_head_dim ** -0.5 times mscale ** 2 (HF's yarn_apply_mscale)
+YARN = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128, mscale_all_dim=1.0
+)
+
+
+@pytest.mark.parametrize(
+    "prompt_len,chunk,page,rope",
+    [(29, 8, 5, None), (40, 16, 7, None), (33, 8, 4, YARN)],
+    ids=["29", "40", "yarn-mscale"],
+)
+def test_small_topk_selects_the_stock_keys_and_matches_stock(prompt_len, chunk, page, rope):
     """index_topk < sequence length: on tie-free data the engine picks the stock indexer's keys for every response
     query of every full layer, and the log-probs equal the stock full forward (which attends to that selection)."""
-    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    model = build_glm_dsa(index_topk=SMALL_TOPK, **({"rope_parameters": rope} if rope else {}))
+    if rope:
+        attn = model.model.layers[0].self_attn
+        assert attn.scaling > attn.qk_head_dim**-0.5  # the mscale is on
     gen = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
     comp = torch.randint(0, VOCAB, (9,), generator=gen)
