@@ -45,9 +45,14 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """``q [B, T, H, D]``, ``weights [B, T, H]`` (fp32), ``keys [B or 1, L, D]`` -> ``[B, T, L]`` fp32:
-    ``sum_h weights[h] * relu(scale * q_h . k)``, in HF's order of operations."""
-    s = matmul_fp32(q, keys.transpose(-1, -2).unsqueeze(1)) * scale  # [B, T, H, L]
-    s = torch.relu(s)
+    ``sum_h weights[h] * relu(scale * q_h . k)``, as HF computes it (fp32 scores, ReLU, then the weighted sum
+    over heads). The heads are folded into the GEMM's rows (keys shared by the batch: the batch too)."""
+    b, t, h, d = q.shape
+    if keys.shape[0] == 1:
+        s = matmul_fp32(q.reshape(1, b * t * h, d), keys.transpose(-1, -2)).view(b, t, h, -1)
+    else:
+        s = matmul_fp32(q.reshape(b, t * h, d), keys.transpose(-1, -2)).view(b, t, h, -1)
+    s = torch.relu_(s.mul_(scale))
     return torch.matmul(weights.float().unsqueeze(-2), s).squeeze(-2)
 
 
@@ -68,6 +73,10 @@ def topk_merge(
     return top, pos.gather(-1, i)
 
 
+# Keys whose scores are gathered into one buffer before a top-k merge (fewer, larger top-k calls).
+TOPK_KEY_BLOCK = 1 << 15
+
+
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -81,25 +90,30 @@ def indexer_topk(
 
     ``q_pos [T]``: query positions; key ``j`` is visible to query ``i`` iff ``key_pos[j] <= q_pos[i]``
     (``None``: every key is visible, e.g. prompt keys for later queries). Returns ``(scores, positions)``
-    ``[B, T, min(k, L)]``; a slot with no visible key left has score ``-inf``.
+    ``[B, T, min(k, L)]``; a slot with no visible key left has score ``-inf``. Scores are computed in tiles
+    of at most :data:`SCORE_TILE_ELEMENTS` (queries x heads x keys), written into a buffer of up to
+    :data:`TOPK_KEY_BLOCK` keys, which is merged into the running top-k at once.
     """
     b, t, h, _ = q.shape
-    best = best_pos = None
-    if keys.shape[-2] == 0:
-        empty = q.new_empty((b, t, 0), dtype=torch.float32)
-        return empty, key_pos.new_empty((b, t, 0))
+    n = keys.shape[-2]
+    if n == 0:
+        return q.new_empty((b, t, 0), dtype=torch.float32), key_pos.new_empty((b, t, 0))
     tq = min(t, max(1, 4096 // b))
     outs_s, outs_p = [], []
     for a in range(0, t, tq):
         e = min(t, a + tq)
-        block = max(128, SCORE_TILE_ELEMENTS // (b * (e - a) * h))
+        tile = max(1, SCORE_TILE_ELEMENTS // (b * (e - a) * h))
         best = best_pos = None
-        for s0 in range(0, keys.shape[-2], block):
-            kb, pb = keys[:, s0 : s0 + block], key_pos[s0 : s0 + block]
-            s = index_scores(q[:, a:e], weights[:, a:e], kb, scale)
+        for s0 in range(0, n, TOPK_KEY_BLOCK):
+            s1 = min(n, s0 + TOPK_KEY_BLOCK)
+            buf = torch.empty(b, e - a, s1 - s0, dtype=torch.float32, device=q.device)
+            for c in range(s0, s1, tile):
+                kb = keys[:, c : min(s1, c + tile)]
+                buf[..., c - s0 : c - s0 + kb.shape[-2]] = index_scores(q[:, a:e], weights[:, a:e], kb, scale)
+            pb = key_pos[s0:s1]
             if q_pos is not None:
-                s = s.masked_fill(pb[None, None, :] > q_pos[a:e, None], float("-inf"))
-            best, best_pos = topk_merge(best, best_pos, s, pb, k)
+                buf.masked_fill_(pb[None, None, :] > q_pos[a:e, None], float("-inf"))
+            best, best_pos = topk_merge(best, best_pos, buf, pb, k)
         outs_s.append(best)
         outs_p.append(best_pos)
     return torch.cat(outs_s, 1), torch.cat(outs_p, 1)

@@ -201,16 +201,20 @@ class KVPages(LayerState):
         self.segments[-1] = (kb, vb, filled + n)
         self._reserved = max(0, self._reserved - n)
 
-    def stream(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def stream(
+        self, device: torch.device, keys: bool = True, values: bool = True
+    ) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Yield ``(k, v)`` blocks on ``device``: each resident segment whole (one kernel call each);
-        offloaded segments in ``page_size`` pieces, so the device holds one piece at a time."""
+        offloaded segments in ``page_size`` pieces, so the device holds one piece at a time. ``keys=False``
+        / ``values=False``: that half is not copied (``None`` in its place)."""
         for kb, vb, filled in self.segments:
             if not self.offloaded:
-                yield kb[:, :filled], vb[:, :filled]
+                yield (kb[:, :filled] if keys else None), (vb[:, :filled] if values else None)
                 continue
             for s in range(0, filled, self.page_size):
                 e = min(filled, s + self.page_size)
-                yield kb[:, s:e].to(device, non_blocking=True), vb[:, s:e].to(device, non_blocking=True)
+                k = kb[:, s:e].to(device, non_blocking=True) if keys else None
+                yield k, (vb[:, s:e].to(device, non_blocking=True) if values else None)
 
     def token_bytes(self) -> int:
         """Bytes of one token's K and V in this layer."""

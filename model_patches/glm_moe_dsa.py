@@ -104,20 +104,36 @@ class DSASelection:
     self_rows: torch.Tensor
 
 
-def _materialize(layer: DSAPages | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's pages of ``layer`` on ``device``: ``(latent [N, D], indexer keys [N, Di])`` (views of a
-    resident single segment; otherwise the segments or streamed pages joined)."""
-    pieces = list(layer.stream(device))
+def _materialize(layer: DSAPages, device: torch.device, part: int) -> torch.Tensor:
+    """This rank's pages of ``layer`` on ``device``, ``part`` 0: the latent ``[N, D]``, 1: the indexer keys
+    ``[N, Di]`` (views of a resident single segment; otherwise the segments or streamed pages joined)."""
+    pieces = [p[part] for p in layer.stream(device, keys=part == 0, values=part == 1)]
     if not pieces:  # nothing stored on this rank yet
-        return (
-            torch.empty(0, layer.head_dim, dtype=layer.dtype, device=device),
-            torch.empty(0, layer.v_head_dim, dtype=layer.dtype, device=device),
-        )
-    if len(pieces) == 1:
-        k, v = pieces[0]
-    else:
-        k, v = torch.cat([p[0] for p in pieces], 1), torch.cat([p[1] for p in pieces], 1)
-    return k[0], v[0]
+        width = layer.head_dim if part == 0 else layer.v_head_dim
+        return torch.empty(0, width, dtype=layer.dtype, device=device)
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1))[0]
+
+
+def _prompt_table(layer: DSAPages, rows: torch.Tensor, device: torch.device):
+    """The prompt part's key table, the rows of it each query chose, and how to get the table again.
+
+    Offloaded with fewer chosen slots than stored tokens (decoding: G queries x top-k): only the chosen rows
+    are gathered in host memory and copied (one host sync); otherwise this rank's pages (:func:`_materialize`).
+    """
+    if layer.offloaded and len(layer.segments) == 1 and rows.numel() < layer.stored_tokens():
+        host = layer.segments[0][0][0]
+        flat = rows.reshape(-1).clamp_min(0).cpu()
+
+        def table():
+            return host.index_select(0, flat).to(device, non_blocking=True)
+
+        slots = torch.arange(rows.numel(), device=rows.device).view_as(rows)
+        return table(), torch.where(rows >= 0, slots, rows), table
+
+    def pages():
+        return _materialize(layer, device, 0)
+
+    return pages(), rows, pages
 
 
 def _local_positions(n: int, page_size: int, rank: int, size: int, device) -> torch.Tensor:
@@ -241,9 +257,9 @@ def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_
         self_kv, self_ik = kb[:, 0], vb[:, 0]
 
     device = hidden_states.device
-    prompt_latent = prompt_ik = None
-    if layer is not None:
-        prompt_latent, prompt_ik = _materialize(layer, device)
+    prompt_ik = None
+    if indexer is not None and layer is not None:
+        prompt_ik = _materialize(layer, device, 1)
     if indexer is not None:
         q_pos = position_ids[0] if position_ids.dim() == 2 else position_ids
         prompt_pos = None
@@ -265,11 +281,12 @@ def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_
     scale = module.scaling
     out_p = lse_p = None
     if resident:  # (every rank, pages or not: the merge over ranks is a collective)
+        table, rows, table_fn = _prompt_table(layer, sel.prompt_rows, device)
         out_p, lse_p = prompt_selected_attention(
             query,
-            sel.prompt_rows,
-            prompt_latent,
-            lambda: _materialize(layer, device)[0],
+            rows,
+            table,
+            table_fn,
             scale,
             r,
             ctx.cp.reduce_partial,

@@ -164,6 +164,27 @@ def test_small_topk_selects_the_stock_keys_and_matches_stock(prompt_len, chunk, 
     assert (got - ref).abs().max().item() <= 1e-4
 
 
+def test_tiled_indexer_and_attention_equal_stock(monkeypatch):
+    """The score tiles, the top-k key blocks and the attention query blocks at a few elements each (at real sizes
+    they hold 2^28 scores, 32K keys and 256 query rows): the same choices and log-probs as the stock forward."""
+    import longstraw_trl.kernels.sparse_attention as sparse
+
+    monkeypatch.setattr(sparse, "SCORE_TILE_ELEMENTS", 16 * 3 * 5)  # 3 keys per tile at 5 queries of 16 heads
+    monkeypatch.setattr(sparse, "TOPK_KEY_BLOCK", 7)
+    monkeypatch.setattr(sparse, "ATTENTION_QUERY_ROWS", 3)
+    test_small_topk_selects_the_stock_keys_and_matches_stock(29, 8, 5, None)
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    gen = torch.Generator().manual_seed(1)
+    prompt, completion = (
+        torch.randint(0, VOCAB, (26,), generator=gen),
+        torch.randint(0, VOCAB, (7,), generator=gen),
+    )
+    weights = torch.randn(7, generator=gen)
+    state = capture_prompt(model, prompt, chunk_size=9, page_size=4)
+    got = engine_grads(model, state, completion, weights)
+    assert_grads_close(got, response_only_reference(model, prompt, completion, weights))
+
+
 def test_small_topk_capture_selects_the_stock_keys():
     """Inside the capture too (prompt queries over earlier chunks' pages + their own chunk): same choices."""
     model = build_glm_dsa(index_topk=SMALL_TOPK)
@@ -258,6 +279,11 @@ def test_offloaded_state_of_three_pages_equals_resident():
     assert torch.equal(resident.logprobs(model, ids, mask), offloaded.logprobs(model, ids, mask))
     g = [engine_grads(model, s, ids[0], torch.linspace(-1, 1, 7)) for s in (resident, offloaded)]
     assert_grads_close(g[1], g[0], tol=1e-6)
+    # decoding reads only the chosen latent rows of an offloaded layer (2 x top-6 < 24 stored tokens)
+    torch.manual_seed(0)
+    a = resident.generate(model, 2, 5, do_sample=True, pad_token_id=0)
+    torch.manual_seed(0)
+    assert torch.equal(offloaded.generate(model, 2, 5, do_sample=True, pad_token_id=0), a)
 
 
 def test_extend_equals_capturing_concatenation():
