@@ -280,6 +280,14 @@ def test_offloaded_state_of_three_pages_equals_resident():
     g = [engine_grads(model, s, ids[0], torch.linspace(-1, 1, 7)) for s in (resident, offloaded)]
     assert_grads_close(g[1], g[0], tol=1e-6)
     # decoding reads only the chosen latent rows of an offloaded layer (2 x top-6 < 24 stored tokens)
+    tokens = torch.randint(0, VOCAB, (2, 4), generator=gen)
+    logits = []
+    with torch.no_grad():
+        for state in (resident, offloaded):
+            ctx = ReplayContext("decode", state, capacity=4)
+            steps = [forward_model(model, tokens[:, i : i + 1], 24 + i, ctx) for i in range(4)]
+            logits.append(torch.cat(steps, 1))
+    assert (logits[0] - logits[1]).abs().max() <= 1e-6
     torch.manual_seed(0)
     a = resident.generate(model, 2, 5, do_sample=True, pad_token_id=0)
     torch.manual_seed(0)
