@@ -371,6 +371,8 @@ def _cp_worker(rank: int, world: int, init_file: str) -> None:
         total = torch.tensor([sharded.nbytes()])
         dist.all_reduce(total)
         assert int(total) == single.nbytes() and sharded.nbytes() < single.nbytes()
+        if rank == 0:  # the planner's per-rank state is the first rank's (it holds the most pages)
+            assert sharded.nbytes_by_kind() == state_bytes(model.config, 30, 2, 4, dtype_bytes=4)
         diff = (single.logprobs(model, ids, mask) - sharded.logprobs(model, ids, mask)) * mask
         assert diff.abs().max() <= 1e-5, diff.abs().max()
         w = torch.linspace(-1, 1, 7)
