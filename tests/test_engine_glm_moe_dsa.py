@@ -165,12 +165,12 @@ def test_small_topk_selects_the_stock_keys_and_matches_stock(prompt_len, chunk, 
 
 
 def test_tiled_indexer_and_attention_equal_stock(monkeypatch):
-    """The score tiles, the top-k key blocks and the attention query blocks at a few elements each (at real sizes
-    they hold 2^28 scores, 32K keys and 256 query rows): the same choices and log-probs as the stock forward."""
+    """The score tiles, the top-k buffers and the attention query blocks at a few elements each (at real sizes
+    they hold 2^28 and 2^27 scores and 256 query rows): the same choices and log-probs as the stock forward."""
     import longstraw_trl.kernels.sparse_attention as sparse
 
     monkeypatch.setattr(sparse, "SCORE_TILE_ELEMENTS", 16 * 3 * 5)  # 3 keys per tile at 5 queries of 16 heads
-    monkeypatch.setattr(sparse, "TOPK_KEY_BLOCK", 7)
+    monkeypatch.setattr(sparse, "TOPK_BUFFER_ELEMENTS", 5 * 7)  # 7 keys per top-k merge at 5 queries
     monkeypatch.setattr(sparse, "ATTENTION_QUERY_ROWS", 3)
     test_small_topk_selects_the_stock_keys_and_matches_stock(29, 8, 5, None)
     model = build_glm_dsa(index_topk=SMALL_TOPK)
