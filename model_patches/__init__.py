@@ -10,7 +10,13 @@ from .base import FamilyPatch, SlidingWindowPatch
 from .cohere2 import Cohere2Patch, apply_longstraw_to_cohere2
 from .gemma2 import Gemma2Patch, apply_longstraw_to_gemma2
 from .gemma3 import Gemma3TextPatch, apply_longstraw_to_gemma3
-from .glm_moe_dsa import GlmMoeDsaPatch, apply_longstraw_to_glm_moe_dsa
+from .glm_moe_dsa import (
+    DeepseekV32Patch,
+    DSAPatch,
+    GlmMoeDsaPatch,
+    apply_longstraw_to_deepseek_v32,
+    apply_longstraw_to_glm_moe_dsa,
+)
 from .gpt_oss import GptOssPatch, apply_longstraw_to_gpt_oss
 from .gqa import GQAPatch, apply_longstraw_to_gqa
 from .mistral import MistralPatch, apply_longstraw_to_mistral
@@ -32,6 +38,7 @@ _PATCHES: list[FamilyPatch] = [
     Gemma3TextPatch(),
     GptOssPatch(),
     GlmMoeDsaPatch(),
+    DeepseekV32Patch(),
 ]
 
 PATCH_ATTR = "_longstraw_patch"
@@ -101,6 +108,8 @@ def patch_model(model: nn.Module) -> nn.Module:
 
 __all__ = [
     "Cohere2Patch",
+    "DSAPatch",
+    "DeepseekV32Patch",
     "FamilyPatch",
     "GQAPatch",
     "GatedDeltaNetHybridPatch",
@@ -114,6 +123,7 @@ __all__ = [
     "Qwen3_5Patch",
     "UnsupportedModelError",
     "apply_longstraw_to_cohere2",
+    "apply_longstraw_to_deepseek_v32",
     "apply_longstraw_to_gemma2",
     "apply_longstraw_to_gemma3",
     "apply_longstraw_to_glm_moe_dsa",

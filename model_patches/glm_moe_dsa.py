@@ -31,6 +31,7 @@ backward).
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,9 @@ MASK_KEY = "indexed_attention"
 
 
 def _indexer_types(config) -> list[str]:
-    return list(config.indexer_types)[: config.num_hidden_layers]
+    """``config.indexer_types`` (GLM-5); every layer ``"full"`` where the config has none (DeepSeek-V3.2)."""
+    types = getattr(config, "indexer_types", None) or [FULL_INDEXER] * config.num_hidden_layers
+    return list(types)[: config.num_hidden_layers]
 
 
 class DSAPages(KVPages):
@@ -154,18 +157,17 @@ def _local_rows(pos: torch.Tensor, page_size: int, rank: int, size: int) -> torc
 
 
 @torch.no_grad()
-def _indexer_qkw(indexer: nn.Module, hidden_states, q_resid, cos, sin):
-    """HF's ``GlmMoeDsaIndexer`` projections: queries ``[B, T, Hi, Di]``, keys ``[B, T, Di]`` (interleaved RoPE
-    on the first ``qk_rope_head_dim`` dims) and head weights ``[B, T, Hi]`` (fp32, times ``Hi ** -0.5``)."""
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
-
+def _indexer_qkw(indexer: nn.Module, hidden_states, q_resid, cos, sin, rope_fn):
+    """HF's indexer projections: queries ``[B, T, Hi, Di]``, keys ``[B, T, Di]`` (``rope_fn`` on the first
+    ``qk_rope_head_dim`` dims: interleaved for GLM-5, half-split for DeepSeek-V3.2) and head weights
+    ``[B, T, Hi]`` (fp32, times ``Hi ** -0.5``)."""
     b, t, _ = hidden_states.shape
     rope, dim = indexer.qk_rope_head_dim, indexer.head_dim
     q = indexer.wq_b(q_resid).view(b, t, indexer.n_heads, dim)
     q_rot, q_pass = torch.split(q, [rope, dim - rope], dim=-1)
     k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
     k_rot, k_pass = torch.split(k, [rope, dim - rope], dim=-1)
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q_rot, k_rot = rope_fn(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
     w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
@@ -200,12 +202,14 @@ def _select(indexer, iq, w, prompt_keys, prompt_pos, resident, self_keys, q_pos,
     return DSASelection(prompt_rows, self_rows)
 
 
-def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_ids, prev, ctx):
-    """HF's ``GlmMoeDsaAttention.forward`` on the prompt state: same projections, norms, RoPE, scaling and
-    selection; attention in latent space over the selected prompt pages and the call's own keys."""
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
-
+def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_ids, prev, ctx, indexer_rope):
+    """HF's ``GlmMoeDsaAttention.forward`` (and ``DeepseekV32Attention.forward``) on the prompt state: same
+    projections, norms, RoPE, scaling and selection; attention in latent space over the selected prompt pages
+    and the call's own keys. Returns ``(output, None, selection)``."""
     from longstraw_trl.engine import ResponseKV
+
+    # the MLA RoPE is interleaved in both families; the module's own modeling file defines it
+    apply_rotary_pos_emb_interleave = sys.modules[type(module).__module__].apply_rotary_pos_emb_interleave
 
     idx = module.layer_idx
     b, t, _ = hidden_states.shape
@@ -228,9 +232,9 @@ def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_
     query = torch.cat([torch.einsum("bhtn,rhn->bhtr", q_pass, w[..., :nope]), q_rot], dim=-1)
     latent = torch.cat([c_kv, k_rot[:, 0]], dim=-1)  # [B, T, r + rope]: key [c | k_rot], value c
 
-    indexer = module.indexer
+    indexer = getattr(module, "indexer", None)
     if indexer is not None:
-        iq, ik, iw = _indexer_qkw(indexer, hidden_states, q_resid, cos, sin)
+        iq, ik, iw = _indexer_qkw(indexer, hidden_states, q_resid, cos, sin, indexer_rope)
     else:
         iq = iw = None
         ik = latent.new_zeros(b, t, 0)
@@ -301,8 +305,12 @@ def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_
     return module.o_proj(attn), None, sel
 
 
-def install_dsa_forward(cls: type[nn.Module], ctx_kwarg: str) -> None:
-    """Wrap ``cls.forward`` (idempotent): with ``ctx_kwarg`` run :func:`dsa_forward`, else the stock code."""
+def install_dsa_forward(cls: type[nn.Module], ctx_kwarg: str, indexer_rope, shares_topk: bool) -> None:
+    """Wrap ``cls.forward`` (idempotent): with ``ctx_kwarg`` run :func:`dsa_forward`, else the stock code.
+
+    ``shares_topk``: the stock forward takes ``prev_topk_indices`` and returns the selection as a third output
+    (GLM-5's IndexShare); otherwise (DeepSeek-V3.2) it returns two outputs and every layer selects its own.
+    """
     stock = cls.forward
     if getattr(stock, "_longstraw_dsa", False):
         return
@@ -315,7 +323,6 @@ def install_dsa_forward(cls: type[nn.Module], ctx_kwarg: str) -> None:
         attention_mask=None,
         past_key_values=None,
         position_ids=None,
-        prev_topk_indices=None,
         **kwargs,
     ):
         ctx = kwargs.pop(ctx_kwarg, None)
@@ -327,25 +334,24 @@ def install_dsa_forward(cls: type[nn.Module], ctx_kwarg: str) -> None:
                 attention_mask,
                 past_key_values=past_key_values,
                 position_ids=position_ids,
-                prev_topk_indices=prev_topk_indices,
                 **kwargs,
             )
         if past_key_values is not None:
             raise LongStrawError("a LongStraw call cannot also use an HF cache (past_key_values)")
         if attention_mask is not None:
             raise LongStrawError("a LongStraw call takes no attention_mask: rows are right-padded instead")
-        return dsa_forward(self, hidden_states, position_embeddings, position_ids, prev_topk_indices, ctx)
+        prev = kwargs.get("prev_topk_indices")
+        out = dsa_forward(self, hidden_states, position_embeddings, position_ids, prev, ctx, indexer_rope)
+        return out if shares_topk else out[:2]
 
     forward._longstraw_dsa = True
     forward._longstraw_stock = stock
     cls.forward = forward
 
 
-class GlmMoeDsaPatch(FamilyPatch):
-    """``glm_moe_dsa`` (GLM-5): every layer keeps a :class:`DSAPages`; attention is dispatched by
-    :func:`dsa_forward`, installed on the attention class by :meth:`apply`."""
-
-    model_types = ("glm_moe_dsa",)
+class DSAPatch(FamilyPatch):
+    """Families of MLA + DeepSeek Sparse Attention layers: every layer keeps a :class:`DSAPages`; attention is
+    dispatched by :func:`dsa_forward`, installed on the attention class by :meth:`apply`."""
 
     def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
         return DSAPages
@@ -379,14 +385,44 @@ class GlmMoeDsaPatch(FamilyPatch):
                 "chunked capture cannot reproduce a full forward)"
             )
         for module in self.attention_modules(model):
-            if not hasattr(module, "kv_b_proj") or not hasattr(module, "q_a_proj"):
+            if not all(hasattr(module, a) for a in ("kv_b_proj", "q_a_proj", "kv_a_proj_with_mqa")):
                 raise self.unsupported(f"an attention layer of type {type(module).__name__}")
+
+    #: whether a ``"shared"`` layer reuses the previous full layer's top-k (HF passes it as ``prev_topk_indices``)
+    shares_topk = True
+
+    def indexer_rope(self, model: nn.Module):
+        """The RoPE of the indexer (GLM-5: interleaved pairs, like the MLA part)."""
+        return sys.modules[type(self.attention_modules(model)[0]).__module__].apply_rotary_pos_emb_interleave
 
     def apply(self, model: nn.Module) -> None:
         from longstraw_trl.engine import CTX_KWARG
 
+        rope = self.indexer_rope(model)
         for cls in {type(m) for m in self.attention_modules(model)}:
-            install_dsa_forward(cls, CTX_KWARG)
+            install_dsa_forward(cls, CTX_KWARG, rope, self.shares_topk)
+
+
+class GlmMoeDsaPatch(DSAPatch):
+    """``glm_moe_dsa`` (GLM-5): ``"full"`` and ``"shared"`` (IndexShare) indexer layers."""
+
+    model_types = ("glm_moe_dsa",)
+
+
+class DeepseekV32Patch(DSAPatch):
+    """``deepseek_v32`` (DeepSeek-V3.2): the same MLA + DSA layers, every layer with its own indexer, whose RoPE
+    is half-split (``rotate_half``) instead of interleaved; the attention returns no selection."""
+
+    model_types = ("deepseek_v32",)
+    shares_topk = False
+
+    def indexer_rope(self, model: nn.Module):
+        return sys.modules[type(self.attention_modules(model)[0]).__module__].apply_rotary_pos_emb
+
+
+def apply_longstraw_to_deepseek_v32(model: nn.Module) -> nn.Module:
+    """Patch a DeepSeek-V3.2 model (``deepseek_v32``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, DeepseekV32Patch)
 
 
 def apply_longstraw_to_glm_moe_dsa(model: nn.Module) -> nn.Module:

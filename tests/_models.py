@@ -339,8 +339,9 @@ def build_window(family: str, seed: int = 0, attn_implementation: str = "eager",
 INDEXER_Q_GAIN, INDEXER_W_GAIN = 8.0, 20.0
 
 
-def glm_dsa_config(index_topk: int = 2048, **overrides):
-    from transformers import GlmMoeDsaConfig
+def glm_dsa_config(index_topk: int = 2048, family: str = "glm_moe_dsa", **overrides):
+    """GLM-5 (``glm_moe_dsa``) or, with the same sizes, DeepSeek-V3.2 (``deepseek_v32``: every layer indexes)."""
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
 
     spec = dict(
         vocab_size=97,
@@ -371,13 +372,23 @@ def glm_dsa_config(index_topk: int = 2048, **overrides):
         tie_word_embeddings=False,
     )
     spec.update(overrides)
+    if family == "deepseek_v32":
+        spec.pop("indexer_types")
+        return DeepseekV32Config(**spec)
     return GlmMoeDsaConfig(**spec)
 
 
-def build_glm_dsa(index_topk: int = 2048, seed: int = 0, attn_implementation: str = "eager", **overrides):
-    """A tiny GLM-5 (``glm_moe_dsa``) of 4 layers (2 dense, 2 MoE; indexer full, shared, full, shared)."""
+def build_glm_dsa(
+    index_topk: int = 2048,
+    seed: int = 0,
+    attn_implementation: str = "eager",
+    family: str = "glm_moe_dsa",
+    **overrides,
+):
+    """A tiny GLM-5 (``glm_moe_dsa``) of 4 layers (2 dense, 2 MoE; indexer full, shared, full, shared), or
+    DeepSeek-V3.2 (``family="deepseek_v32"``) of the same sizes with an indexer on every layer."""
     torch.manual_seed(seed)
-    config = glm_dsa_config(index_topk, **overrides)
+    config = glm_dsa_config(index_topk, family, **overrides)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     _spread_router_bias(model)
     with torch.no_grad():
