@@ -8,6 +8,8 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cp8-2m     # on nvidia-h200-x8 (then cp8-4m)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full [args] # whole 64-layer 27B + LoRA (full_model.py)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad         # issue 14: full gradient, reverse block replay
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm         # GLM-5 slice: 1M GPU/host state, then 2M
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m      # GLM-5 slice: 2M only, GPU then host state
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
 # fla importable, the stock HF Qwen3.5 layers train through fla's backward, which refuses on Triton < 3.7.1
 # (docs/design.md, "Device figures the code relies on"), so both sides of the stock comparison run without it (torch GDN rule).
@@ -116,6 +118,18 @@ agents)  # issue 12: P = 512K, G = 8, three tool turns per rollout on the Qwen3.
   shift
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 500 python3 -u agent_turns.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/agents.log" | tail -12
+  ;;
+glm)  # issue 13: GLM-5 slice (1 dense + 2 MoE, indexer full/shared/shared), G = 8, R = 2048. Cases in order
+       # 1M GPU state, 1M host state, 2M GPU, 2M host; one estimated past the budget is skipped (listed in
+       # the JSON and the table). The GLM tests run first (CPU, ~30 s), so a broken patch costs no GPU time.
+  timeout 45 python3 -m pytest -q -x tests/test_engine_glm_moe_dsa.py -k "small_topk or grads_match" \
+    > "$OUT/pytest_glm.log" 2>&1; echo "glm tests: rc=$?"; tail -1 "$OUT/pytest_glm.log"
+  cd bench && timeout 500 python3 -u glm_slice.py --prompt 1048576 2097152 --gen-tokens 1024 --budget-s 450 2>&1 \
+    | grep -v -i warn | tee "$OUT/glm.log" | tail -12
+  ;;
+glm-2m)  # the 2M points alone (when `glm` skipped them)
+  cd bench && timeout 590 python3 -u glm_slice.py --prompt 2097152 --budget-s 560 --tag _2M 2>&1 \
+    | grep -v -i warn | tee "$OUT/glm_2m.log" | tail -10
   ;;
 full)  # the whole Qwen3.6-27B with LoRA r=64: LongStraw steps vs floors, then stock TRL until OOM. Extra
        # arguments go to full_model.py: `full --skip-stock` (with fla: no stock layer trains through it) and

@@ -201,7 +201,7 @@ def _plan(a: argparse.Namespace) -> int:
     else:
         print(format_plan(plan))
         if not plan.fits:
-            print(format_suggestions(suggestions, plan.gpu_bytes))
+            print(format_suggestions(suggestions, plan.gpu_bytes, plan.state))
     return 0 if plan.fits else 1
 
 

@@ -64,6 +64,12 @@ class ContextParallel:
         dist.all_gather(parts, part, group=self.group)
         return merge_gathered([p[..., :-1] for p in parts], [p[..., -1] for p in parts])
 
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same shape on every rank), in rank order."""
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return parts
+
     def reduce_dq(self, dq_pages: torch.Tensor, dq_self: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's page dQ plus the response part's dQ (fp32), bit-identical on every rank.
 

@@ -205,8 +205,10 @@ class ReplayContext:
             dk, dv = self.cp.all_reduce_sum(dk), self.cp.all_reduce_sum(dv)
         self._emit([k, v], [dk, dv])
 
-    def _new_kv(self, k: torch.Tensor, v: torch.Tensor) -> KVPages:
-        return KVPages(
+    def new_pages(self, k: torch.Tensor, v: torch.Tensor, cls: type[KVPages] = KVPages) -> KVPages:
+        """Empty pages for keys like ``k [B, Hkv, T, D]`` and values like ``v``, stored as this call's state
+        stores them (device or offload, this rank's pages); ``cls``: a :class:`KVPages` subclass."""
+        return cls(
             num_kv_heads=k.shape[1],
             head_dim=k.shape[-1],
             v_head_dim=v.shape[-1],
@@ -244,7 +246,7 @@ class ReplayContext:
                     "the state belongs to another model"
                 )
         else:
-            layer = self.layer_state(idx, KVPages, lambda: self._new_kv(k, v))
+            layer = self.layer_state(idx, KVPages, lambda: self.new_pages(k, v))
         self_length = None
         if self.mode == "decode":
             running = self.running.get(idx)
@@ -307,6 +309,9 @@ class _SingleRank:
     @staticmethod
     def all_reduce_sum(t):
         return t
+
+    def all_gather(t):
+        return [t]
 
 
 def _cp_for(state: PromptState):

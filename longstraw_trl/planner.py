@@ -22,8 +22,8 @@ GiB = 2**30
 
 GPU_MEMORY_GIB = {"h200": 139.8, "h100": 79.1, "h20": 95.0, "a100-80g": 79.1, "a100-40g": 39.4}
 
-# The planner's formulas cover these too, but the engine has no patch for them yet (see presets.py).
-PLANNER_ONLY_MODEL_TYPES = ("glm_moe_dsa",)
+# The planner's formulas cover these too, but the engine has no patch for them (see presets.py).
+PLANNER_ONLY_MODEL_TYPES: tuple[str, ...] = ()
 
 # The LoRA rank a plan that does not fit is re-planned with (a common default, not a recommendation).
 SUGGESTED_LORA_RANK = 64
@@ -86,9 +86,11 @@ def check_plannable(model_type: str | None) -> None:
 
     supported = supported_model_types()
     if model_type not in supported and model_type not in PLANNER_ONLY_MODEL_TYPES:
+        only = PLANNER_ONLY_MODEL_TYPES
+        extra = f" (and, for planning only, {', '.join(only)})" if only else ""
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported by LongStraw-TRL; supported model types: "
-            f"{', '.join(supported)} (and, for planning only, {', '.join(PLANNER_ONLY_MODEL_TYPES)})"
+            f"{', '.join(supported)}{extra}"
         )
 
 
@@ -149,17 +151,12 @@ def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 1
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     out: dict[str, int] = {}
-    if getattr(config, "kv_lora_rank", None):  # GLM-5 class: planner-only until its family patch lands
-        latent = (config.kv_lora_rank + config.qk_rope_head_dim) * dtype_bytes
-        out["mla"] = len(types) * latent * on_rank
-        if getattr(config, "index_head_dim", None):
-            out["indexer"] = len(types) * config.index_head_dim * dtype_bytes * on_rank
-        return out
     patch = patch_for_model_type(config.model_type)
     for i in range(len(types)):
         cls = patch.layer_state_type(config, i)
         tokens = on_rank if cls.sharded else resident
-        out[cls.kind] = out.get(cls.kind, 0) + cls.planned_bytes(config, i, tokens, dtype_bytes)
+        for kind, n in cls.planned_bytes_by_kind(config, i, tokens, dtype_bytes).items():
+            out[kind] = out.get(kind, 0) + n
     return out
 
 
@@ -318,14 +315,30 @@ def _smallest_cp(config, prompt_tokens: int, page_size: int, plan_kwargs: dict) 
         cp *= 2
 
 
+def _suggested_ep(config, plan_kwargs: dict) -> int | None:
+    """For an MoE model: the smallest power-of-two expert parallelism (at most the routed experts) above the
+    current one at which a rank's expert weights take at most a quarter of the GPU; None without experts."""
+    routed = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0) or 0
+    current = plan_kwargs.get("ep_size", 1)
+    if routed <= 1 or current >= routed:
+        return None
+    dtype_bytes = plan_kwargs.get("dtype_bytes", 2)
+    budget = plan_kwargs.get("gpu_memory_gib", GPU_MEMORY_GIB["h200"]) * GiB / 4
+    ep = current * 2
+    while ep < routed and count_parameters(config, ep)[1] * dtype_bytes > budget:
+        ep *= 2
+    return min(ep, routed)
+
+
 def suggest_changes(
     config, prompt_tokens: int, page_size: int = 16384, vary_prompt: bool = True, **plan_kwargs
 ) -> list[Suggestion]:
     """Changes that make a step fit ``gpu_memory_gib``, each checked by re-running :func:`plan_memory`.
 
-    The levers are ``--checkpoint-layers`` (when off), ``--lora-rank 64`` (when fully fine-tuning), the
-    smallest power-of-two ``--cp`` that fits, and the largest ``--prompt`` that fits (:func:`largest_prompt`,
-    left out with ``vary_prompt=False``). They are tried alone, then together: a combination is kept only
+    The levers are ``--checkpoint-layers`` (when off), ``--lora-rank 64`` (when fully fine-tuning), for MoE
+    models ``--ep`` (the smallest power of two at which a rank's experts take at most a quarter of the GPU),
+    the smallest power-of-two ``--cp`` that fits, and the largest ``--prompt`` that fits
+    (:func:`largest_prompt`, left out with ``vary_prompt=False``). They are tried alone, then together: a combination is kept only
     when no part of it already fits, and with ``--cp`` or ``--prompt`` only when it needs fewer ranks or
     allows a longer prompt than its parts do. The planner does not model ``offload_prompt_state="cpu"``,
     so offloading is not suggested.
@@ -347,6 +360,9 @@ def suggest_changes(
         levers.append((["--checkpoint-layers"], {"checkpoint_layers": True}))
     if not plan_kwargs.get("lora_rank"):
         levers.append((["--lora-rank", str(SUGGESTED_LORA_RANK)], {"lora_rank": SUGGESTED_LORA_RANK}))
+    ep = _suggested_ep(config, plan_kwargs)
+    if ep:
+        levers.append((["--ep", str(ep)], {"ep_size": ep}))
     out: list[Suggestion] = []
     fits_alone: list[frozenset[int]] = []
     best: dict[frozenset[int], tuple[int | None, int]] = {}  # lever set -> (smallest cp, largest prompt)
@@ -380,18 +396,25 @@ def suggest_changes(
     return out
 
 
-def format_suggestions(suggestions: list[Suggestion], gpu_bytes: int) -> str:
-    """The text ``longstraw plan`` prints under a plan that does not fit."""
+def format_suggestions(suggestions: list[Suggestion], gpu_bytes: int, state_bytes: int = 0) -> str:
+    """The text ``longstraw plan`` prints under a plan that does not fit (``state_bytes``: the plan's prompt
+    state, named as what ``offload_prompt_state="cpu"`` would move to host memory)."""
+    offload = (
+        f"\nnot modeled: offload_prompt_state='cpu' keeps the prompt state ({state_bytes / GiB:.2f} GiB per rank) "
+        "in pinned host memory and streams it per layer"
+        if state_bytes
+        else ""
+    )
     if not suggestions:
         return (
             f"nothing tried fits {gpu_bytes / GiB:.2f} GiB: --checkpoint-layers, --lora-rank {SUGGESTED_LORA_RANK}, "
-            "a larger --cp and a smaller --prompt, alone or together"
+            "--ep (MoE), a larger --cp and a smaller --prompt, alone or together" + offload
         )
     width = max(len(" ".join(s.args)) for s in suggestions)
     lines = [f"to fit {gpu_bytes / GiB:.2f} GiB, change any one of (each re-planned):"]
     for s in suggestions:
         lines.append(f"  {' '.join(s.args):<{width}}  ->  peak {s.peak / GiB:.2f} GiB")
-    return "\n".join(lines)
+    return "\n".join(lines) + offload
 
 
 def format_plan(plan: MemoryPlan) -> str:

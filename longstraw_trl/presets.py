@@ -39,9 +39,11 @@ PRESETS = {
         tie_word_embeddings=False,
     ),
 }
-# GLM-5 class (glm_moe_dsa): MLA (q_lora 2048, kv_lora 512, rope 64), DSA indexer 32 x 128, 256 experts
-# top-8 + 1 shared, 78 layers. transformers' defaults for this config are these dimensions. Planner only:
-# the engine has no glm_moe_dsa patch yet.
+# GLM-5 (glm_moe_dsa): MLA (q_lora 2048, kv_lora 512, rope 64), DSA indexer 32 x 128 with top-2048, 256
+# experts top-8 + 1 shared, 3 dense then 75 MoE layers. transformers' defaults for this config are these
+# dimensions, and its indexer_types: GLM-5's released config sets no IndexShare keys (index_topk_freq /
+# index_topk_pattern), so every layer runs its own indexer ("full"). A slice keeps that rule; a benchmark that
+# wants "shared" layers passes indexer_types itself (bench/glm_slice.py).
 PRESETS["glm-5"] = dict(cls=GlmMoeDsaConfig)
 
 

@@ -136,6 +136,11 @@ class LayerState(ABC):
         """Allocated but unused bytes on this rank."""
         return 0
 
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """:meth:`nbytes` split by kind of state; a layer that holds several kinds (an MLA latent and
+        indexer keys) reports each. The default: all of it under :attr:`kind`."""
+        return {self.kind: self.nbytes()}
+
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor the state holds (shared ones included), e.g. to count memory once across forks.
 
@@ -181,6 +186,13 @@ class LayerState(ABC):
     def with_tensors(self, tensors: list[torch.Tensor | None]) -> LayerState:
         """``"leaf"`` kinds: the same state with :meth:`grad_tensors` replaced (e.g. by leaves)."""
         raise LongStrawError(f"{type(self).__name__} has no full gradient")
+
+    @classmethod
+    def planned_bytes_by_kind(
+        cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2
+    ) -> dict[str, int]:
+        """:meth:`planned_bytes` split as :meth:`nbytes_by_kind` splits :meth:`nbytes`."""
+        return {cls.kind: cls.planned_bytes(config, layer_idx, tokens_on_rank, dtype_bytes)}
 
 
 def owned_tokens(start: int, count: int, page_size: int, cp_rank: int = 0, cp_size: int = 1) -> int:
@@ -288,17 +300,24 @@ class KVPages(LayerState):
             for s in range(0, filled, step):
                 yield j, s, min(filled, s + step)
 
-    def stream(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def stream(
+        self, device: torch.device, keys: bool = True, values: bool = True
+    ) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Yield ``(k, v)`` blocks on ``device``: each resident segment whole (one kernel call each);
         offloaded segments in ``page_size`` pieces, the next piece's copy overlapping the current one's
         compute (:func:`prefetch_to_device`), so the device holds two pieces at a time. The blocks are
-        those of :meth:`blocks`, in its order."""
+        those of :meth:`blocks`, in its order. ``keys=False`` / ``values=False``: that half is not copied
+        (``None`` in its place)."""
+        pieces = (
+            (
+                self.segments[j][0][:, s:e] if keys else None,
+                self.segments[j][1][:, s:e] if values else None,
+            )
+            for j, s, e in self.blocks()
+        )
         if not self.offloaded:
-            for j, s, e in self.blocks():
-                kb, vb, _ = self.segments[j]
-                yield kb[:, s:e], vb[:, s:e]
+            yield from pieces
             return
-        pieces = ((self.segments[j][0][:, s:e], self.segments[j][1][:, s:e]) for j, s, e in self.blocks())
         yield from prefetch_to_device(pieces, device)
 
     grad_kind = "buffer"
@@ -351,7 +370,7 @@ class KVPages(LayerState):
         return (kb.shape[1] - filled) * self.token_bytes()
 
     def fork(self) -> KVPages:
-        new = KVPages(
+        new = type(self)(
             self.num_kv_heads,
             self.head_dim,
             self.v_head_dim,
@@ -579,7 +598,8 @@ class PromptState:
         """Bytes held on this rank by kind of state (``kv``, ``gdn``, ...), allocation slack excluded."""
         out: dict[str, int] = {}
         for layer in self.layers.values():
-            out[layer.kind] = out.get(layer.kind, 0) + layer.nbytes()
+            for kind, n in layer.nbytes_by_kind().items():
+                out[kind] = out.get(kind, 0) + n
         return out
 
     def nbytes(self) -> int:

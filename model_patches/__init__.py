@@ -10,6 +10,13 @@ from .base import FamilyPatch, SlidingWindowPatch
 from .cohere2 import Cohere2Patch, apply_longstraw_to_cohere2
 from .gemma2 import Gemma2Patch, apply_longstraw_to_gemma2
 from .gemma3 import Gemma3TextPatch, apply_longstraw_to_gemma3
+from .glm_moe_dsa import (
+    DeepseekV32Patch,
+    DSAPatch,
+    GlmMoeDsaPatch,
+    apply_longstraw_to_deepseek_v32,
+    apply_longstraw_to_glm_moe_dsa,
+)
 from .gpt_oss import GptOssPatch, apply_longstraw_to_gpt_oss
 from .gqa import GQAPatch, apply_longstraw_to_gqa
 from .mistral import MistralPatch, apply_longstraw_to_mistral
@@ -30,6 +37,8 @@ _PATCHES: list[FamilyPatch] = [
     Gemma2Patch(),
     Gemma3TextPatch(),
     GptOssPatch(),
+    GlmMoeDsaPatch(),
+    DeepseekV32Patch(),
 ]
 
 PATCH_ATTR = "_longstraw_patch"
@@ -99,11 +108,14 @@ def patch_model(model: nn.Module) -> nn.Module:
 
 __all__ = [
     "Cohere2Patch",
+    "DSAPatch",
+    "DeepseekV32Patch",
     "FamilyPatch",
     "GQAPatch",
     "GatedDeltaNetHybridPatch",
     "Gemma2Patch",
     "Gemma3TextPatch",
+    "GlmMoeDsaPatch",
     "GptOssPatch",
     "MistralPatch",
     "SlidingWindowPatch",
@@ -111,8 +123,10 @@ __all__ = [
     "Qwen3_5Patch",
     "UnsupportedModelError",
     "apply_longstraw_to_cohere2",
+    "apply_longstraw_to_deepseek_v32",
     "apply_longstraw_to_gemma2",
     "apply_longstraw_to_gemma3",
+    "apply_longstraw_to_glm_moe_dsa",
     "apply_longstraw_to_gpt_oss",
     "apply_longstraw_to_gqa",
     "apply_longstraw_to_mistral",

@@ -329,3 +329,72 @@ def build_window(family: str, seed: int = 0, attn_implementation: str = "eager",
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(QK_GAIN)
     return model.float().eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# GLM-5 (glm_moe_dsa): MLA + DSA indexer, two dense then two MoE layers, indexer types full/shared/full/shared
+# ----------------------------------------------------------------------------------------------------
+# Random-init indexer scores are ~1e-3 and half the heads are cut by the ReLU, so many keys score exactly 0
+# (ties in the top-k). The gains spread the scores so the top-k boundary is tie-free (the tests check it).
+INDEXER_Q_GAIN, INDEXER_W_GAIN = 8.0, 20.0
+
+
+def glm_dsa_config(index_topk: int = 2048, family: str = "glm_moe_dsa", **overrides):
+    """GLM-5 (``glm_moe_dsa``) or, with the same sizes, DeepSeek-V3.2 (``deepseek_v32``: every layer indexes)."""
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+    spec = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        qk_nope_head_dim=12,
+        index_topk=index_topk,
+        index_head_dim=16,
+        index_n_heads=16,
+        first_k_dense_replace=2,
+        indexer_types=["full", "shared", "full", "shared"],
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    spec.update(overrides)
+    if family == "deepseek_v32":
+        spec.pop("indexer_types")
+        return DeepseekV32Config(**spec)
+    return GlmMoeDsaConfig(**spec)
+
+
+def build_glm_dsa(
+    index_topk: int = 2048,
+    seed: int = 0,
+    attn_implementation: str = "eager",
+    family: str = "glm_moe_dsa",
+    **overrides,
+):
+    """A tiny GLM-5 (``glm_moe_dsa``) of 4 layers (2 dense, 2 MoE; indexer full, shared, full, shared), or
+    DeepSeek-V3.2 (``family="deepseek_v32"``) of the same sizes with an indexer on every layer."""
+    torch.manual_seed(seed)
+    config = glm_dsa_config(index_topk, family, **overrides)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    _spread_router_bias(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("indexer.wq_b.weight"):
+                param.mul_(INDEXER_Q_GAIN)
+            if name.endswith("indexer.weights_proj.weight"):
+                param.mul_(INDEXER_W_GAIN)
+    return model.float().eval()

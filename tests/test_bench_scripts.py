@@ -120,3 +120,19 @@ def test_full_gradient_smoke(tmp_path):
     assert full["step_s"] == full["capture_s"] + full["replay_s_total"] + full["prompt_backward_s"]
     assert [r["replay"] for r in data["long_response"]] == ["blocks", "whole"]
     assert all(r["ok"] for r in data["long_response"])
+
+
+def test_glm_slice_smoke(tmp_path):
+    _run(tmp_path, "glm_slice.py", "--smoke", "--prompt", "300", "--response", "12", "--groups", "2",
+         "--chunk", "128", "--page", "128", "--offload-gen-tokens", "3", "--tag", "_t")  # fmt: skip
+    data = json.loads((tmp_path / "glm_slice_3L_t.json").read_text())
+    assert data["command"] and data["git_revision"] and data["device"].startswith("cpu")
+    assert data["indexer_types"] == ["full", "shared", "shared"] and data["skipped"] == []
+    assert data["small_check_max_abs_logprob_diff_bf16"] < 0.05  # bf16, index_topk below the length
+    gpu, host = data["results"]
+    assert gpu["state_bytes_gpu"] == host["state_bytes_host"] == sum(gpu["state_bytes_by_kind"].values()) > 0
+    assert set(gpu["state_bytes_by_kind"]) == {"mla", "indexer"} and host["state_bytes_gpu"] == 0
+    assert gpu["generation_tokens"] == 12 and host["generation_tokens"] == 3
+    for r in (gpu, host):
+        assert r["capture_floor_s"] > 0 and r["replay_floor_s"] > 0 and r["generation_floor_s_R"] > 0
+        assert r["replay_over_floor"] == r["replay_s_per_response"] / r["replay_floor_s"]

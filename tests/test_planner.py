@@ -237,3 +237,19 @@ def test_glm_moe_response_graph_follows_the_routed_experts():
     base = graph(intermediate_size=2048, moe_intermediate_size=128)
     assert graph(intermediate_size=4096, moe_intermediate_size=128) == base
     assert graph(intermediate_size=2048, moe_intermediate_size=256) > base
+
+
+def test_glm5_plan_that_does_not_fit_names_ep_and_offload():
+    """GLM-5's experts dominate its weights: a slice that does not fit gets an `--ep` change (re-planned, fits),
+    and the text names offloading the prompt state, which the planner does not model."""
+    from longstraw_trl.planner import format_suggestions, suggest_changes
+
+    config = preset_config("glm-5", 6)
+    plan = plan_memory(config, 1 << 20, lora_rank=64, gpu_memory_gib=39.4)
+    assert not plan.fits and set(plan.state_by_kind) == {"mla", "indexer"}
+    suggestions = suggest_changes(config, 1 << 20, lora_rank=64, gpu_memory_gib=39.4)
+    assert ["--ep", "8"] in [s.args for s in suggestions]
+    for s in suggestions:
+        assert plan_memory(config, s.prompt_tokens, lora_rank=64, gpu_memory_gib=39.4, **s.options).fits
+    text = format_suggestions(suggestions, plan.gpu_bytes, plan.state)
+    assert "--ep 8" in text and "offload_prompt_state='cpu'" in text

@@ -1,0 +1,355 @@
+"""GLM-5 (``glm_moe_dsa``) on a real-dimension slice: capture P tokens, generate G responses, replay them with
+backward, with the prompt state on the GPU and offloaded to pinned host memory.
+
+The slice (preset ``glm-5``: hidden 6144, 64 heads, MLA q_lora 2048 / kv_lora 512 / rope 64 / nope 192 /
+v 256, DSA indexer 32 x 128 with top-2048, 256 experts top-8 + 1 shared, vocab 154880) keeps 3 layers by
+default: layer 0 dense, layers 1-2 MoE; indexer types ``full, shared, shared`` (IndexShare: the shared layers
+reuse layer 0's top-k; GLM-5's released config has every layer full, so the slice sets them). Random bf16
+weights. Trained: every parameter but the routed experts (their 2 x 19 GB of gradients would not leave room
+for a 2M-token state; their activations still get gradients, so backward runs through the MoE blocks).
+
+Per (P, storage): peaks, state bytes on the GPU and in host memory, capture / generation / replay seconds
+against floors from rates measured in the same run (bf16 GEMM, device copy, host-to-device copy):
+- capture: indexer (2 x 32 x 128 FLOPs per causal q-k pair, each full layer), sparse attention in latent space
+  (2 x 64 x (576 + 512) per query and selected key, each layer) and dense (2 per active parameter per token)
+  FLOPs at the GEMM rate;
+- generation: bytes per decode step (the non-expert weights, the experts G x top-8 rows can reach, the indexer
+  keys of the full layers, the selected latent rows) at the device copy rate, or for offloaded state the
+  indexer keys at the host-to-device rate;
+- replay: the larger of its FLOPs (indexer over the prompt, attention forward + backward, dense 6 per active
+  parameter per token) and its bytes.
+Offloaded generation decodes ``--offload-gen-tokens`` tokens (default 256) and reports seconds per token too.
+Runs are ordered (1M resident, 1M offloaded, 2M resident, 2M offloaded) and one whose estimated time does not
+fit what is left of ``--budget-s`` is skipped and listed as such.
+
+    python bench/glm_slice.py --prompt 1048576 2097152 --budget-s 540
+    python bench/glm_slice.py --smoke      # CPU dry run, tiny widths
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import (
+    GiB,
+    Timer,
+    allocated_gib,
+    copy_bandwidth_gbs,
+    matmul_tflops,
+    mean_after_first,
+    peak_gib,
+    print_table,
+    reset_peak,
+    write_result,
+)
+from transformers import AutoModelForCausalLM
+
+from longstraw_trl import capture_prompt
+from longstraw_trl.presets import preset_config
+
+
+def slice_config(layers: int, indexer_types: list[str], max_positions: int, smoke: bool):
+    dense = 1
+    if smoke:  # same layer pattern, tiny widths
+        return preset_config(
+            "glm-5",
+            layers,
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            index_n_heads=4,
+            index_head_dim=16,
+            index_topk=64,
+            first_k_dense_replace=dense,
+            indexer_types=indexer_types,
+            max_position_embeddings=max_positions,
+        )
+    return preset_config(
+        "glm-5",
+        layers,
+        first_k_dense_replace=dense,
+        indexer_types=indexer_types,
+        max_position_embeddings=max_positions,
+    )
+
+
+def h2d_bandwidth_gbs(nbytes: int = GiB) -> float:
+    """Measured pinned host-to-device copy rate, in GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    with Timer() as t:
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+    return 5 * nbytes / t.seconds / 1e9
+
+
+def check_small(model, config, dev: str) -> float:
+    """bf16 log-probs against the stock model's own forward at a small size (index_topk below the length)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    n = 4096 if dev == "cuda" else 160
+    prompt = torch.randint(0, config.vocab_size, (n,), device=dev, generator=g)
+    comp = torch.randint(0, config.vocab_size, (2, n // 16), device=dev, generator=g)
+    state = capture_prompt(model, prompt, chunk_size=n // 4, page_size=n // 4 + 64)
+    got = state.logprobs(model, comp)
+    with torch.no_grad():
+        full = torch.cat([prompt[None].expand(2, -1), comp], 1)
+        logits = model(full, use_cache=False).logits[:, n - 1 : -1].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, comp[..., None])[..., 0]
+    return (got - ref).abs().max().item()
+
+
+def param_counts(model, config) -> dict[str, int]:
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    moe_layers = config.mlp_layer_types.count("sparse")
+    per_expert = experts // max(1, moe_layers * config.n_routed_experts)
+    active = total - embed - experts + moe_layers * config.num_experts_per_tok * per_expert
+    return dict(
+        total=total, experts=experts, embed=embed, head=head, active_per_token=active, per_expert=per_expert
+    )
+
+
+def floors(config, counts, p: int, g: int, r: int, rates: dict, offload: bool) -> dict[str, float]:
+    gemm = rates["matmul_tflops"] * 1e12
+    copy, h2d = rates["copy_gbs"] * 1e9, rates["h2d_gbs"] * 1e9
+    n_full = config.indexer_types.count("full")
+    layers = config.num_hidden_layers
+    hi, di, k = config.index_n_heads, config.index_head_dim, config.index_topk
+    h, d_lat = config.num_attention_heads, config.kv_lora_rank + config.qk_rope_head_dim
+    attn_per_key = 2 * h * (d_lat + config.kv_lora_rank)
+    pairs = p * p / 2
+    sel = k * (k + 1) / 2 + k * (p - k) if p > k else p * (p + 1) / 2  # sum over queries of min(k, visible)
+    capture = (2 * hi * di * pairs * n_full + attn_per_key * sel * layers) / gemm + 2 * (
+        counts["active_per_token"] - counts["head"]
+    ) * p / gemm
+    moe_layers = config.mlp_layer_types.count("sparse")
+    reach = min(config.n_routed_experts, g * config.num_experts_per_tok)
+    step_weights = (counts["total"] - counts["experts"] - counts["embed"]) * 2 + moe_layers * reach * counts[
+        "per_expert"
+    ] * 2
+    index_keys = n_full * p * di * 2
+    latent_rows = layers * g * min(k, p) * d_lat * 2
+    gen_step = step_weights / copy + (index_keys / h2d if offload else (index_keys + latent_rows) / copy)
+    rep_flops = (
+        2 * hi * di * r * p * n_full + 3 * attn_per_key * r * min(k, p) * layers
+    ) / gemm + 6 * counts["active_per_token"] * r / gemm
+    state_bytes = layers * p * d_lat * 2 + index_keys
+    rep_bytes = 2 * state_bytes / (h2d if offload else copy) + 3 * step_weights / copy
+    return dict(capture=capture, gen_step=gen_step, replay=max(rep_flops, rep_bytes))
+
+
+def run_case(
+    model, config, counts, args, p: int, offload: bool, dev: str, rates: dict, result: dict, save
+) -> None:
+    """Fill ``result`` phase by phase (``save()`` after each: a run cut short keeps what it measured)."""
+    model.zero_grad(set_to_none=True)
+    storage = "cpu" if offload else None
+    prompt = torch.randint(0, config.vocab_size, (p,), device=dev)
+    reset_peak()
+    with Timer() as t_cap:
+        state = capture_prompt(
+            model, prompt, chunk_size=args.chunk, page_size=args.page, offload=storage, progress=False
+        )
+    cap_peak = peak_gib()
+    fl = floors(config, counts, p, args.groups, args.response, rates, offload)
+    nbytes = state.nbytes()
+    result.update(
+        {
+            "prompt_tokens": p,
+            "storage": "host (pinned), streamed per layer" if offload else "gpu",
+            "state_bytes_by_kind": state.nbytes_by_kind(),
+            "state_bytes_gpu": 0 if offload else nbytes,
+            "state_bytes_host": nbytes if offload else 0,
+            "capture_s": t_cap.seconds,
+            "capture_floor_s": fl["capture"],
+            "capture_over_floor": t_cap.seconds / fl["capture"],
+            "capture_peak_gib": cap_peak,
+        }
+    )
+    save()
+    gen_tokens = args.offload_gen_tokens if offload else args.gen_tokens
+    reset_peak()
+    with Timer() as t_gen:
+        ids = state.generate(model, args.groups, gen_tokens, eos_token_id=None)
+    assert ids.shape == (args.groups, gen_tokens), ids.shape
+    gen_peak = peak_gib()
+    result.update(
+        {
+            "generation_tokens": gen_tokens,
+            "generation_s": t_gen.seconds,
+            "generation_s_per_token": t_gen.seconds / gen_tokens,
+            "generation_s_projected_R": t_gen.seconds / gen_tokens * args.response,
+            "generation_floor_s_R": fl["gen_step"] * args.response,
+            "generation_over_floor": t_gen.seconds / gen_tokens / fl["gen_step"],
+            "generation_peak_gib": gen_peak,
+        }
+    )
+    save()
+    replay_ids = torch.randint(0, config.vocab_size, (args.groups, args.response), device=dev)
+    reset_peak()
+    times = []
+    for i in range(args.groups):
+        with Timer() as t:
+            logp = state.logprobs(model, replay_ids[i][None], grad=True)
+            (-logp.mean()).backward()
+        times.append(t.seconds)
+    per = mean_after_first(times)
+    result.update(
+        {
+            "G": args.groups,
+            "replay_s_per_response": per,
+            "replay_s_first": times[0],
+            "replay_floor_s": fl["replay"],
+            "replay_over_floor": per / fl["replay"],
+            "replay_peak_gib": peak_gib(),
+        }
+    )
+    del state
+    save()
+
+
+def estimate_s(done: list[dict], p: int, offload: bool, args) -> float | None:
+    """Seconds a case should take, from the measured ones: capture ~ P^2 (the indexer), the rest ~ P."""
+    done = [r for r in done if "replay_s_per_response" in r]
+    same = [r for r in done if (r["state_bytes_host"] > 0) == offload] or done
+    if not same:
+        return None
+    r = same[-1]
+    q = p / r["prompt_tokens"]
+    rest = r["generation_s"] + r["replay_s_per_response"] * args.groups
+    return r["capture_s"] * q * q + rest * q
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt", type=int, nargs="+", default=[1 << 20, 1 << 21])
+    ap.add_argument("--storage", nargs="+", default=["gpu", "cpu"], choices=["gpu", "cpu"])
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--indexer-types", default="full,shared,shared")
+    ap.add_argument("--groups", type=int, default=8, help="G")
+    ap.add_argument("--response", type=int, default=2048, help="R")
+    ap.add_argument(
+        "--gen-tokens", type=int, default=None, help="tokens decoded with resident state (default R)"
+    )
+    ap.add_argument("--offload-gen-tokens", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=16384)
+    ap.add_argument("--page", type=int, default=16384)
+    ap.add_argument(
+        "--budget-s", type=float, default=540.0, help="skip cases estimated past this (s, from start)"
+    )
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run with tiny widths")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    dev = "cpu" if args.smoke else "cuda"
+    args.gen_tokens = args.gen_tokens or args.response
+    types = args.indexer_types.split(",")
+    if len(types) != args.layers:
+        raise SystemExit(f"--indexer-types has {len(types)} entries for {args.layers} layers")
+
+    torch.manual_seed(0)
+    config = slice_config(args.layers, types, max(args.prompt) + args.response + 16, args.smoke)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            param.requires_grad_(False)
+    model.train()
+    counts = param_counts(model, config)
+    weights_gib = allocated_gib() if not args.smoke else 0.0
+    small_diff = check_small(model, config, dev)
+    nan = float("nan")
+    rates = {
+        "matmul_tflops": matmul_tflops() if not args.smoke else 1.0,
+        "copy_gbs": copy_bandwidth_gbs() if not args.smoke else 10.0,
+        "h2d_gbs": h2d_bandwidth_gbs() if not args.smoke else 10.0,
+    }
+    cases = [(p, s == "cpu") for p in sorted(args.prompt) for s in args.storage]
+    results, skipped = [], []
+    payload = {
+        "model": f"glm-5 layer dimensions, {args.layers} layers (1 dense, {args.layers - 1} MoE), indexer types "
+        f"{types}, random init, bf16, routed experts frozen",
+        "preset": "glm-5",
+        "layers": args.layers,
+        "indexer_types": types,
+        "response_tokens": args.response,
+        "groups": args.groups,
+        "chunk_size": args.chunk,
+        "page_size": args.page,
+        "weights_gib": weights_gib,
+        "params": counts,
+        "small_check_max_abs_logprob_diff_bf16": small_diff,
+        "rates_measured": rates if not args.smoke else {k: nan for k in rates},
+        "results": results,
+        "skipped": skipped,
+    }
+    name = f"glm_slice_{args.layers}L{args.tag}"
+    path = write_result(name, payload)
+    for p, offload in cases:  # written after each case, so a run cut short keeps what it measured
+        left = args.budget_s - (time.perf_counter() - start)
+        est = estimate_s(results, p, offload, args)
+        if est is not None and est > left:
+            skipped.append({"prompt_tokens": p, "offload": offload, "estimate_s": est, "left_s": left})
+        else:
+            results.append({})
+            run_case(
+                model,
+                config,
+                counts,
+                args,
+                p,
+                offload,
+                dev,
+                rates,
+                results[-1],
+                lambda: write_result(name, payload),
+            )
+        path = write_result(name, payload)
+    print(
+        f"glm-5 x{args.layers} layers ({types}): weights {weights_gib:.1f} GiB; GEMM {rates['matmul_tflops']:.0f} "
+        f"TFLOP/s, copy {rates['copy_gbs']:.0f} GB/s, H2D {rates['h2d_gbs']:.0f} GB/s; small bf16 check "
+        f"max |dlogp| = {small_diff:.3g}"
+    )
+    rows = [
+        {
+            "P": r["prompt_tokens"],
+            "state": "host" if r["state_bytes_host"] else "gpu",
+            "GPU/host GiB": f"{r['state_bytes_gpu'] / GiB:.2f}/{r['state_bytes_host'] / GiB:.2f}",
+            "capture s": f"{r['capture_s']:.1f}",
+            "cap/floor": f"{r['capture_over_floor']:.1f}",
+            "cap peak": f"{r['capture_peak_gib']:.1f}",
+            "gen s/tok": f"{r['generation_s_per_token']:.3f}",
+            "gen/floor": f"{r['generation_over_floor']:.1f}",
+            "gen peak": f"{r['generation_peak_gib']:.1f}",
+            "replay s/resp": f"{r['replay_s_per_response']:.2f}",
+            "rep/floor": f"{r['replay_over_floor']:.1f}",
+            "rep peak": f"{r['replay_peak_gib']:.1f}",
+        }
+        for r in results
+        if "replay_s_per_response" in r
+    ]
+    print_table(rows)
+    for s in skipped:
+        print(
+            f"skipped P={s['prompt_tokens']} offload={s['offload']}: estimate {s['estimate_s']:.0f} s > {s['left_s']:.0f} s left"
+        )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

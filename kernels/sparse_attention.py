@@ -1,0 +1,254 @@
+"""DeepSeek Sparse Attention (DSA) math: the indexer's top-k choice and attention over chosen keys.
+
+Indexer: query ``i`` scores key ``j`` as ``sum_h w_ih * relu(scale * q_ih . k_j)`` (HF's
+``GlmMoeDsaIndexer``, fp32), and keeps the ``topk`` best causally visible keys. Scores are computed in tiles
+of queries and keys and merged into a running top-k (:func:`topk_merge`), so no ``[T, L]`` score matrix of
+the whole prompt exists at once.
+
+Attention: each query attends only to the keys it chose. Keys are rows of a table (one shared by the batch:
+the prompt's MLA latent; or one per sequence: the response's own latent), chosen by ``rows [B, T, k]`` (-1:
+no key). The value is the first ``value_dim`` columns of the key (MLA in latent space: key ``[c_kv, k_rot]``,
+value ``c_kv``). Each part returns ``(out, lse)`` and parts merge exactly by log-sum-exp
+(:func:`kernels.attention.merge_partials`). The prompt part's table is a constant: its backward
+(:class:`SelectedKeysAttention`) gives dQ only, from the final merged ``out``/``lse`` of that part, and
+re-reads the table through a callable (so an offloaded table is streamed again instead of kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# One fp32 score tile (queries x heads x keys) stays under this many elements (1 GiB).
+SCORE_TILE_ELEMENTS = 1 << 28
+# Query rows (batch x queries) per block of the selected-keys attention; the gathered keys of a block are
+# ``rows x topk x D`` elements.
+ATTENTION_QUERY_ROWS = 256
+
+
+def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in fp32 as HF's indexer computes it (``a.float() @ b.float()``). On CUDA with half inputs the
+    half GEMM with an fp32 output gives the same products (exact in fp32) with fp32 accumulation."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
+        try:
+            shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+            a3 = a.expand(*shape, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+            b3 = b.expand(*shape, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+            out = torch.bmm(a3, b3, out_dtype=torch.float32)
+            return out.view(*shape, a.shape[-2], b.shape[-1])
+        except (RuntimeError, TypeError):  # no fp32-output half GEMM in this build
+            pass
+    return torch.matmul(a.float(), b.float())
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [B, T, H, D]``, ``weights [B, T, H]`` (fp32), ``keys [B or 1, L, D]`` -> ``[B, T, L]`` fp32:
+    ``sum_h weights[h] * relu(scale * q_h . k)``, as HF computes it (fp32 scores, ReLU, then the weighted sum
+    over heads). The heads are folded into the GEMM's rows (keys shared by the batch: the batch too), and the
+    positive ``scale`` into the head weights (``relu(scale * s) = scale * relu(s)``: one pass less over the
+    fp32 scores; equal up to rounding)."""
+    b, t, h, d = q.shape
+    if keys.shape[0] == 1:
+        s = matmul_fp32(q.reshape(1, b * t * h, d), keys.transpose(-1, -2)).view(b, t, h, -1)
+    else:
+        s = matmul_fp32(q.reshape(b, t * h, d), keys.transpose(-1, -2)).view(b, t, h, -1)
+    return torch.matmul((weights.float() * scale).unsqueeze(-2), torch.relu_(s)).squeeze(-2)
+
+
+def topk_merge(
+    best: torch.Tensor | None,
+    best_pos: torch.Tensor | None,
+    scores: torch.Tensor,
+    pos: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best of a running top-k ``(best, best_pos) [B, T, k']`` and new candidates ``(scores, pos)``
+    (``pos [B, T, L]`` or ``[L]``); masked candidates carry ``-inf``."""
+    pos = pos.expand_as(scores)
+    if best is not None:
+        scores, pos = torch.cat([best, scores], -1), torch.cat([best_pos, pos], -1)
+    kk = min(k, scores.shape[-1])
+    top, i = scores.topk(kk, dim=-1)
+    return top, pos.gather(-1, i)
+
+
+# Scores (queries x keys, fp32) gathered into one buffer before a top-k merge: fewer, larger top-k calls
+# (512 MiB: 32K keys for a 4096-query block of a capture chunk, all of a 2M prompt for 8 decoding rows).
+TOPK_BUFFER_ELEMENTS = 1 << 27
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    q_pos: torch.Tensor | None,
+    scale: float,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` keys of ``keys [B or 1, L, D]`` (global positions ``key_pos [L]``) for ``q [B, T, H, D]``.
+
+    ``q_pos [T]``: query positions; key ``j`` is visible to query ``i`` iff ``key_pos[j] <= q_pos[i]``
+    (``None``: every key is visible, e.g. prompt keys for later queries). Returns ``(scores, positions)``
+    ``[B, T, min(k, L)]``; a slot with no visible key left has score ``-inf``. Scores are computed in tiles
+    of at most :data:`SCORE_TILE_ELEMENTS` (queries x heads x keys), written into a buffer of up to
+    :data:`TOPK_BUFFER_ELEMENTS` scores, which is merged into the running top-k at once.
+    """
+    b, t, h, _ = q.shape
+    n = keys.shape[-2]
+    if n == 0:
+        return q.new_empty((b, t, 0), dtype=torch.float32), key_pos.new_empty((b, t, 0))
+    tq = min(t, max(1, 4096 // b))
+    outs_s, outs_p = [], []
+    for a in range(0, t, tq):
+        e = min(t, a + tq)
+        tile = max(1, SCORE_TILE_ELEMENTS // (b * (e - a) * h))
+        block = max(1, TOPK_BUFFER_ELEMENTS // (b * (e - a)))
+        best = best_pos = None
+        for s0 in range(0, n, block):
+            s1 = min(n, s0 + block)
+            buf = torch.empty(b, e - a, s1 - s0, dtype=torch.float32, device=q.device)
+            for c in range(s0, s1, tile):
+                kb = keys[:, c : min(s1, c + tile)]
+                buf[..., c - s0 : c - s0 + kb.shape[-2]] = index_scores(q[:, a:e], weights[:, a:e], kb, scale)
+            pb = key_pos[s0:s1]
+            if q_pos is not None:
+                buf.masked_fill_(pb[None, None, :] > q_pos[a:e, None], float("-inf"))
+            best, best_pos = topk_merge(best, best_pos, buf, pb, k)
+        outs_s.append(best)
+        outs_p.append(best_pos)
+    return torch.cat(outs_s, 1), torch.cat(outs_p, 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention over chosen rows of a key table
+# ----------------------------------------------------------------------------------------------------
+def _gather(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``table [N, D]`` (shared) or ``[B, N, D]`` (per sequence), ``rows [B, t, k]`` -> ``[B, t, k, D]``."""
+    safe = rows.clamp_min(0)
+    if table.shape[-2] == 0:  # nothing stored here (a rank without pages yet): every row is -1
+        table = table.new_zeros((*table.shape[:-2], 1, table.shape[-1]))
+    if table.dim() == 2:
+        return table[safe]
+    b = torch.arange(rows.shape[0], device=rows.device).view(-1, 1, 1)
+    return table[b, safe]
+
+
+def selected_attention_block(
+    q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, H, t, D]`` over its chosen rows ``rows [B, t, k]`` of ``table``: ``(out [B, H, t, Dv], lse
+    [B, H, t])`` fp32. Scores in the inputs' dtype (as HF's eager attention), softmax in fp32. A query with
+    no chosen row gets ``out = 0, lse = -inf``. Differentiable (autograd) in ``q`` and ``table``."""
+    kg = _gather(table, rows)  # [B, t, k, D]
+    valid = (rows >= 0).unsqueeze(1)  # [B, 1, t, k]
+    s = torch.einsum("bhtd,btkd->bhtk", q, kg.to(q.dtype)).float() * scale
+    s = s.masked_fill(~valid, float("-inf"))
+    m = s.amax(-1)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()  # (lse does not depend on m)
+    p = torch.exp(s - m.unsqueeze(-1))
+    total = p.sum(-1)
+    has = total > 0
+    lse = torch.where(has, m + torch.log(torch.where(has, total, torch.ones_like(total))), float("-inf"))
+    out = torch.einsum("bhtk,btkr->bhtr", p, kg[..., :value_dim].float())
+    out = out / torch.where(has, total, torch.ones_like(total)).unsqueeze(-1)
+    return out, lse
+
+
+def selected_attention(
+    q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`selected_attention_block` in blocks of queries; under autograd each block is checkpointed
+    (its gathered keys are gathered again in backward instead of kept)."""
+    b, _, t, _ = q.shape
+    tq = max(1, ATTENTION_QUERY_ROWS // b)
+    grad = torch.is_grad_enabled() and (q.requires_grad or table.requires_grad)
+    outs, lses = [], []
+    for a in range(0, t, tq):
+        args = (q[:, :, a : a + tq], table, rows[:, a : a + tq], scale, value_dim)
+        o, s = (
+            checkpoint(selected_attention_block, *args, use_reentrant=False)
+            if grad
+            else (selected_attention_block(*args))
+        )
+        outs.append(o)
+        lses.append(s)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def selected_attention_dq(
+    q: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor,
+    scale: float,
+    value_dim: int,
+) -> torch.Tensor:
+    """dQ (fp32) of a selected-keys part from its ``out``/``lse`` (merged over ranks) and their gradients:
+    ``dS_ij = P_ij (dO_i . v_j - dO_i . O_i + dlse_i)``, ``dQ_i = scale * sum_j dS_ij k_j``."""
+    b, _, t, _ = q.shape
+    tq = max(1, ATTENTION_QUERY_ROWS // b)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    for a in range(0, t, tq):
+        e = min(t, a + tq)
+        kg = _gather(table, rows[:, a:e]).float()
+        valid = (rows[:, a:e] >= 0).unsqueeze(1)
+        s = torch.einsum("bhtd,btkd->bhtk", q[:, :, a:e], kg.to(q.dtype)).float() * scale
+        p = torch.exp(s - lse_safe[:, :, a:e, None]).masked_fill(~valid, 0.0)
+        do = dout[:, :, a:e].float()
+        delta = (do * out[:, :, a:e]).sum(-1, keepdim=True)
+        dp = torch.einsum("bhtr,btkr->bhtk", do, kg[..., :value_dim])
+        ds = p * (dp - delta + dlse[:, :, a:e, None].float())
+        dq[:, :, a:e] = torch.einsum("bhtk,btkd->bhtd", ds, kg) * scale
+    return dq
+
+
+class SelectedKeysAttention(torch.autograd.Function):
+    """The prompt part: ``q`` over chosen rows of a constant table (``table_fn()``, shared by the batch).
+
+    Returns ``(out, lse)`` merged over context-parallel ranks by ``reduce_partial`` (every rank holds some
+    rows; the others are -1 here). Backward gives dQ only (the table is a constant), summed over ranks by
+    ``reduce_dq``; it calls ``table_fn`` again, so an offloaded table is streamed back, not kept.
+    """
+
+    @staticmethod
+    def forward(ctx, q, rows, table, table_fn, scale, value_dim, reduce_partial, reduce_dq):
+        out, lse = selected_attention(q, table, rows, scale, value_dim)
+        out, lse = reduce_partial(out, lse, q)
+        ctx.save_for_backward(q, rows, out, lse)
+        ctx.table_fn, ctx.scale, ctx.value_dim, ctx.reduce_dq = table_fn, scale, value_dim, reduce_dq
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, rows, out, lse = ctx.saved_tensors
+        dq = selected_attention_dq(q, ctx.table_fn(), rows, out, lse, dout, dlse, ctx.scale, ctx.value_dim)
+        dq = ctx.reduce_dq(dq, torch.zeros_like(dq))
+        return dq.to(q.dtype), None, None, None, None, None, None, None
+
+
+def prompt_selected_attention(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    table: torch.Tensor,
+    table_fn: Callable[[], torch.Tensor],
+    scale: float,
+    value_dim: int,
+    reduce_partial,
+    reduce_dq,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``q [B, H, T, D]`` over its chosen rows of the constant ``table [N, D]``
+    (differentiable in ``q`` under autograd: :class:`SelectedKeysAttention`; ``table_fn()`` gives the table
+    again in backward, so the graph does not keep it)."""
+    if torch.is_grad_enabled() and q.requires_grad:
+        return SelectedKeysAttention.apply(
+            q, rows, table, table_fn, scale, value_dim, reduce_partial, reduce_dq
+        )
+    out, lse = selected_attention(q, table, rows, scale, value_dim)
+    return reduce_partial(out, lse, q)

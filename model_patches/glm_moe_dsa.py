@@ -1,0 +1,430 @@
+"""GLM-5 (``glm_moe_dsa``): multi-head latent attention (MLA) with DeepSeek Sparse Attention (DSA) and
+cross-layer top-k sharing (IndexShare), dense then MoE blocks.
+
+What a layer keeps of the prompt (:class:`DSAPages`, one :class:`KVPages` per layer): the MLA latent
+``[c_kv after kv_a_layernorm | k_rot after RoPE]`` (``kv_lora_rank + qk_rope_head_dim`` per token) and, on
+``"full"`` indexer layers, the indexer keys (``index_head_dim`` per token). Nothing else: K/V are never
+expanded over the prompt.
+
+Attention runs in latent space with absorbed weights, exactly: query head ``h`` becomes
+``[W_uk_h^T q_nope_h | q_rot_h]`` (``W_uk``: the K half of ``kv_b_proj``), the key of token ``j`` is its
+latent ``[c_j | k_rot_j]`` and its value ``c_j``, so ``q_h . k_hj`` is HF's score and the head's output is
+``W_uv_h`` (the V half) applied to the latent-space output. That is multi-query attention with one key
+head (key dim 576, value dim 512 at GLM-5's sizes). ``kv_b_proj``'s effective weight is read by applying
+the module to an identity, so LoRA on it (with ``lora_dropout=0``) and accelerate hooks apply.
+
+DSA: a ``"full"`` layer's indexer scores every causally visible key (prompt pages, then the call's own
+keys), keeps each query's ``index_topk`` best (HF keeps ``min(index_topk, visible)`` visible keys: its
+causal mask puts the rest at ``-inf``), and attention runs over the selected keys only, the prompt part and
+the response part merged by log-sum-exp (``kernels/sparse_attention.py``). The selection
+(:class:`DSASelection`) travels to the following ``"shared"`` layers the way HF passes it: as the third
+output of the attention, which the decoder stack feeds to the next layer as ``prev_topk_indices``. The
+indexer runs without gradient, as in HF. MoE blocks, norms and the router are the stock modules.
+
+Context parallelism: a rank holds its pages of both the latent and the indexer keys; each rank proposes
+its local top-k, every rank takes the top-k of all proposals (plus the replicated response keys), attends
+over its own selected prompt keys and the partial results merge over ranks. Offload: the pages live in
+pinned host memory and each layer's pages are streamed to the device when the layer runs (and again in
+backward).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from longstraw_trl.errors import LongStrawError
+from longstraw_trl.kernels.attention import merge_partials
+from longstraw_trl.kernels.sparse_attention import (
+    indexer_topk,
+    prompt_selected_attention,
+    selected_attention,
+    topk_merge,
+)
+from longstraw_trl.state import KVPages, LayerState
+
+from .base import CALL_DEPENDENT_ROPE, FamilyPatch, apply_family_patch
+
+FULL_INDEXER, SHARED_INDEXER = "full", "shared"
+MASK_KEY = "indexed_attention"
+
+
+def _indexer_types(config) -> list[str]:
+    """``config.indexer_types`` (GLM-5); every layer ``"full"`` where the config has none (DeepSeek-V3.2)."""
+    types = getattr(config, "indexer_types", None) or [FULL_INDEXER] * config.num_hidden_layers
+    return list(types)[: config.num_hidden_layers]
+
+
+class DSAPages(KVPages):
+    """One GLM-5 layer's prompt state: MLA latent pages, with the indexer keys alongside on ``"full"`` layers.
+
+    A :class:`KVPages` with one key head whose "keys" are the latent ``[c_kv | k_rot]`` (``head_dim =
+    kv_lora_rank + qk_rope_head_dim``) and whose "values" are the indexer keys (``v_head_dim =
+    index_head_dim``, or 0 on ``"shared"`` layers), so paging, context-parallel ownership, forks and offload
+    streaming are KVPages' own. ``nbytes_by_kind`` reports ``mla`` and ``indexer`` apart.
+    """
+
+    kind = "mla"
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        n = self.stored_tokens() * self.num_kv_heads * self.dtype.itemsize
+        out = {"mla": n * self.head_dim}
+        if self.v_head_dim:
+            out["indexer"] = n * self.v_head_dim
+        return out
+
+    @classmethod
+    def planned_bytes_by_kind(
+        cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2
+    ) -> dict[str, int]:
+        out = {"mla": (config.kv_lora_rank + config.qk_rope_head_dim) * dtype_bytes * tokens_on_rank}
+        if _indexer_types(config)[layer_idx] == FULL_INDEXER:
+            out["indexer"] = config.index_head_dim * dtype_bytes * tokens_on_rank
+        return out
+
+    @classmethod
+    def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        return sum(cls.planned_bytes_by_kind(config, layer_idx, tokens_on_rank, dtype_bytes).values())
+
+
+@dataclass
+class DSASelection:
+    """The keys each query of one call attends to: a ``"full"`` layer's top-k, reused by the ``"shared"``
+    layers after it within the same call.
+
+    Args:
+        prompt_rows: ``[B, T, k]`` rows of this rank's prompt pages (as :func:`_materialize` lays them out);
+            -1 where the slot holds no prompt key of this rank.
+        self_rows: ``[B, T, k]`` indices into the call's own keys (the response, or the capture chunk, or the
+            decode buffer); -1 where the slot holds none.
+    """
+
+    prompt_rows: torch.Tensor
+    self_rows: torch.Tensor
+
+
+def _materialize(layer: DSAPages, device: torch.device, part: int) -> torch.Tensor:
+    """This rank's pages of ``layer`` on ``device``, ``part`` 0: the latent ``[N, D]``, 1: the indexer keys
+    ``[N, Di]`` (views of a resident single segment; otherwise the segments or streamed pages joined)."""
+    pieces = [p[part] for p in layer.stream(device, keys=part == 0, values=part == 1)]
+    if not pieces:  # nothing stored on this rank yet
+        width = layer.head_dim if part == 0 else layer.v_head_dim
+        return torch.empty(0, width, dtype=layer.dtype, device=device)
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1))[0]
+
+
+def _prompt_table(layer: DSAPages, rows: torch.Tensor, device: torch.device):
+    """The prompt part's key table, the rows of it each query chose, and how to get the table again.
+
+    Offloaded with fewer chosen slots than stored tokens (decoding: G queries x top-k): only the chosen rows
+    are gathered in host memory and copied (one host sync); otherwise this rank's pages (:func:`_materialize`).
+    """
+    if layer.offloaded and len(layer.segments) == 1 and rows.numel() < layer.stored_tokens():
+        host = layer.segments[0][0][0]
+        flat = rows.reshape(-1).clamp_min(0).cpu()
+
+        def table():
+            return host.index_select(0, flat).to(device, non_blocking=True)
+
+        slots = torch.arange(rows.numel(), device=rows.device).view_as(rows)
+        return table(), torch.where(rows >= 0, slots, rows), table
+
+    def pages():
+        return _materialize(layer, device, 0)
+
+    return pages(), rows, pages
+
+
+def _local_positions(n: int, page_size: int, rank: int, size: int, device) -> torch.Tensor:
+    """Global positions of this rank's ``n`` stored tokens (pages ``j`` with ``j % size == rank``, in order)."""
+    r = torch.arange(n, device=device)
+    if size == 1:
+        return r
+    return ((r // page_size) * size + rank) * page_size + r % page_size
+
+
+def _local_rows(pos: torch.Tensor, page_size: int, rank: int, size: int) -> torch.Tensor:
+    """Inverse of :func:`_local_positions`: the row of global position ``pos`` on this rank, -1 if not owned."""
+    if size == 1:
+        return pos
+    page = pos // page_size
+    rows = (page // size) * page_size + pos % page_size
+    return torch.where(page % size == rank, rows, torch.full_like(pos, -1))
+
+
+@torch.no_grad()
+def _indexer_qkw(indexer: nn.Module, hidden_states, q_resid, cos, sin, rope_fn):
+    """HF's indexer projections: queries ``[B, T, Hi, Di]``, keys ``[B, T, Di]`` (``rope_fn`` on the first
+    ``qk_rope_head_dim`` dims: interleaved for GLM-5, half-split for DeepSeek-V3.2) and head weights
+    ``[B, T, Hi]`` (fp32, times ``Hi ** -0.5``)."""
+    b, t, _ = hidden_states.shape
+    rope, dim = indexer.qk_rope_head_dim, indexer.head_dim
+    q = indexer.wq_b(q_resid).view(b, t, indexer.n_heads, dim)
+    q_rot, q_pass = torch.split(q, [rope, dim - rope], dim=-1)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rope, dim - rope], dim=-1)
+    q_rot, k_rot = rope_fn(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    return q, k, w * indexer.n_heads**-0.5
+
+
+@torch.no_grad()
+def _select(indexer, iq, w, prompt_keys, prompt_pos, resident, self_keys, q_pos, ctx, page_size):
+    """The top-k over the prompt (this rank's pages, then every rank's proposals) and the call's own keys."""
+    b, t = iq.shape[:2]
+    topk, scale = indexer.index_topk, indexer.softmax_scale
+    width = min(topk, resident)  # every rank proposes this many (padded), so the gather has one shape
+    if prompt_keys is not None and prompt_keys.shape[0]:
+        s, p = indexer_topk(iq, w, prompt_keys[None], prompt_pos, None, scale, topk)
+    else:
+        s, p = iq.new_empty((b, t, 0), dtype=torch.float32), q_pos.new_empty((b, t, 0))
+    if s.shape[-1] < width:
+        pad = width - s.shape[-1]
+        s = torch.cat([s, s.new_full((b, t, pad), float("-inf"))], -1)
+        p = torch.cat([p, p.new_full((b, t, pad), -1)], -1)
+    if ctx.cp.size > 1:
+        s, p = torch.cat(ctx.cp.all_gather(s), -1), torch.cat(ctx.cp.all_gather(p), -1)
+    self_pos = torch.arange(self_keys.shape[1], device=iq.device) + resident
+    s2, p2 = indexer_topk(iq, w, self_keys, self_pos, q_pos, scale, topk)
+    s, p = topk_merge(s, p, s2, p2, topk)
+    valid = s > float("-inf")
+    in_prompt = valid & (p < resident)
+    prompt_rows = torch.where(
+        in_prompt, _local_rows(p, page_size, ctx.cp.rank, ctx.cp.size), torch.full_like(p, -1)
+    )
+    self_rows = torch.where(valid & ~in_prompt, p - resident, torch.full_like(p, -1))
+    return DSASelection(prompt_rows, self_rows)
+
+
+def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_ids, prev, ctx, indexer_rope):
+    """HF's ``GlmMoeDsaAttention.forward`` (and ``DeepseekV32Attention.forward``) on the prompt state: same
+    projections, norms, RoPE, scaling and selection; attention in latent space over the selected prompt pages
+    and the call's own keys. Returns ``(output, None, selection)``."""
+    from longstraw_trl.engine import ResponseKV
+
+    # the MLA RoPE is interleaved in both families; the module's own modeling file defines it
+    apply_rotary_pos_emb_interleave = sys.modules[type(module).__module__].apply_rotary_pos_emb_interleave
+
+    idx = module.layer_idx
+    b, t, _ = hidden_states.shape
+    nope, rope, r, hv = (
+        module.qk_nope_head_dim,
+        module.qk_rope_head_dim,
+        module.kv_lora_rank,
+        module.v_head_dim,
+    )
+    q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
+    q = module.q_b_proj(q_resid).view(b, t, -1, module.qk_head_dim).transpose(1, 2)
+    heads = q.shape[1]
+    q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+    kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden_states), [r, rope], dim=-1)
+    c_kv = module.kv_a_layernorm(kv_pass)
+    cos, sin = position_embeddings
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(b, 1, t, rope), cos, sin)
+    # kv_b_proj's effective weight [r, H, nope + v] (LoRA and hooks included), then the absorbed query
+    w = module.kv_b_proj(torch.eye(r, dtype=c_kv.dtype, device=c_kv.device)).view(r, heads, nope + hv)
+    query = torch.cat([torch.einsum("bhtn,rhn->bhtr", q_pass, w[..., :nope]), q_rot], dim=-1)
+    latent = torch.cat([c_kv, k_rot[:, 0]], dim=-1)  # [B, T, r + rope]: key [c | k_rot], value c
+
+    indexer = getattr(module, "indexer", None)
+    if indexer is not None:
+        iq, ik, iw = _indexer_qkw(indexer, hidden_states, q_resid, cos, sin, indexer_rope)
+    else:
+        iq = iw = None
+        ik = latent.new_zeros(b, t, 0)
+    layer = ctx.layer_state(
+        idx, DSAPages, lambda: ctx.new_pages(latent.unsqueeze(1), ik.unsqueeze(1), DSAPages)
+    )
+    if layer is not None and layer.v_head_dim != ik.shape[-1]:
+        raise LongStrawError(f"layer {idx}: the state's indexer keys do not match the model's indexer types")
+    resident = layer.num_tokens if layer is not None else 0
+
+    self_kv, self_ik = latent, ik.detach()
+    if ctx.mode == "decode":
+        running = ctx.running.get(idx)
+        if running is None:
+            cap = max(ctx.capacity, t)
+            running = ctx.running[idx] = ResponseKV(
+                latent.new_zeros(b, 1, cap, latent.shape[-1]), ik.new_zeros(b, 1, cap, ik.shape[-1])
+            )
+        if ctx.step is not None:
+            running.write_at(ctx.step, latent.unsqueeze(1), ik.unsqueeze(1))
+            kb, vb = running.k, running.v
+        else:
+            kb, vb = running.append(latent.unsqueeze(1), ik.unsqueeze(1))
+        self_kv, self_ik = kb[:, 0], vb[:, 0]
+
+    device = hidden_states.device
+    prompt_ik = None
+    if indexer is not None and layer is not None:
+        prompt_ik = _materialize(layer, device, 1)
+    if indexer is not None:
+        q_pos = position_ids[0] if position_ids.dim() == 2 else position_ids
+        prompt_pos = None
+        if prompt_ik is not None:
+            prompt_pos = _local_positions(
+                prompt_ik.shape[0], layer.page_size, ctx.cp.rank, ctx.cp.size, device
+            )
+        sel = _select(
+            indexer, iq, iw, prompt_ik, prompt_pos, resident, self_ik, q_pos, ctx, ctx.state.page_size
+        )
+    else:
+        if not isinstance(prev, DSASelection):
+            raise LongStrawError(
+                f"layer {idx} reuses the previous layer's top-k ('shared' indexer) but got {type(prev).__name__}: "
+                "the first layer must be a 'full' indexer layer"
+            )
+        sel = prev
+
+    scale = module.scaling
+    out_p = lse_p = None
+    if resident:  # (every rank, pages or not: the merge over ranks is a collective)
+        table, rows, table_fn = _prompt_table(layer, sel.prompt_rows, device)
+        out_p, lse_p = prompt_selected_attention(
+            query,
+            rows,
+            table,
+            table_fn,
+            scale,
+            r,
+            ctx.cp.reduce_partial,
+            ctx.cp.reduce_dq,
+        )
+    out_s, lse_s = selected_attention(query, self_kv, sel.self_rows, scale, r)
+    out, _ = merge_partials(out_p, lse_p, out_s, lse_s)
+    if ctx.mode == "capture":
+        layer.append(latent[0].unsqueeze(0).detach(), ik[0].unsqueeze(0))
+    # back from latent space through kv_b_proj's V half: [B, H, T, r] -> [B, T, H * v]
+    attn = torch.einsum("bhtr,rhv->bthv", out.to(query.dtype), w[..., nope:]).reshape(b, t, heads * hv)
+    return module.o_proj(attn), None, sel
+
+
+def install_dsa_forward(cls: type[nn.Module], ctx_kwarg: str, indexer_rope, shares_topk: bool) -> None:
+    """Wrap ``cls.forward`` (idempotent): with ``ctx_kwarg`` run :func:`dsa_forward`, else the stock code.
+
+    ``shares_topk``: the stock forward takes ``prev_topk_indices`` and returns the selection as a third output
+    (GLM-5's IndexShare); otherwise (DeepSeek-V3.2) it returns two outputs and every layer selects its own.
+    """
+    stock = cls.forward
+    if getattr(stock, "_longstraw_dsa", False):
+        return
+
+    @functools.wraps(stock)
+    def forward(
+        self,
+        hidden_states,
+        position_embeddings=None,
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=None,
+        **kwargs,
+    ):
+        ctx = kwargs.pop(ctx_kwarg, None)
+        if ctx is None:
+            return stock(
+                self,
+                hidden_states,
+                position_embeddings,
+                attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        if past_key_values is not None:
+            raise LongStrawError("a LongStraw call cannot also use an HF cache (past_key_values)")
+        if attention_mask is not None:
+            raise LongStrawError("a LongStraw call takes no attention_mask: rows are right-padded instead")
+        prev = kwargs.get("prev_topk_indices")
+        out = dsa_forward(self, hidden_states, position_embeddings, position_ids, prev, ctx, indexer_rope)
+        return out if shares_topk else out[:2]
+
+    forward._longstraw_dsa = True
+    forward._longstraw_stock = stock
+    cls.forward = forward
+
+
+class DSAPatch(FamilyPatch):
+    """Families of MLA + DeepSeek Sparse Attention layers: every layer keeps a :class:`DSAPages`; attention is
+    dispatched by :func:`dsa_forward`, installed on the attention class by :meth:`apply`."""
+
+    def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
+        return DSAPages
+
+    def no_attention_masks(self, model: nn.Module) -> dict:
+        return {MASK_KEY: None}  # a prepared mapping: HF builds no causal mask (the engine masks by position)
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.decoder(model).layers]
+
+    def validate(self, model: nn.Module) -> None:
+        config = self.text_config(model)
+        types = _indexer_types(config)
+        other = sorted(set(types) - {FULL_INDEXER, SHARED_INDEXER})
+        if other:
+            raise self.unsupported(
+                f"indexer types {other} (only {FULL_INDEXER!r} and {SHARED_INDEXER!r} are)"
+            )
+        if types and types[0] != FULL_INDEXER:
+            raise self.unsupported(
+                f"indexer_types[0]={types[0]!r} (the first layer must run its indexer: 'full')"
+            )
+        if getattr(config, "attention_dropout", 0.0):
+            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
+        if not config.index_topk or config.index_topk < 1:
+            raise self.unsupported(f"index_topk={config.index_topk!r} (must be >= 1)")
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type") in CALL_DEPENDENT_ROPE:
+            raise self.unsupported(
+                f"rope_type={rope['rope_type']!r} (its frequencies depend on the length of each call, so a "
+                "chunked capture cannot reproduce a full forward)"
+            )
+        for module in self.attention_modules(model):
+            if not all(hasattr(module, a) for a in ("kv_b_proj", "q_a_proj", "kv_a_proj_with_mqa")):
+                raise self.unsupported(f"an attention layer of type {type(module).__name__}")
+
+    #: whether a ``"shared"`` layer reuses the previous full layer's top-k (HF passes it as ``prev_topk_indices``)
+    shares_topk = True
+
+    def indexer_rope(self, model: nn.Module):
+        """The RoPE of the indexer (GLM-5: interleaved pairs, like the MLA part)."""
+        return sys.modules[type(self.attention_modules(model)[0]).__module__].apply_rotary_pos_emb_interleave
+
+    def apply(self, model: nn.Module) -> None:
+        from longstraw_trl.engine import CTX_KWARG
+
+        rope = self.indexer_rope(model)
+        for cls in {type(m) for m in self.attention_modules(model)}:
+            install_dsa_forward(cls, CTX_KWARG, rope, self.shares_topk)
+
+
+class GlmMoeDsaPatch(DSAPatch):
+    """``glm_moe_dsa`` (GLM-5): ``"full"`` and ``"shared"`` (IndexShare) indexer layers."""
+
+    model_types = ("glm_moe_dsa",)
+
+
+class DeepseekV32Patch(DSAPatch):
+    """``deepseek_v32`` (DeepSeek-V3.2): the same MLA + DSA layers, every layer with its own indexer, whose RoPE
+    is half-split (``rotate_half``) instead of interleaved; the attention returns no selection."""
+
+    model_types = ("deepseek_v32",)
+    shares_topk = False
+
+    def indexer_rope(self, model: nn.Module):
+        return sys.modules[type(self.attention_modules(model)[0]).__module__].apply_rotary_pos_emb
+
+
+def apply_longstraw_to_deepseek_v32(model: nn.Module) -> nn.Module:
+    """Patch a DeepSeek-V3.2 model (``deepseek_v32``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, DeepseekV32Patch)
+
+
+def apply_longstraw_to_glm_moe_dsa(model: nn.Module) -> nn.Module:
+    """Patch a GLM-5 model (``glm_moe_dsa``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, GlmMoeDsaPatch)

@@ -1,0 +1,459 @@
+"""Engine on GLM-5 (``glm_moe_dsa``: MLA + DSA indexer with IndexShare) against the stock HF model.
+
+fp32 on CPU; 4 layers (2 dense, 2 MoE; indexer types full, shared, full, shared: ``tests/_models.py``).
+With ``index_topk`` at least the sequence length every visible key is selected; with a small ``index_topk``
+the stock forward itself attends only to its selection, so on tie-free data (checked with HF's own formula)
+the engine must select the same keys and give the same log-probs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import build_glm_dsa
+from _reference import (
+    GRAD_VARIANTS,
+    VOCAB,
+    assert_grads_close,
+    check_logprobs_against_stock,
+    check_replay_grads,
+    engine_grads,
+    padded_completions,
+    response_only_reference,
+)
+from _spawn import exit_worker, run_processes
+from _state import snapshot, unchanged
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as ds
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+
+import longstraw_trl.model_patches.glm_moe_dsa as glm
+from longstraw_trl import LongStrawError, UnsupportedModelError, capture_prompt, patch_model
+from longstraw_trl.engine import ReplayContext, forward_model
+from longstraw_trl.model_patches import (
+    DeepseekV32Patch,
+    GlmMoeDsaPatch,
+    apply_longstraw_to_deepseek_v32,
+    apply_longstraw_to_glm_moe_dsa,
+    find_patch,
+)
+from longstraw_trl.model_patches.glm_moe_dsa import DSAPages
+from longstraw_trl.planner import state_bytes
+
+LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj"]
+SMALL_TOPK = 6
+# DeepSeek-V3.2 is served by the same patch (its indexer's RoPE is half-split; every layer indexes)
+FAMILIES = ["glm_moe_dsa", "deepseek_v32"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The stock indexer's choices, and a tie check with HF's own formula
+# ----------------------------------------------------------------------------------------------------
+def _hf_index_scores(indexer, hidden_states, q_resid, position_embeddings, mask):
+    """HF's GlmMoeDsaIndexer.forward / DeepseekV32Indexer.forward up to their top-k (transformers 5.23): the
+    same but for the RoPE (interleaved pairs / half-split)."""
+    b, s, _ = hidden_states.shape
+    cos, sin = position_embeddings
+    q = indexer.wq_b(q_resid).view(b, s, indexer.n_heads, indexer.head_dim)
+    rope = indexer.qk_rope_head_dim
+    q_rot, q_pass = torch.split(q, [rope, indexer.head_dim - rope], dim=-1)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rope, indexer.head_dim - rope], dim=-1)
+    rope = (
+        hf.apply_rotary_pos_emb_interleave
+        if isinstance(indexer, hf.GlmMoeDsaIndexer)
+        else ds.apply_rotary_pos_emb
+    )
+    q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q, k = torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1).squeeze(2)
+    scores = torch.relu(
+        torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale
+    )
+    w = indexer.weights_proj(hidden_states).float() * indexer.n_heads**-0.5
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2) + mask
+
+
+@contextlib.contextmanager
+def stock_choices():
+    """Record the stock indexer's top-k per full layer (``{layer: [B, S, k]}``) and assert that every query's
+    k-th and (k+1)-th visible scores differ (tie-free: the top-k set is then unique)."""
+    record: dict[int, torch.Tensor] = {}
+    stocks = {cls: cls.forward for cls in (hf.GlmMoeDsaIndexer, ds.DeepseekV32Indexer)}
+
+    def spy(
+        self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, past_key_values=None
+    ):
+        out = stocks[type(self)](
+            self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, past_key_values
+        )
+        assert past_key_values is None, "run the stock forward with use_cache=False"
+        s = _hf_index_scores(self, hidden_states, q_resid, position_embeddings, attention_mask)
+        top = s.topk(min(self.index_topk + 1, s.shape[-1]), dim=-1).values
+        for i in range(self.index_topk, s.shape[-1]):  # queries that see more than topk keys
+            gap = top[:, i, self.index_topk - 1] - top[:, i, self.index_topk]
+            assert (gap > 1e-4).all(), f"tie at the top-k boundary (layer {self.layer_idx}, query {i})"
+        record[self.layer_idx] = out
+        return out
+
+    for cls in stocks:
+        cls.forward = spy
+    try:
+        yield record
+    finally:
+        for cls, stock in stocks.items():
+            cls.forward = stock
+
+
+@contextlib.contextmanager
+def engine_choices():
+    """Record the engine's selection per full layer (the last call's)."""
+    record: dict[int, glm.DSASelection] = {}
+    select = glm._select
+
+    def spy(indexer, *args, **kwargs):
+        record[indexer.layer_idx] = sel = select(indexer, *args, **kwargs)
+        return sel
+
+    glm._select = spy
+    try:
+        yield record
+    finally:
+        glm._select = select
+
+
+def _selected_positions(sel: glm.DSASelection, resident: int, row: int, query: int) -> set[int]:
+    p, s = sel.prompt_rows[row, query], sel.self_rows[row, query]
+    return set(p[p >= 0].tolist()) | set((s[s >= 0] + resident).tolist())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Log-probs
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prompt_len,chunk,page",
+    [(1, 8, 4), (5, 16, 4), (37, 8, 5), (30, 7, 3)],
+    ids=["one-token", "one-chunk", "uneven", "many-pages"],
+)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_match_stock_forward_all_keys_selected(prompt_len, chunk, page, family):
+    state = check_logprobs_against_stock(
+        build_glm_dsa(index_topk=2048, family=family), prompt_len, chunk, page
+    )
+    assert all(type(layer) is DSAPages for layer in state.layers.values())
+    assert len(state.layers) == (0 if prompt_len == 1 else 4)
+
+
+# YaRN with mscale_all_dim: the softmax scale is qk_head_dim ** -0.5 times mscale ** 2 (HF's yarn_apply_mscale)
+YARN = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128, mscale_all_dim=1.0
+)
+
+
+@pytest.mark.parametrize(
+    "prompt_len,chunk,page,rope",
+    [(29, 8, 5, None), (40, 16, 7, None), (33, 8, 4, YARN)],
+    ids=["29", "40", "yarn-mscale"],
+)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_small_topk_selects_the_stock_keys_and_matches_stock(prompt_len, chunk, page, rope, family):
+    """index_topk < sequence length: on tie-free data the engine picks the stock indexer's keys for every response
+    query of every full layer, and the log-probs equal the stock full forward (which attends to that selection)."""
+    model = build_glm_dsa(index_topk=SMALL_TOPK, family=family, **({"rope_parameters": rope} if rope else {}))
+    if rope:
+        attn = model.model.layers[0].self_attn
+        assert attn.scaling > attn.qk_head_dim**-0.5  # the mscale is on
+    gen = torch.Generator().manual_seed(prompt_len + (0 if family == "glm_moe_dsa" else 100))  # tie-free data
+    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
+    comp = torch.randint(0, VOCAB, (9,), generator=gen)
+    with stock_choices() as ref_sel, torch.no_grad():
+        full = torch.cat([prompt, comp])[None]
+        logits = model(full, use_cache=False).logits.float()
+    ref = torch.log_softmax(logits[:, prompt_len - 1 : -1], -1).gather(-1, comp[None, :, None])[0, :, 0]
+    state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
+    with engine_choices() as sel:
+        got = state.logprobs(model, comp[None])[0]
+    assert sorted(sel) == sorted(ref_sel) == ([0, 2] if family == "glm_moe_dsa" else [0, 1, 2, 3])
+    resident = state.resident_tokens
+    for layer, choice in sel.items():
+        for i in range(comp.numel()):
+            stock = {x for x in ref_sel[layer][0, resident + i].tolist() if x <= resident + i}
+            assert _selected_positions(choice, resident, 0, i) == stock, (layer, i)
+    assert (got - ref).abs().max().item() <= 1e-4
+
+
+def test_tiled_indexer_and_attention_equal_stock(monkeypatch):
+    """The score tiles, the top-k buffers and the attention query blocks at a few elements each (at real sizes
+    they hold 2^28 and 2^27 scores and 256 query rows): the same choices and log-probs as the stock forward."""
+    import longstraw_trl.kernels.sparse_attention as sparse
+
+    monkeypatch.setattr(sparse, "SCORE_TILE_ELEMENTS", 16 * 3 * 5)  # 3 keys per tile at 5 queries of 16 heads
+    monkeypatch.setattr(sparse, "TOPK_BUFFER_ELEMENTS", 5 * 7)  # 7 keys per top-k merge at 5 queries
+    monkeypatch.setattr(sparse, "ATTENTION_QUERY_ROWS", 3)
+    test_small_topk_selects_the_stock_keys_and_matches_stock(29, 8, 5, None, "glm_moe_dsa")
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    gen = torch.Generator().manual_seed(1)
+    prompt, completion = (
+        torch.randint(0, VOCAB, (26,), generator=gen),
+        torch.randint(0, VOCAB, (7,), generator=gen),
+    )
+    weights = torch.randn(7, generator=gen)
+    state = capture_prompt(model, prompt, chunk_size=9, page_size=4)
+    got = engine_grads(model, state, completion, weights)
+    assert_grads_close(got, response_only_reference(model, prompt, completion, weights))
+
+
+def test_small_topk_capture_selects_the_stock_keys():
+    """Inside the capture too (prompt queries over earlier chunks' pages + their own chunk): same choices."""
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    prompt = torch.randint(0, VOCAB, (33,), generator=torch.Generator().manual_seed(2))
+    with stock_choices() as ref_sel, torch.no_grad():
+        model(prompt[None, :-1], use_cache=False)
+    chunks = []
+    select = glm._select
+
+    def spy(indexer, *args, **kwargs):
+        sel = select(indexer, *args, **kwargs)
+        chunks.append((indexer.layer_idx, args[4], sel))  # args[4]: tokens resident before the chunk
+        return sel
+
+    glm._select = spy
+    try:
+        capture_prompt(model, prompt, chunk_size=10, page_size=4)
+    finally:
+        glm._select = select
+    assert len(chunks) == 2 * 4  # 2 full layers x 4 chunks of the 32 resident tokens
+    for layer, resident, sel in chunks:
+        for i in range(sel.self_rows.shape[1]):
+            stock = {x for x in ref_sel[layer][0, resident + i].tolist() if x <= resident + i}
+            assert _selected_positions(sel, resident, 0, i) == stock, (layer, resident + i)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradients
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", GRAD_VARIANTS)
+def test_grads_match_response_only_reference(variant):
+    got = check_replay_grads(build_glm_dsa(index_topk=2048), variant, LORA_TARGETS)
+    if variant == "lora":
+        assert all("lora_" in n for n in got)
+        assert any("kv_b_proj.lora" in n for n in got)  # the absorbed weights carry the adapter
+    else:
+        assert any("indexer" in n for n in dict(build_glm_dsa().named_parameters()))
+        assert not any("indexer" in n for n in got)  # gradient-free, as in HF
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grads_with_small_topk_match_response_only_reference(family):
+    model = build_glm_dsa(index_topk=SMALL_TOPK, family=family)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (29,), generator=gen)
+    completion = torch.randint(0, VOCAB, (11,), generator=gen)
+    weights = torch.randn(11, generator=gen)
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
+    got = engine_grads(model, state, completion, weights)
+    assert_grads_close(got, response_only_reference(model, prompt, completion, weights))
+
+
+# ----------------------------------------------------------------------------------------------------
+# State
+# ----------------------------------------------------------------------------------------------------
+def test_state_bit_identical_after_replays_with_backward():
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    gen = torch.Generator().manual_seed(3)
+    state = capture_prompt(model, torch.randint(0, VOCAB, (23,), generator=gen), chunk_size=8, page_size=4)
+    snap = snapshot(state)
+    ids, mask = padded_completions([6, 3], gen)
+    for _ in range(2):
+        state.logprobs(model, ids, mask, grad=True).sum().backward()
+    state.generate(model, 2, 4, do_sample=False, pad_token_id=0)
+    assert unchanged(snap)
+
+
+@pytest.mark.parametrize("prompt_len", [9, 41])
+def test_nbytes_by_kind_has_mla_and_indexer_as_the_formula(prompt_len):
+    model = build_glm_dsa()
+    config = model.config
+    state = capture_prompt(model, torch.randint(0, VOCAB, (prompt_len,)), chunk_size=16, page_size=8)
+    n, full = prompt_len - 1, config.indexer_types.count("full")
+    expected = {
+        "mla": config.num_hidden_layers * n * (config.kv_lora_rank + config.qk_rope_head_dim) * 4,
+        "indexer": full * n * config.index_head_dim * 4,
+    }
+    assert state.nbytes_by_kind() == expected
+    assert state_bytes(config, prompt_len, 1, 8, dtype_bytes=4) == expected
+    assert state.nbytes() == sum(expected.values())
+
+
+def test_offloaded_state_of_three_pages_equals_resident():
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, VOCAB, (25,), generator=gen)  # 24 resident tokens: 3 pages of 8
+    ids, mask = padded_completions([7, 5], gen)
+    resident = capture_prompt(model, prompt, chunk_size=16, page_size=8)
+    offloaded = capture_prompt(model, prompt, chunk_size=16, page_size=8, offload="cpu")
+    layer = offloaded.layers[0]
+    assert layer.offloaded and len(list(layer.stream(torch.device("cpu")))) == 3
+    assert offloaded.nbytes_by_kind() == resident.nbytes_by_kind()
+    assert torch.equal(resident.logprobs(model, ids, mask), offloaded.logprobs(model, ids, mask))
+    g = [engine_grads(model, s, ids[0], torch.linspace(-1, 1, 7)) for s in (resident, offloaded)]
+    assert_grads_close(g[1], g[0], tol=1e-6)
+    # decoding reads only the chosen latent rows of an offloaded layer (2 x top-6 < 24 stored tokens)
+    tokens = torch.randint(0, VOCAB, (2, 4), generator=gen)
+    logits = []
+    with torch.no_grad():
+        for state in (resident, offloaded):
+            ctx = ReplayContext("decode", state, capacity=4)
+            steps = [forward_model(model, tokens[:, i : i + 1], 24 + i, ctx) for i in range(4)]
+            logits.append(torch.cat(steps, 1))
+    assert (logits[0] - logits[1]).abs().max() <= 1e-6
+    torch.manual_seed(0)
+    a = resident.generate(model, 2, 5, do_sample=True, pad_token_id=0)
+    torch.manual_seed(0)
+    assert torch.equal(offloaded.generate(model, 2, 5, do_sample=True, pad_token_id=0), a)
+
+
+def test_extend_equals_capturing_concatenation():
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    gen = torch.Generator().manual_seed(8)
+    a, b = torch.randint(0, VOCAB, (13,), generator=gen), torch.randint(0, VOCAB, (9,), generator=gen)
+    ids, mask = padded_completions([5, 2], gen)
+    base = capture_prompt(model, a, chunk_size=8, page_size=4)
+    snap = snapshot(base)
+    extended = base.extend(model, b)
+    whole = capture_prompt(model, torch.cat([a, b]), chunk_size=8, page_size=4)
+    assert (extended.logprobs(model, ids, mask) - whole.logprobs(model, ids, mask)).abs().max() <= 1e-5
+    assert unchanged(snap)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode and generation
+# ----------------------------------------------------------------------------------------------------
+def test_decode_token_by_token_equals_replay():
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    gen = torch.Generator().manual_seed(4)
+    state = capture_prompt(model, torch.randint(0, VOCAB, (19,), generator=gen), chunk_size=8, page_size=8)
+    tokens = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    start = state.resident_tokens
+    with torch.no_grad():
+        for step in (
+            None,
+            torch.zeros((), dtype=torch.long),
+        ):  # growing buffers, and fixed shapes (CUDA graphs)
+            ctx = ReplayContext("decode", state, capacity=6, step=step)
+            steps = []
+            for i in range(6):
+                steps.append(forward_model(model, tokens[:, i : i + 1], start + i, ctx))
+                if step is not None:
+                    step.add_(1)
+            replayed = forward_model(model, tokens, start, ReplayContext("replay", state))
+            assert (torch.cat(steps, dim=1) - replayed).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("topk", [SMALL_TOPK, 2048])
+@pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(do_sample=True, temperature=0.9, top_k=20)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_matches_stock_generate(topk, sampling, family):
+    model = build_glm_dsa(index_topk=topk, family=family)
+    prompt = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(6))
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=5)
+    snap = snapshot(state)
+    torch.manual_seed(5)
+    ids = state.generate(model, 3, 8, eos_token_id=7, pad_token_id=96, **sampling)
+    inp = prompt[None].expand(3, -1)
+    torch.manual_seed(5)
+    ref = model.generate(
+        inp,
+        attention_mask=torch.ones_like(inp),
+        max_new_tokens=8,
+        eos_token_id=7,
+        pad_token_id=96,
+        **sampling,
+    )[:, 21:]
+    assert torch.equal(ids, ref)
+    assert unchanged(snap)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Context parallelism (2 gloo processes)
+# ----------------------------------------------------------------------------------------------------
+def _cp_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model = build_glm_dsa(index_topk=SMALL_TOPK)
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, VOCAB, (30,), generator=gen)
+        ids = torch.randint(0, VOCAB, (2, 7), generator=gen)
+        mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+        single = capture_prompt(model, prompt, chunk_size=8, page_size=4)
+        sharded = capture_prompt(model, prompt, chunk_size=8, page_size=4, cp_group=dist.group.WORLD)
+        total = torch.tensor([sharded.nbytes()])
+        dist.all_reduce(total)
+        assert int(total) == single.nbytes() and sharded.nbytes() < single.nbytes()
+        if rank == 0:  # the planner's per-rank state is the first rank's (it holds the most pages)
+            assert sharded.nbytes_by_kind() == state_bytes(model.config, 30, 2, 4, dtype_bytes=4)
+        diff = (single.logprobs(model, ids, mask) - sharded.logprobs(model, ids, mask)) * mask
+        assert diff.abs().max() <= 1e-5, diff.abs().max()
+        w = torch.linspace(-1, 1, 7)
+        g1, g2 = (engine_grads(model, s, ids[0], w) for s in (single, sharded))
+        assert_grads_close(g2, g1, tol=1e-5)
+        torch.manual_seed(3)
+        a = single.generate(model, 2, 5, do_sample=False, pad_token_id=0)
+        torch.manual_seed(3)
+        b = sharded.generate(model, 2, 5, do_sample=False, pad_token_id=0)
+        assert torch.equal(a, b)
+    finally:
+        dist.destroy_process_group()
+    exit_worker()
+
+
+def test_context_parallel_two_ranks_equal_one_process():
+    with tempfile.TemporaryDirectory() as tmp:
+        run_processes(_cp_worker, (2, os.path.join(tmp, "init")), nprocs=2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Patching and validation
+# ----------------------------------------------------------------------------------------------------
+def test_patch_is_idempotent_and_leaves_stock_forward_alone():
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    x = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        before = model(x).logits
+        apply_longstraw_to_glm_moe_dsa(model)
+        patch_model(model)
+        after = model(x).logits
+    assert torch.equal(before, after)
+    assert isinstance(find_patch(model), GlmMoeDsaPatch)
+    ds_model = build_glm_dsa(index_topk=SMALL_TOPK, family="deepseek_v32")
+    with torch.no_grad():
+        before = ds_model(x).logits
+        apply_longstraw_to_deepseek_v32(ds_model)
+        assert torch.equal(before, ds_model(x).logits)
+    assert type(find_patch(ds_model)) is DeepseekV32Patch
+    with pytest.raises(UnsupportedModelError, match="deepseek_v32"):
+        apply_longstraw_to_glm_moe_dsa(ds_model)
+
+
+def test_state_of_another_model_is_rejected():
+    model = build_glm_dsa()
+    other = build_glm_dsa(indexer_types=["full", "full", "full", "shared"])
+    state = capture_prompt(model, torch.randint(0, VOCAB, (9,)), chunk_size=8, page_size=4)
+    with pytest.raises(LongStrawError, match="indexer"):
+        state.logprobs(other, torch.randint(0, VOCAB, (1, 3)))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(indexer_types=["shared", "full", "full", "shared"]), "first layer must run its indexer"),
+        (dict(attention_dropout=0.1), "attention_dropout"),
+    ],
+)
+def test_unsupported_options_raise(change, match):
+    with pytest.raises(UnsupportedModelError, match=match):
+        patch_model(build_glm_dsa(**change))
