@@ -477,10 +477,14 @@ class PromptResponseAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq, page_grads):
+    def forward(
+        ctx, q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq, page_grads, prompt_part
+    ):
         num_kv = k.shape[1]
-        out_p, lse_p = pages_attention(q, pages, scale, num_kv, softcap)
-        out_p, lse_p = reduce_partial(out_p, lse_p, q)
+        if prompt_part is not None:
+            out_p, lse_p = prompt_part(q)
+        else:
+            out_p, lse_p = reduce_partial(*pages_attention(q, pages, scale, num_kv, softcap), q)
         out_s, lse_s = _self_attention_lse(q, k, v, scale, softcap)
         out, lse = merge_sink(*merge_partials(out_p, lse_p, out_s, lse_s), sinks)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
@@ -515,7 +519,19 @@ class PromptResponseAttention(torch.autograd.Function):
             delta = (dout.float() * out).sum(-1)  # [B, Hq, T]
             p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
             dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
+        return (
+            dq.to(q.dtype),
+            dk.to(k.dtype),
+            dv.to(v.dtype),
+            dsinks,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _no_reduce_partial(out, lse, q):
@@ -538,6 +554,7 @@ def prompt_response_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     page_grads: PageGradSink | None = None,
+    prompt_part: Callable[[torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
 ) -> torch.Tensor:
     """Attention output ``[B, Hq, T, D]`` (q's dtype) of ``q`` over ``pages`` then causally over ``k, v``.
 
@@ -546,14 +563,16 @@ def prompt_response_attention(
     ``self_length`` (decode, no autograd): ``k, v`` are fixed-capacity buffers of which the first
     ``self_length`` keys are filled, the newest one being the query's own (:func:`masked_decode_attention_lse`).
     ``softcap``: scores soft-capped before the softmax (Gemma 2); ``sinks [Hq]``: one more term per head
-    in the softmax denominator (GPT-OSS, :func:`merge_sink`).
+    in the softmax denominator (GPT-OSS, :func:`merge_sink`). ``prompt_part``: under autograd, gives the
+    (rank-reduced) ``(out, lse)`` of ``q`` over the pages in place of computing it here (the engine hands a
+    checkpointed layer's recompute the part its first forward computed).
     """
     reduce_partial = reduce_partial or _no_reduce_partial
     reduce_dq = reduce_dq or _no_reduce_dq
     grads = (q, k, v) + ((sinks,) if sinks is not None else ())
     if torch.is_grad_enabled() and any(t.requires_grad for t in grads):
         return PromptResponseAttention.apply(
-            q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq, page_grads
+            q, k, v, sinks, pages, scale, softcap, reduce_partial, reduce_dq, page_grads, prompt_part
         )
     out_p, lse_p = reduce_partial(*pages_attention(q, pages, scale, k.shape[1], softcap), q)
     if self_length is not None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from longstraw_trl.kernels.attention import prompt_response_attention, window_attention
+from longstraw_trl.kernels.attention import pages_attention, prompt_response_attention, window_attention
 from longstraw_trl.kernels.logprob import token_logprobs
 from longstraw_trl.model_patches import find_patch, patch_model, unwrap_model
 
@@ -155,6 +155,10 @@ class ReplayContext:
         self.reserve_tokens = reserve_tokens
         self.step = step
         self.running: dict[int, object] = {}
+        # replay: whether the current decoder layer is recomputed in backward, and the page attention its first
+        # forward computed, by layer (see `_prompt_part`)
+        self.layer_recomputed = False
+        self._prompt_parts: dict[int, tuple] = {}
         self._reserved: set[int] = set()
 
     def layer_state(self, idx: int, state_type: type[LayerState], make: Callable[[], LayerState]):
@@ -204,6 +208,24 @@ class ReplayContext:
         if self.cp.size > 1:  # the segment is replicated: every rank needs the dK/dV of every rank's pages
             dk, dv = self.cp.all_reduce_sum(dk), self.cp.all_reduce_sum(dv)
         self._emit([k, v], [dk, dv])
+
+    def _prompt_part(self, idx: int, pages, scale: float, num_kv: int, softcap: float | None):
+        """For a replay layer that is recomputed in backward (checkpointed): a function giving its queries' attention
+        over the prompt pages, computed in the first forward and handed back to the recompute, which would otherwise
+        run the same page attention again (a quarter of a long-prompt replay's attention work). ``None``: compute it
+        where it is used. The part is kept from the forward to the recompute (``[B, Hq, T, D]`` fp32 a layer)."""
+        if self.mode != "replay" or not self.layer_recomputed or not torch.is_grad_enabled():
+            return None
+
+        def part(q: torch.Tensor):
+            kept = self._prompt_parts.pop(idx, None)
+            if kept is not None and kept[0] == q.shape:
+                return kept[1], kept[2]
+            out, lse = self.cp.reduce_partial(*pages_attention(q, pages, scale, num_kv, softcap), q)
+            self._prompt_parts[idx] = (q.shape, out, lse)
+            return out, lse
+
+        return part
 
     def new_pages(self, k: torch.Tensor, v: torch.Tensor, cls: type[KVPages] = KVPages) -> KVPages:
         """Empty pages for keys like ``k [B, Hkv, T, D]`` and values like ``v``, stored as this call's state
@@ -287,6 +309,7 @@ class ReplayContext:
                 softcap=softcap,
                 sinks=sinks,
                 page_grads=page_grads,
+                prompt_part=self._prompt_part(idx, pages, scale, k.shape[1], softcap),
             )
         if self.mode == "capture":
             layer.append(k[0], v[0])
@@ -363,7 +386,10 @@ def _layer_forward(self, *args, **kwargs):
     stock = type(self).forward.__get__(self)
     ctx = kwargs.get(CTX_KWARG)
     hf_checkpoints = getattr(self, "gradient_checkpointing", False) and self.training
-    if ctx is not None and ctx.checkpoint_layers and torch.is_grad_enabled() and not hf_checkpoints:
+    ours = ctx is not None and ctx.checkpoint_layers and torch.is_grad_enabled() and not hf_checkpoints
+    if ctx is not None:  # read by the layer's attention (ReplayContext._prompt_part)
+        ctx.layer_recomputed = bool(hf_checkpoints or ours)
+    if ours:
         return checkpoint(stock, *args, use_reentrant=False, **kwargs)
     return stock(*args, **kwargs)
 

@@ -209,3 +209,18 @@ def test_unsupported_model_names_supported_types():
     dropout.config.attention_dropout = 0.1
     with pytest.raises(UnsupportedModelError, match="attention_dropout"):
         patch_model(dropout)
+
+
+@pytest.mark.parametrize("variant", ["checkpoint_layers", "hf_gradient_checkpointing"])
+def test_checkpointed_replay_attends_to_the_pages_once(monkeypatch, variant):
+    """A checkpointed layer's recompute reuses the page attention of its first forward: one page pass a layer in
+    forward + recompute (not two), the same gradients as the response-only reference, nothing left over."""
+    import longstraw_trl.engine as engine
+
+    calls = []
+    real = engine.pages_attention
+    monkeypatch.setattr(engine, "pages_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = build("qwen3")
+    layers = model.config.num_hidden_layers
+    check_replay_grads(model, variant, ["q_proj"])
+    assert len(calls) == layers, (len(calls), layers)
