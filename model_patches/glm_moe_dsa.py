@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -202,7 +203,15 @@ def _select(indexer, iq, w, prompt_keys, prompt_pos, resident, self_keys, q_pos,
     return DSASelection(prompt_rows, self_rows)
 
 
-def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_ids, prev, ctx, indexer_rope):
+def dsa_forward(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    position_ids: torch.Tensor,
+    prev: DSASelection | None,
+    ctx,
+    indexer_rope: Callable,
+) -> tuple[torch.Tensor, None, DSASelection]:
     """HF's ``GlmMoeDsaAttention.forward`` (and ``DeepseekV32Attention.forward``) on the prompt state: same
     projections, norms, RoPE, scaling and selection; attention in latent space over the selected prompt pages
     and the call's own keys. Returns ``(output, None, selection)``."""
@@ -305,7 +314,9 @@ def dsa_forward(module: nn.Module, hidden_states, position_embeddings, position_
     return module.o_proj(attn), None, sel
 
 
-def install_dsa_forward(cls: type[nn.Module], ctx_kwarg: str, indexer_rope, shares_topk: bool) -> None:
+def install_dsa_forward(
+    cls: type[nn.Module], ctx_kwarg: str, indexer_rope: Callable, shares_topk: bool
+) -> None:
     """Wrap ``cls.forward`` (idempotent): with ``ctx_kwarg`` run :func:`dsa_forward`, else the stock code.
 
     ``shares_topk``: the stock forward takes ``prev_topk_indices`` and returns the selection as a third output
@@ -391,7 +402,7 @@ class DSAPatch(FamilyPatch):
     #: whether a ``"shared"`` layer reuses the previous full layer's top-k (HF passes it as ``prev_topk_indices``)
     shares_topk = True
 
-    def indexer_rope(self, model: nn.Module):
+    def indexer_rope(self, model: nn.Module) -> Callable:
         """The RoPE of the indexer (GLM-5: interleaved pairs, like the MLA part)."""
         return sys.modules[type(self.attention_modules(model)[0]).__module__].apply_rotary_pos_emb_interleave
 
@@ -416,7 +427,7 @@ class DeepseekV32Patch(DSAPatch):
     model_types = ("deepseek_v32",)
     shares_topk = False
 
-    def indexer_rope(self, model: nn.Module):
+    def indexer_rope(self, model: nn.Module) -> Callable:
         return sys.modules[type(self.attention_modules(model)[0]).__module__].apply_rotary_pos_emb
 
 
