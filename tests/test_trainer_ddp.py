@@ -6,7 +6,8 @@ micro-batches of one optimizer step (the first under `accelerator.no_sync`, as t
 - the synchronised gradient equals the average over ranks of the local (unsynchronised) gradients;
 - DDP all-reduces once per optimizer step: only the last response's backward of the last micro-batch synchronises.
 With the entropy options (bonus, `top_entropy_quantile` with its graph-free entropy pass and cross-rank quantile,
-adaptive control) the same holds, and the adaptive controller reduces its window over both ranks.
+adaptive control) the same holds, and the adaptive controller reduces its window over both ranks. With
+`gradient_mode="full"` and reverse block replay, the synchronising backward is the last group's first prompt chunk.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _worker(rank: int, world: int, port: int, options: str) -> None:
         WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
-    extra = ENTROPY if options == "entropy" else {}
+    # "full": gradient_mode="full" with reverse block replay: every backward under no_sync but the last prompt segment
+    extra = {"entropy": ENTROPY, "full": dict(gradient_mode="full", replay_block_size=2)}.get(options, {})
     trainer = make_tiny_longstraw_trainer(beta=0.04, loss_type="grpo", ddp_timeout=60, **extra)
 
     assert trainer.accelerator.num_processes == world
@@ -138,7 +140,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("options", ["plain", "entropy"])
+@pytest.mark.parametrize("options", ["plain", "entropy", "full"])
 @pytest.mark.parametrize("world", [2])
 def test_ddp_reduces_once_per_optimizer_step_and_averages(world, options):
     run_processes(_worker, (world, _free_port(), options), world)
