@@ -374,12 +374,19 @@ def test_trainer_reverse_block_replay_response_only_equals_whole_replays(extra):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("offload", [None, "cpu"])
-def test_full_gradient_on_cuda_bf16(family, offload):
+def test_full_gradient_on_cuda_bf16(family, offload, monkeypatch):
     """The CUDA paths (cuDNN / flash forward, flash backward with the pages' dK/dV, the torch GDN rule's backward,
     pinned host buffers when offloaded) in bf16 against the stock model's fp32 full gradient."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    # the fp32 reference runs on the CPU: with fla importable HF would route its GDN rule to fla's Triton kernels,
+    # which take no CPU tensors, so the reference takes HF's own torch rule (the function fla's wrapper replaced)
+    rule = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", getattr(rule, "__wrapped__", rule))
     model = _model(family)
     prompt, comps, weights = _data(prompt_len=61)
     ref = stock_full_grads(model, prompt, comps, weights)
+    monkeypatch.undo()
     model = model.cuda().to(torch.bfloat16)
     got = engine_full_grads(model, prompt.cuda(), comps.cuda(), weights.cuda(), block_size=4, offload=offload)
     for name, g in ref.items():
