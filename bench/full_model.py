@@ -318,6 +318,8 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         page_size=args.page,
         dtype_bytes=plan_dtype_bytes,
         replay_batch_tokens=args.replay_batch_tokens,
+        # the replay's layers are recomputed in backward under TRL's gradient checkpointing (its default)
+        checkpoint_layers=bool(trainer.args.gradient_checkpointing or trainer.args.replay_checkpoint_layers),
     )
     return {
         "ok": True,
