@@ -118,7 +118,7 @@ def plan_main(argv: list[str]) -> int:
     size.add_argument(
         "--max-prompt", action="store_true", help="find the largest P that fits, and plan that P"
     )
-    ap.add_argument("--generations", type=int, default=8, help="G (does not change the peak)")
+    ap.add_argument("--generations", type=int, default=8, help="G (the peak grows with the responses replayed together, see --replay-batch-tokens)")
     ap.add_argument("--response", type=int, default=2048, help="completion tokens R")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks sharing the prompt pages")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks sharing the experts")
@@ -128,7 +128,13 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--gpu", default="h200", help=f"one of {', '.join(GPU_MEMORY_GIB)}, or GiB as a number")
     ap.add_argument("--chunk-size", type=int, default=16384)
     ap.add_argument("--page-size", type=int, default=16384)
-    ap.add_argument("--checkpoint-layers", action="store_true")
+    ap.add_argument(
+        "--checkpoint-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replays recompute each decoder layer in backward (default, as under TRL's default "
+        "gradient_checkpointing=True); --no-checkpoint-layers plans without it",
+    )
     ap.add_argument(
         "--replay-batch-tokens",
         type=int,
