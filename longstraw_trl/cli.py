@@ -118,7 +118,12 @@ def plan_main(argv: list[str]) -> int:
     size.add_argument(
         "--max-prompt", action="store_true", help="find the largest P that fits, and plan that P"
     )
-    ap.add_argument("--generations", type=int, default=8, help="G (the peak grows with the responses replayed together, see --replay-batch-tokens)")
+    ap.add_argument(
+        "--generations",
+        type=int,
+        default=8,
+        help="G (the peak grows with the responses replayed together, see --replay-batch-tokens)",
+    )
     ap.add_argument("--response", type=int, default=2048, help="completion tokens R")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks sharing the prompt pages")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks sharing the experts")
@@ -134,6 +139,12 @@ def plan_main(argv: list[str]) -> int:
         default=True,
         help="replays recompute each decoder layer in backward (default, as under TRL's default "
         "gradient_checkpointing=True); --no-checkpoint-layers plans without it",
+    )
+    ap.add_argument(
+        "--gradient-mode",
+        choices=["response_only", "full"],
+        default="response_only",
+        help="full: add the full gradient's dK/dV buffers, kept GDN boundary states and page-gradient workspace",
     )
     ap.add_argument(
         "--replay-batch-tokens",
@@ -180,6 +191,7 @@ def _plan(a: argparse.Namespace) -> int:
         capture_chunk_size=a.chunk_size,
         checkpoint_layers=a.checkpoint_layers,
         replay_batch_tokens=a.replay_batch_tokens,
+        gradient_mode=a.gradient_mode,
     )
     prompt = a.prompt
     if a.max_prompt:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from longstraw_trl.errors import UnsupportedModelError
+from longstraw_trl.errors import LongStrawError, UnsupportedModelError
 from longstraw_trl.kernels.logprob import LOGITS_CHUNK_ELEMENTS
 
 GiB = 2**30
@@ -43,6 +43,12 @@ class MemoryPlan:
     gpu_bytes: int
     params: int = 0
     trainable_params: int = 0
+    #: ``gradient_mode="full"``: fp32 dK/dV buffers of the pages plus the GDN leaf gradients (the state's size)
+    gradient_buffers: int = 0
+    #: ``gradient_mode="full"``: the fixed-size states kept at every capture-chunk boundary
+    kept_boundaries: int = 0
+    #: ``gradient_mode="full"``: one layer's pages' dK/dV in fp32 while a replay's backward computes them
+    page_grad_workspace: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -58,7 +64,17 @@ class MemoryPlan:
     @property
     def replay_peak(self) -> int:
         """Peak while replaying one response under autograd (the step's high-water mark)."""
-        return self.weights + self.gradients + self.optimizer + self.state + self.response_graph + self.logits
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.state
+            + self.response_graph
+            + self.logits
+            + self.gradient_buffers
+            + self.kept_boundaries
+            + self.page_grad_workspace
+        )
 
     @property
     def peak(self) -> int:
@@ -160,6 +176,43 @@ def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 1
     return out
 
 
+def full_gradient_bytes(
+    config,
+    prompt_tokens: int,
+    cp_size: int = 1,
+    page_size: int = 16384,
+    dtype_bytes: int = 2,
+    chunk_size: int = 8192,
+) -> tuple[int, int, int]:
+    """``(gradient buffers, kept boundary states, page-gradient workspace)`` per rank for ``gradient_mode="full"``:
+    a ``"buffer"`` kind (K/V pages) accumulates fp32 dK/dV of its own size, and one layer's dK/dV are computed in
+    fp32 at a time; a ``"leaf"`` kind (GDN) keeps a gradient of its size and a copy at every capture-chunk boundary.
+    Raises :class:`~longstraw_trl.errors.UnsupportedModelError` for a layer kind without a full gradient."""
+    from longstraw_trl.model_patches import patch_for_model_type
+    from longstraw_trl.state import owned_tokens
+
+    resident = max(prompt_tokens - 1, 0)
+    on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
+    boundaries = max(-(-resident // chunk_size) - 1, 0)
+    patch = patch_for_model_type(config.model_type)
+    buffers = kept = workspace = 0
+    for i in range(len(_layer_types(config))):
+        cls = patch.layer_state_type(config, i)
+        n = cls.planned_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
+        if cls.grad_kind == "buffer":
+            fp32 = n * 4 // dtype_bytes
+            buffers += fp32
+            workspace = max(workspace, fp32)
+        elif cls.grad_kind == "leaf":
+            buffers += n
+            kept += boundaries * n
+        else:
+            raise UnsupportedModelError(
+                f"gradient_mode='full' has no full gradient for the {cls.__name__} of layer {i} ({config.model_type})"
+            )
+    return buffers, kept, workspace
+
+
 def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
     """Tensors autograd keeps for one decoder layer over ``tokens`` response tokens."""
     h = config.hidden_size
@@ -200,12 +253,13 @@ def plan_memory(
     dtype_bytes: int = 2,
     checkpoint_layers: bool = False,
     replay_batch_tokens: int = 8192,
+    gradient_mode: str = "response_only",
 ) -> MemoryPlan:
     """Per-rank memory of a LongStraw GRPO step on ``config`` (bf16 weights by default).
 
     The responses of a group are replayed together while responses x ``response_tokens`` stays within
     ``replay_batch_tokens`` (the trainer's option; 0: one at a time), so the autograd graph spans that many
-    responses. ``optimizer``: ``"adamw"`` (two states per trainable parameter, in the parameter dtype) or
+    responses. ``gradient_mode="full"`` adds :func:`full_gradient_bytes` to the replay peak. ``optimizer``: ``"adamw"`` (two states per trainable parameter, in the parameter dtype) or
     ``"none"`` (e.g. a benchmark that only runs backward). Raises
     :class:`~longstraw_trl.errors.UnsupportedModelError` for a model type it does not model.
     """
@@ -249,6 +303,13 @@ def plan_memory(
         params=params,
         trainable_params=trainable,
     )
+    if gradient_mode == "full":
+        plan.gradient_buffers, plan.kept_boundaries, plan.page_grad_workspace = full_gradient_bytes(
+            config, prompt_tokens, cp_size, page_size, dtype_bytes, capture_chunk_size
+        )
+        plan.notes.append("gradient_mode='full': dK/dV buffers, kept GDN boundary states, one layer's dK/dV")
+    elif gradient_mode != "response_only":
+        raise LongStrawError(f"gradient_mode must be 'response_only' or 'full', got {gradient_mode!r}")
     if experts and ep_size > 1:
         plan.notes.append(f"experts sharded over {ep_size} EP ranks")
     plan.notes.append(
@@ -433,6 +494,14 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  response graph    {g(plan.response_graph)}",
         f"  logits/head temp  {g(plan.logits)}",
         f"  capture chunk     {g(plan.capture_workspace)}",
+    ]
+    if plan.gradient_buffers or plan.kept_boundaries:
+        lines += [
+            f"  full-grad buffers {g(plan.gradient_buffers)}",
+            f"  kept boundaries   {g(plan.kept_boundaries)}",
+            f"  page dK/dV temp   {g(plan.page_grad_workspace)}",
+        ]
+    lines += [
         f"capture peak        {g(plan.capture_peak)}",
         f"replay peak         {g(plan.replay_peak)}",
         f"GPU memory          {g(plan.gpu_bytes)}  ->  {'FITS' if plan.fits else 'DOES NOT FIT'}",

@@ -70,6 +70,9 @@ class DSAPages(KVPages):
     """
 
     kind = "mla"
+    # the latent attention's backward hands no dK/dV of the pages to the full gradient's buffers, and its segment
+    # recompute is not built: the full gradient and reverse block replay refuse these layers by name
+    grad_kind = None
 
     def nbytes_by_kind(self) -> dict[str, int]:
         n = self.stored_tokens() * self.num_kv_heads * self.dtype.itemsize

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from longstraw_trl.errors import LongStrawError, UnsupportedModelError
 from longstraw_trl.planner import GiB, largest_prompt, plan_memory, state_bytes
 from longstraw_trl.presets import preset_config
 
@@ -276,3 +277,41 @@ def test_plan_reproduces_the_whole_model_peak_with_replay_batches():
         plan.peak / GiB,
         run["peak_gib"],
     )
+
+
+@pytest.mark.parametrize("tag", ["512K", "1M"])
+def test_plan_reproduces_the_full_gradient_run(tag):
+    """`gradient_mode="full"` on the 27B slice (`bench/full_gradient.py`, one response at a time, no layer
+    checkpointing, no optimizer): the dK/dV buffers and the kept GDN boundary states exactly as measured, and the
+    replay peak within 10%, for both modes of the run."""
+    data = json.loads((RESULTS[0].parent / f"full_gradient_qwen3.6-27b_4L_{tag}.json").read_text())
+    config = preset_config(data["preset"], data["layers"])
+    assert data["steps"]
+    for step in data["steps"]:
+        plan = plan_memory(
+            config,
+            step["prompt_tokens"],
+            response_tokens=data["response_tokens"],
+            optimizer="none",
+            capture_chunk_size=data["chunk_size"],
+            page_size=data["page_size"],
+            replay_batch_tokens=0,
+            gradient_mode=step["mode"],
+        )
+        if step["mode"] == "full":
+            assert plan.gradient_buffers == step["gradient_buffer_bytes"]
+            assert plan.kept_boundaries == step["kept_boundary_bytes"]
+        else:
+            assert plan.gradient_buffers == plan.kept_boundaries == plan.page_grad_workspace == 0
+        measured = step["replay_peak_gib"]
+        assert abs(plan.replay_peak / GiB - measured) <= 0.10 * measured, (
+            step["mode"],
+            plan.replay_peak / GiB,
+        )
+
+
+def test_full_gradient_plan_refuses_a_kind_without_one():
+    with pytest.raises(UnsupportedModelError, match="no full gradient"):
+        plan_memory(preset_config("glm-5", 4), 65536, gradient_mode="full")
+    with pytest.raises(LongStrawError, match="gradient_mode"):
+        plan_memory(preset_config("qwen3-8b", 2), 65536, gradient_mode="exact")
