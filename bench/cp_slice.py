@@ -67,6 +67,13 @@ def full_model_predictions(args, cp_size: int) -> dict:
     return out
 
 
+def _finish() -> None:
+    """Leave the process group together: a rank that tears gloo down while another still writes its results can
+    abort in gloo's teardown ("terminate called without an active exception", seen once in a CPU test run)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.6-27b", choices=["qwen3-8b", "qwen3.6-27b"])
@@ -139,7 +146,7 @@ def main() -> None:
                 f"check at P={small_p}: max |dlogp| sharded vs single = {diff:.3g}; grads identical: {grads_identical}"
             )
             print(f"wrote {path}")
-        dist.destroy_process_group()
+        _finish()
         return
 
     # --- the long prompt ---
@@ -225,7 +232,7 @@ def main() -> None:
         for name, plan in payload["planner_full_model"].items():
             print(f"planner, full model, {name}: peak {plan['peak_gib']:.1f} GiB per rank")
         print(f"wrote {path}")
-    dist.destroy_process_group()
+    _finish()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def _run(tmp_path: Path, *args: str) -> None:
         timeout=300,
         check=False,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, f"stdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"
 
 
 def test_engine_slice_dry_run(tmp_path):
