@@ -118,7 +118,7 @@ def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kw
 
     Defaults (each overridable through `grpo_kwargs`): `per_device_train_batch_size=4`, `num_generations=4`,
     `gradient_accumulation_steps=2`, `max_completion_length=16`, `report_to="none"`, `use_cpu=True`,
-    `activation_checkpointing=False`, `save_strategy="no"`; `reward_funcs`, `callbacks`, `train_dataset` and
+    `activation_checkpointing=False`, `save_strategy="no"`, `bf16=False`; `reward_funcs`, `callbacks`, `train_dataset` and
     `eval_dataset` go to the trainer. The
     model is in eval mode after construction (as TRL
     leaves it); call `trainer.model.train()` for train-mode loss scaling, and set
@@ -130,7 +130,9 @@ def make_tiny_grpo_trainer(loss_type: str = "dapo", beta: float = 0.0, **grpo_kw
     dataset = grpo_kwargs.pop("train_dataset", None)
     eval_dataset = grpo_kwargs.pop("eval_dataset", None)
     model = grpo_kwargs.pop("model", None)
-    kwargs = _tiny_config_kwargs("longstraw_grpo_", loss_type, beta)
+    # fp32 like the LongStraw side: under GRPOConfig's default bf16=True the stock forward would run in CPU bf16
+    # autocast, a looser reference than the fp32 it is compared with
+    kwargs = _tiny_config_kwargs("longstraw_grpo_", loss_type, beta, bf16=False)
     kwargs.update(grpo_kwargs)
     atexit.register(shutil.rmtree, kwargs["output_dir"], ignore_errors=True)
     with warnings.catch_warnings():
