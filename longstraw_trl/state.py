@@ -330,17 +330,7 @@ class KVPages(LayerState):
         if tokens > self.num_tokens:
             raise LongStrawError(f"prefix of {tokens} tokens asked of a KVPages of {self.num_tokens}")
         left = owned_tokens(0, tokens, self.page_size, self.cp_rank, self.cp_size)
-        view = KVPages(
-            self.num_kv_heads,
-            self.head_dim,
-            self.v_head_dim,
-            self.page_size,
-            self.dtype,
-            self.storage,
-            self.cp_rank,
-            self.cp_size,
-            self.offloaded,
-        )
+        view = self._empty_like()
         view.num_tokens = tokens
         for kb, vb, filled in self.segments:
             if left <= 0:
@@ -369,8 +359,9 @@ class KVPages(LayerState):
         kb, _, filled = self.segments[-1]
         return (kb.shape[1] - filled) * self.token_bytes()
 
-    def fork(self) -> KVPages:
-        new = type(self)(
+    def _empty_like(self) -> KVPages:
+        """No tokens, this layer's layout, storage and CP rank (the class included: a family's subclass)."""
+        return type(self)(
             self.num_kv_heads,
             self.head_dim,
             self.v_head_dim,
@@ -381,6 +372,9 @@ class KVPages(LayerState):
             self.cp_size,
             self.offloaded,
         )
+
+    def fork(self) -> KVPages:
+        new = self._empty_like()
         new.num_tokens, new.segments = self.num_tokens, list(self.segments)
         self._writable_tail = False  # neither may write past the shared `filled` any more
         return new

@@ -1076,10 +1076,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return logps[0, :keep], entropies[0, :keep], aux.term(router_logits, router_mask)
 
     def _replay_batches(
-        self, rows: list[int], lengths, sync_row: int | None, width: int, one_at_a_time: bool
+        self, rows: list[int], lengths: dict[int, int], one_at_a_time: bool
     ) -> list[list[int]]:
-        """`rows` (of one prompt group, in order) cut into the batches replayed together under autograd: consecutive
-        rows while the batch's padded tokens (rows x longest) stay within `replay_batch_tokens`. One row a batch
+        """`rows` (of one prompt group, in order; `lengths`: the positions each replays) cut into the batches replayed
+        together under autograd: consecutive rows while the batch's padded tokens (rows x longest) stay within
+        `replay_batch_tokens`. One row a batch
         when that is 0, with the router auxiliary loss (each of its replays runs one position longer), or with reverse
         block replay (each response is back-propagated block by block)."""
         budget = self.args.replay_batch_tokens
@@ -1088,7 +1089,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         batches: list[list[int]] = []
         longest = 0
         for i in rows:
-            length = max(lengths[i], min(2, width)) if i == sync_row else lengths[i]
+            length = lengths[i]
             if batches and (len(batches[-1]) + 1) * max(longest, length) <= budget:
                 batches[-1].append(i)
                 longest = max(longest, length)
@@ -1192,13 +1193,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     total = total + term.detach()
                     continue
                 replayed.append(i)
-            for batch in self._replay_batches(
-                replayed, ctx.lengths, sync_row, width, aux is not None or blocks
-            ):
-                # a 1-token replay skips the decoder layers, whose parameters DDP expects: the sync row has >= 2
-                lengths_b = [
-                    max(ctx.lengths[i], min(2, width)) if i == sync_row else ctx.lengths[i] for i in batch
-                ]
+            # a 1-token replay skips the decoder layers, whose parameters DDP expects: the sync row replays >= 2
+            replay_length = {
+                i: max(ctx.lengths[i], min(2, width)) if i == sync_row else ctx.lengths[i] for i in replayed
+            }
+            for batch in self._replay_batches(replayed, replay_length, aux is not None or blocks):
+                lengths_b = [replay_length[i] for i in batch]
                 sync = (
                     self.accelerator.no_sync(model)
                     if (sync_row is not None and sync_row not in batch) or (full and ddp)

@@ -201,10 +201,19 @@ def test_plan_reproduces_trainer_peaks(path):
         assert abs(plan.peak / GiB - peak) <= 0.10 * peak, (r["prompt_tokens"], plan.peak / GiB, peak)
 
 
-def test_plan_reproduces_the_whole_model_peak():
+@pytest.mark.parametrize(
+    ("name", "replay_options"),
+    [
+        # measured one response at a time
+        ("full_model_qwen3.6-27b_P512K", dict(replay_batch_tokens=0)),
+        # the 8 responses replayed together under TRL's gradient checkpointing (`longstraw plan` defaults)
+        ("full_model_qwen3.6-27b_P512K_v2batch", dict(checkpoint_layers=True, replay_batch_tokens=8192)),
+    ],
+)
+def test_plan_reproduces_the_whole_model_peak(name, replay_options):
     """`longstraw plan` against the peak of one `LongStrawGRPOTrainer.train()` step of the whole 64-layer
-    Qwen3.6-27B with LoRA r=64 on the H200 (`bench/full_model.py`), within 10%."""
-    data = json.loads((RESULTS[0].parent / "full_model_qwen3.6-27b_P512K.json").read_text())
+    Qwen3.6-27B with LoRA r=64 on the H200 (`bench/full_model.py`), within 10%; the state bytes exactly."""
+    data = json.loads((RESULTS[0].parent / f"{name}.json").read_text())
     run = data["longstraw"][0]
     plan = plan_memory(
         preset_config(data["preset"]),
@@ -214,7 +223,7 @@ def test_plan_reproduces_the_whole_model_peak():
         lora_rank=64,
         capture_chunk_size=data["capture_chunk_size"],
         page_size=data["page_size"],
-        replay_batch_tokens=0,  # measured one response at a time
+        **replay_options,
     )
     assert (
         _planned_state(preset_config(data["preset"]), data, run["prompt_tokens"])
@@ -254,29 +263,6 @@ def test_glm5_plan_that_does_not_fit_names_ep_and_offload():
         assert plan_memory(config, s.prompt_tokens, lora_rank=64, gpu_memory_gib=39.4, **s.options).fits
     text = format_suggestions(suggestions, plan.gpu_bytes, plan.state)
     assert "--ep 8" in text and "offload_prompt_state='cpu'" in text
-
-
-def test_plan_reproduces_the_whole_model_peak_with_replay_batches():
-    """The same whole-model step with the 8 responses replayed together (`replay_batch_tokens=8192`) under TRL's
-    gradient checkpointing (`full_model_qwen3.6-27b_P512K_v2batch.json`): `longstraw plan --checkpoint-layers`
-    within 10% of the measured peak."""
-    data = json.loads((RESULTS[0].parent / "full_model_qwen3.6-27b_P512K_v2batch.json").read_text())
-    run = data["longstraw"][0]
-    plan = plan_memory(
-        preset_config(data["preset"]),
-        run["prompt_tokens"],
-        num_generations=data["generations"],
-        response_tokens=data["response_tokens"],
-        lora_rank=64,
-        capture_chunk_size=data["capture_chunk_size"],
-        page_size=data["page_size"],
-        checkpoint_layers=True,
-        replay_batch_tokens=8192,
-    )
-    assert abs(plan.peak / GiB - run["peak_gib"]) <= 0.10 * run["peak_gib"], (
-        plan.peak / GiB,
-        run["peak_gib"],
-    )
 
 
 @pytest.mark.parametrize("tag", ["512K", "1M"])
