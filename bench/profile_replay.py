@@ -9,6 +9,10 @@ reports its GPU-busy time beside its wall time.
     python bench/profile_replay.py --prompt 32768 --response 256
     python bench/profile_replay.py --phase capture --prompt 65536
     python bench/profile_replay.py --phase both --prompt 131072   # replay, then capture, one model build
+    python bench/profile_replay.py --phase replay decode --batches 8 --layers 16 --prompt 524288
+
+``--phase decode`` profiles ``--decode-steps`` decode steps of ``--generations`` sequences (the trainer's
+generation path: one CUDA graph per step) and reports milliseconds per step.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--phase", choices=("replay", "capture", "both"), default="replay")
+    ap.add_argument("--phase", nargs="+", choices=("replay", "capture", "decode", "both"), default=["replay"])
+    ap.add_argument("--generations", type=int, default=8, help="sequences decoded together (decode)")
+    ap.add_argument("--decode-steps", type=int, default=64, help="decode steps timed and profiled")
     ap.add_argument(
         "--no-autocast",
         action="store_true",
@@ -79,6 +85,9 @@ def main() -> None:
             if phase == "capture":
                 capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
                 return
+            if phase == "decode":
+                state.generate(model, args.generations, args.decode_steps, do_sample=True, eos_token_id=None)
+                return
             (-state.logprobs(model, completion, grad=True).mean()).backward()
 
     def replay_batches(batches: dict) -> dict:
@@ -96,11 +105,11 @@ def main() -> None:
             print(f"replay + backward of {k} responses together: {best:.3f} s, {best / k:.3f} s per response")
         return per_response
 
-    phases = ("replay", "capture") if args.phase == "both" else (args.phase,)
+    phases = [x for p in args.phase for x in (("replay", "capture") if p == "both" else (p,))]
     out = os.environ.get("OUT", ".")
     results: dict = {"first_capture_s": t_cap.seconds, "autocast": not args.no_autocast}
     for phase in phases:
-        for _ in range(2 if phase == "replay" else 0):
+        for _ in range(0 if phase == "capture" else 2):
             run(phase)
         times = []
         for _ in range(3 if phase == "replay" else 1):
@@ -123,14 +132,25 @@ def main() -> None:
         with open(os.path.join(out, f"profile_{phase}.txt"), "w") as f:
             f.write(table)
         results[phase] = {"seconds": times, "profiled_cuda_kernel_s": cuda_s, "profiled_aten_calls": calls}
+        if phase == "decode":
+            # steady state: a call's first step runs eagerly and captures the graph, so per step is the
+            # difference between a call of 2N steps and one of N
+            with Timer() as t2:
+                state.generate(
+                    model, args.generations, 2 * args.decode_steps, do_sample=True, eos_token_id=None
+                )
+            results[phase]["ms_per_step"] = 1e3 * (t2.seconds - min(times)) / args.decode_steps
+            results[phase]["generations"] = args.generations
+            print(f"decode: {results[phase]['ms_per_step']:.2f} ms per step of {args.generations} sequences")
         if phase == "replay":
             results["replay_seconds_per_response"] = replay_batches(completions)
     write_result(
-        f"profile_{args.phase}_{args.preset}",
+        f"profile_{'_'.join(args.phase)}_{args.preset}",
         {
             "prompt_tokens": args.prompt,
             "response_tokens": args.response,
             "capture_chunk_size": args.chunk,
+            "layers": config.num_hidden_layers,
             **results,
         },
     )

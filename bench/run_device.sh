@@ -37,6 +37,17 @@ gpu-profile)  # the GPU tests, then a replay + backward and a capture of the who
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 330 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/profile.log" | grep -E "^first|^profiled|^\{"
   ;;
+diag)  # where replay, decode and capture spend their time (16-layer slice, 512K), a GLM-5 smoke, the GPU tests
+  cd bench
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 240 python3 -u profile_replay.py --layers 16 --prompt 524288 \
+    --phase replay decode capture --batches 8 --top 40 2>&1 | grep -v -i warn | tee "$OUT/profile.log" \
+    | grep -E "^first|^profiled|^replay|^decode|Error"
+  timeout 110 python3 -u glm_slice.py --prompt 65536 --response 256 --gen-tokens 64 --offload-gen-tokens 32 \
+    --budget-s 100 --tag _smoke 2>&1 | grep -v -i warn | tee "$OUT/glm_smoke.log" | tail -8
+  cd ..
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 200 python3 -m pytest -q -s -m gpu tests/ > "$OUT/pytest_gpu.log" 2>&1
+  echo "pytest -m gpu: rc=$?"; grep -E "passed|failed|Error|error" "$OUT/pytest_gpu.log" | tail -12
+  ;;
 probe)  # what a new key length costs cuDNN; replay + backward of 1, 4, 8 responses together (args to profile_replay)
   shift
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 60 python3 -u cudnn_shape_probe.py 2>&1 | grep -v -i warn \
