@@ -90,7 +90,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, nargs="+", default=[524288, 1048576])
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--response", type=int, default=256)
-    ap.add_argument("--warmup-prompt", type=int, default=16384)
+    ap.add_argument(
+        "--warmup-prompt",
+        type=int,
+        default=16384,
+        help="P of the warm-up step (0: none, the first P runs cold)",
+    )
     ap.add_argument("--warmup-response", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=16384, help="capture_chunk_size")
     ap.add_argument(
@@ -498,7 +503,7 @@ def main() -> None:
     )
     # the first trainer wraps the model with the LoRA adapters; later trainers (and stock) share its PEFT model
     trainer = longstraw_trainer(
-        model, tokenizer, args, args.warmup_prompt, args.warmup_response, peft_config=lora
+        model, tokenizer, args, args.warmup_prompt or 1024, args.warmup_response, peft_config=lora
     )
     peft_model = trainer.accelerator.unwrap_model(trainer.model)
     del model
@@ -548,15 +553,16 @@ def main() -> None:
             {"prompt_tokens": p, "ok": False, "skipped": "--skip-longstraw"} for p in args.prompts
         ]
     else:
-        payload["longstraw_warmup"] = {
-            "prompt_tokens": args.warmup_prompt,
-            "response_tokens": args.warmup_response,
-        }
-        warm = _guarded(
-            longstraw_step, trainer, floors, args, args.warmup_prompt, args.warmup_response, dtype_bytes
-        )
-        payload["longstraw_warmup"].update(warm)
-        save()
+        if args.warmup_prompt:
+            payload["longstraw_warmup"] = {
+                "prompt_tokens": args.warmup_prompt,
+                "response_tokens": args.warmup_response,
+            }
+            warm = _guarded(
+                longstraw_step, trainer, floors, args, args.warmup_prompt, args.warmup_response, dtype_bytes
+            )
+            payload["longstraw_warmup"].update(warm)
+            save()
         run_longstraw(peft_model, tokenizer, floors, args, payload["longstraw"], save, deadline, dtype_bytes)
     del trainer
     gc.collect()

@@ -148,15 +148,33 @@ def prompt_dq(
     scale: float,
 ) -> torch.Tensor:
     """fp32 ``dq [H, M, D]`` of ``q [H, M, D]`` over keys ``k, v [H, N, D]`` (see the module docstring)."""
-    triton, kernel = _kernel()
     h, m, d = q.shape
-    n = k.shape[1]
     q, dout = q.contiguous(), dout.to(q.dtype).contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
+    bucket = 1 << max(m - 1, 1).bit_length()  # autotune once per power-of-two row count
+    tuned = (q.device, d, bucket)
+    if tuned not in _TUNED:
+        # Triton's autotuner times every config on the call it sees: on a replay's millions of prompt keys that is
+        # seconds per config. Tune on the first TUNE_KEYS keys instead (same rows, same tile shapes) and keep it.
+        if k.shape[1] > TUNE_KEYS:
+            _launch(q, k[:, :TUNE_KEYS], v[:, :TUNE_KEYS], dout, lse, delta, scale, bucket)
+        _TUNED.add(tuned)
+    return _launch(q, k, v, dout, lse, delta, scale, bucket)
+
+
+# Keys the autotuner's timing runs see at most (see :func:`prompt_dq`); (device, head dim, row bucket) tuned so far.
+TUNE_KEYS = 1 << 15
+_TUNED: set = set()
+
+
+def _launch(q, k, v, dout, lse, delta, scale, bucket):
+    triton, kernel = _kernel()
+    h, m, d = q.shape
+    n = k.shape[1]
     # enough programs for the GPU: split the keys when the query blocks alone are few
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     blocks = h * triton.cdiv(m, 64)
@@ -191,7 +209,7 @@ def prompt_dq(
         n,
         keys_per_split,
         float(scale),
-        1 << max(m - 1, 1).bit_length(),  # autotune once per power-of-two row count
+        bucket,
         D=d,
     )
     return out[0] if splits == 1 else out.sum(0)
