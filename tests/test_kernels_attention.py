@@ -366,3 +366,29 @@ def test_prompt_dq_reference_is_the_softmax_gradient():
     lse = torch.logsumexp(s, -1).detach()
     delta = (dout * out.detach()).sum(-1)
     torch.testing.assert_close(prompt_dq_reference(q.detach(), k, v, lse, delta, dout, 0.3), dq_page)
+
+
+def test_prompt_dq_autotunes_on_a_key_slice_once_per_row_bucket(monkeypatch):
+    """A new (device, head dim, row bucket) first launches on the first TUNE_KEYS keys only (the autotuner times
+    every config on the call it sees), then on all keys; a second call of that bucket launches once."""
+    import longstraw_trl.kernels.prompt_dq as pdq
+
+    calls = []
+    monkeypatch.setattr(
+        pdq, "_launch", lambda q, k, v, *a: calls.append((q.shape[1], k.shape[1])) or q.float()
+    )
+    monkeypatch.setattr(pdq, "_TUNED", set())
+    monkeypatch.setattr(pdq, "TUNE_KEYS", 64)
+    h, d = 2, 16
+
+    def run(rows, keys):
+        q = torch.randn(h, rows, d)
+        k, v = torch.randn(h, keys, d), torch.randn(h, keys, d)
+        pdq.prompt_dq(q, k, v, torch.zeros(h, rows), torch.zeros(h, rows), torch.randn(h, rows, d), 0.25)
+
+    run(100, 1000)
+    assert calls == [(100, 64), (100, 1000)]
+    run(120, 5000)  # same power-of-two bucket (128): tuned already
+    assert calls[2:] == [(120, 5000)]
+    run(300, 50)  # a new bucket with fewer keys than the slice: tuned on the call itself
+    assert calls[3:] == [(300, 50)]
