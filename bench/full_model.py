@@ -343,6 +343,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         "state_bytes_by_kind": state_by_kind,
         "peak_gib": peak,
         "trainer_peak_memory_gib": max(m["longstraw/peak_memory_gib"]),  # before the optimizer step
+        "capture_peak_gib": max(m.get("longstraw/capture_peak_memory_gib", [float("nan")])),
         "planner": {
             "peak_gib": plan.peak / GiB,
             "capture_peak_gib": plan.capture_peak / GiB,

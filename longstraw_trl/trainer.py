@@ -377,7 +377,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     ```
 
     Metrics (besides TRL's own; all under `longstraw/`): `prompt_tokens`, `state_bytes/<kind>` (per captured state),
-    `live_state_bytes`, `peak_memory_gib` (CUDA max allocated, or the process's peak RSS on CPU), `capture_seconds`,
+    `live_state_bytes`, `peak_memory_gib` (CUDA max allocated, or the process's peak RSS on CPU; and
+    `capture_peak_memory_gib`, the same when the step's captures end), `capture_seconds`,
     `capture_tokens_per_second`, `generation_seconds`, `generation_tokens_per_second`, `logprob_replay_seconds`
     (graph-free old/reference replays), `entropy_pass_seconds` (the graph-free entropy replays of
     `top_entropy_quantile < 1`), `replay_seconds` and `replay_tokens_per_second` (policy replay + backward),
@@ -547,6 +548,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         metrics["longstraw/capture_seconds"].append(seconds)
         metrics["longstraw/capture_tokens_per_second"].append(state.num_tokens / max(seconds, 1e-9))
         metrics["longstraw/prompt_tokens"].append(float(state.num_tokens))
+        peak = _peak_memory_gib(self.accelerator.device)
+        if peak is not None:  # the step's peak so far: its captures come first, so this is theirs
+            metrics["longstraw/capture_peak_memory_gib"].append(peak)
         for kind, nbytes in state.nbytes_by_kind().items():
             metrics[f"longstraw/state_bytes/{kind}"].append(float(nbytes))
         logger.info(

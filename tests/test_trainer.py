@@ -246,6 +246,7 @@ def test_train_logs_trl_and_longstraw_metrics_with_gradient_checkpointing():
         "longstraw/state_bytes/kv",
         "longstraw/live_state_bytes",
         "longstraw/peak_memory_gib",
+        "longstraw/capture_peak_memory_gib",
         "longstraw/capture_seconds",
         "longstraw/generation_seconds",
         "longstraw/generation_tokens_per_second",
@@ -259,6 +260,7 @@ def test_train_logs_trl_and_longstraw_metrics_with_gradient_checkpointing():
         sum(len(p) for p in PROMPTS) / 2, abs=len(PROMPTS[1])
     )
     assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in logs)
+    assert 0 < first["longstraw/capture_peak_memory_gib"] <= first["longstraw/peak_memory_gib"]
     assert not len(trainer.prompt_cache)  # freed after training
 
 
