@@ -338,6 +338,38 @@ def test_conv_gradients_and_constant_state():
     assert torch.equal(new_state, resp[..., -3:])
 
 
+def _fla_conv_semantics(x, weight, bias, initial_state=None, output_final_state=False, activation=None):
+    """fla's ``causal_conv1d`` contract, written out: ``x [B, T, D]``, state ``[B, D, W]`` of which the last
+    ``W - 1`` columns precede ``x`` (newest last), final state the last ``W`` inputs, fp32 math."""
+    b, t, d = x.shape
+    w = weight.shape[1]
+    init = torch.zeros(b, d, w, dtype=x.dtype) if initial_state is None else initial_state
+    full = torch.cat([init.transpose(1, 2), x], 1).float()  # [B, W + T, D]
+    y = sum(weight[:, j].float() * full[:, 1 + j : 1 + j + t] for j in range(w))
+    y = y + (0 if bias is None else bias.float())
+    if activation == "silu":
+        y = y * torch.sigmoid(y)
+    final = full[:, -w:].transpose(1, 2).to(x.dtype) if output_final_state else None
+    return y.to(x.dtype), final
+
+
+@pytest.mark.parametrize("T,state_width", [(40, 3), (2, 3), (1, 3), (30, 1), (25, None)])
+def test_conv_fla_adapter_keeps_the_torch_paths_contract(monkeypatch, T, state_width):
+    """The fla fast path's layout and state conversions (a transposed view in, fla's kernel-width state around
+    ours), with fla's contract written in torch, equal the torch path (CPU; the GPU test runs fla itself)."""
+    import longstraw_trl.kernels.causal_conv1d as conv
+
+    x, w, b = _conv_inputs(T=T)
+    x = x.transpose(1, 2).contiguous().transpose(1, 2)  # [B, C, T] view of a [B, T, C] projection
+    state = None if state_width is None else torch.randn(2, 6, state_width)
+    y_ref, s_ref = causal_conv1d_with_state(x, w, b, state)
+    monkeypatch.setattr(conv, "_fla_conv_fn", lambda: _fla_conv_semantics)
+    monkeypatch.setattr(conv, "_use_fla", lambda *a: True)
+    y, s = causal_conv1d_with_state(x, w, b, state)
+    _close(y, y_ref, 1e-6)
+    assert torch.equal(s, s_ref) and s.shape == (2, 6, 3)
+
+
 # ------------------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------------------
@@ -374,3 +406,35 @@ def test_gpu_bf16_torch_vs_fla_vs_naive(Hk, Hv):
     for name, a, b in zip("q k v g beta".split(), ins, ref_ins, strict=True):
         assert _rel_l2(a.grad, b.grad) <= 1e-2, f"d{name}: rel L2 {_rel_l2(a.grad, b.grad):.2e}"
     assert torch.equal(h0, h0_copy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T,state_width", [(16384, 3), (37, 3), (2, 3), (300, 1), (50, None)])
+def test_gpu_fla_conv_equals_torch_conv(monkeypatch, T, state_width):
+    """The graph-free capture path (fla's Triton conv, reading the [B, T, C] projection in place) against the
+    torch path on the same bf16 inputs: outputs within bf16 rounding (fla applies the SiLU before its one
+    rounding, torch after), the returned state exactly the last inputs."""
+    import longstraw_trl.kernels.causal_conv1d as conv
+
+    if conv._fla_conv_fn() is None:
+        pytest.skip("fla not importable")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    b, c, k = 2, 1280, 4
+    proj = torch.randn(b, T, c, device="cuda", generator=gen).bfloat16()  # the projection's own layout
+    w = (torch.randn(c, k, device="cuda", generator=gen) / 2).bfloat16()
+    bias = torch.randn(c, device="cuda", generator=gen).bfloat16()
+    state = None
+    if state_width is not None:
+        state = torch.randn(b, c, state_width, device="cuda", generator=gen).bfloat16()
+    x = proj.transpose(1, 2)
+    with torch.no_grad():
+        assert conv._use_fla(x, w, state, False, k - 1, k - 1)
+        y_fla, s_fla = causal_conv1d_with_state(x, w, bias, state)
+        monkeypatch.setenv("LONGSTRAW_FLA_CONV", "0")
+        assert not conv._use_fla(x, w, state, False, k - 1, k - 1)
+        y_ref, s_ref = causal_conv1d_with_state(x, w, bias, state)
+    assert y_fla.shape == y_ref.shape == (b, c, T) and y_fla.dtype == torch.bfloat16
+    err = ((y_fla.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
+    assert err <= 1e-2, err
+    assert torch.equal(s_fla, s_ref)
