@@ -564,6 +564,14 @@ def main() -> None:
             )
             payload["longstraw_warmup"].update(warm)
             save()
+        # the warm-up trainer's optimizer state, gradients and cached prompt state must not sit under the measured
+        # steps' peaks (each measured P gets a fresh trainer): about 4 GiB at r = 64
+        trainer.free_prompt_states()
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        trainer = None
         run_longstraw(peft_model, tokenizer, floors, args, payload["longstraw"], save, deadline, dtype_bytes)
     del trainer
     gc.collect()
