@@ -151,12 +151,10 @@ def _kernels():
         k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
 
         b_raw = tl.load(b_ptr + i_b * sb_b + i_hv * sb_h)
-        beta = (
-            tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
-        )  # torch: b.sigmoid() in b's dtype
-        x = tl.load(a_ptr + i_b * sa_b + i_hv * sa_h).to(tl.float32) + tl.load(dt_bias_ptr + i_hv).to(
-            tl.float32
-        )
+        # torch: b.sigmoid() rounds to b's dtype; a + dt_bias and the rest in fp32
+        beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+        x = tl.load(a_ptr + i_b * sa_b + i_hv * sa_h).to(tl.float32)
+        x += tl.load(dt_bias_ptr + i_hv).to(tl.float32)
         # torch's softplus: x above 20, else log1p(exp(x)), log1p as log(u) * e / (u - 1) (Kahan: exact to a few
         # ulp for tiny e, where log(1 + e) would lose it all)
         e = tl.exp(tl.minimum(x, 20.0))
