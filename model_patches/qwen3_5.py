@@ -37,6 +37,7 @@ from torch import nn
 from longstraw_trl.errors import LongStrawError
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule
+from longstraw_trl.kernels.gdn_decode import gdn_decode_ok, gdn_decode_step
 from longstraw_trl.state import KVPages, LayerState
 
 from .base import FamilyPatch, apply_family_patch
@@ -136,9 +137,12 @@ def _store_state(ctx, idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> 
     elif ctx.mode == "decode":
         running = ctx.running.get(idx)
         if ctx.step is not None and running is not None:
-            # fixed-shape decoding: the next step (a replayed CUDA graph) reads these very tensors
-            running.conv.copy_(conv)
-            running.recurrent.copy_(recurrent)
+            # fixed-shape decoding: the next step (a replayed CUDA graph) reads these very tensors (the fused
+            # step already wrote into them)
+            if conv is not running.conv:
+                running.conv.copy_(conv)
+            if recurrent is not running.recurrent:
+                running.recurrent.copy_(recurrent)
         else:
             ctx.running[idx] = GDNState(conv, recurrent)
     elif ctx.mode == "segment":  # the state after the segment: its gradient comes from the next one
@@ -155,6 +159,13 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
     batch, seq_len, _ = hidden_states.shape
     mixed_qkv, z, b, a = project(module, hidden_states)
     start = _initial_state(ctx, idx, batch)
+    if (
+        ctx.mode == "decode"
+        and seq_len == 1
+        and gdn_decode_ok(mixed_qkv, a, b, module.conv1d.weight, start.conv, start.recurrent)
+    ):
+        core = _fused_decode(module, ctx, idx, mixed_qkv, a, b, start)
+        return _output(module, core, z)
 
     conv_out, conv_state = causal_conv1d_with_state(
         mixed_qkv.transpose(1, 2),
@@ -189,9 +200,39 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
     )
     if keep:
         _store_state(ctx, idx, conv_state, recurrent)
+    return _output(module, core, z)
 
+
+def _output(module: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The gated RMSNorm and ``out_proj`` of the core output ``[B, T, Hv, Dv]``."""
+    batch, seq_len = core.shape[:2]
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(batch, seq_len, -1))
+
+
+def _fused_decode(module: nn.Module, ctx, idx: int, mixed_qkv, a, b, start: GDNState) -> torch.Tensor:
+    """One decode token through :func:`gdn_decode_step` (conv, gating and delta rule in two kernels). With
+    fixed shapes (CUDA graphs) it updates the running state in place; otherwise the state is rebound to new
+    tensors, as :func:`_store_state` does after the torch path."""
+    running = ctx.running.get(idx)
+    core, conv_state, recurrent = gdn_decode_step(
+        mixed_qkv,
+        a,
+        b,
+        module.conv1d.weight,
+        module.conv1d.bias,
+        module.A_log,
+        module.dt_bias,
+        start.conv,
+        start.recurrent,
+        num_k_heads=module.num_k_heads,
+        head_k_dim=module.head_k_dim,
+        head_v_dim=module.head_v_dim,
+        activation=module.activation,
+        in_place=ctx.step is not None and running is not None,
+    )
+    _store_state(ctx, idx, conv_state, recurrent)
+    return core
 
 
 def _with_accelerate_hooks(fn: Callable) -> Callable:

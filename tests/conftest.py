@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without CUDA, Triton kernels can only run in Triton's interpreter (on CPU tensors), and triton reads this when
+# it is first imported (its own helpers are jit functions): set it before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
