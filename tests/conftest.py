@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
+
+# Without CUDA, Triton kernels can only run in its interpreter, and Triton decorates its own library functions
+# (tl.sum, ...) when it is first imported: switch the interpreter on before any test module imports Triton. Nothing
+# runs in it unless a test asks (the `interpreter` fixture of tests/test_kernels_elementwise.py); TRITON_INTERPRET
+# set by the caller is left as it is.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
