@@ -121,36 +121,49 @@ def _is_silu(act: object) -> bool:
     return type(act) in (SiLUActivation, nn.SiLU)
 
 
-def _fused_norm_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """An RMSNorm in one kernel (graph-free, CUDA); otherwise the stock forward."""
-    variant = getattr(self, _ATTR)
+def _stock(self, args: tuple, kwargs: dict) -> torch.Tensor:
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _fused_norm_forward(self, *args, **kwargs) -> torch.Tensor:
+    """An RMSNorm in one kernel (graph-free, CUDA, one positional input); otherwise the stock forward."""
     eps = _eps(self)
     if (
-        args
+        len(args) != 1
         or kwargs
         or eps is None
         or torch.is_grad_enabled()
-        or not rms_norm_ok(hidden_states, self.weight)
+        or not rms_norm_ok(args[0], self.weight)
     ):
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    return rms_norm(hidden_states, self.weight, eps, variant)
+        return _stock(self, args, kwargs)
+    return rms_norm(args[0], self.weight, eps, getattr(self, _ATTR))
 
 
-def _fused_gated_norm_forward(self, hidden_states: torch.Tensor, gate=None, *args, **kwargs) -> torch.Tensor:
-    """A gated RMSNorm in one kernel (graph-free, CUDA); otherwise the stock forward."""
+def _fused_gated_norm_forward(self, *args, **kwargs) -> torch.Tensor:
+    """A gated RMSNorm in one kernel (graph-free, CUDA, ``(hidden_states, gate)`` positional); otherwise the
+    stock forward."""
     eps = _eps(self)
-    fused = not (args or kwargs or eps is None or torch.is_grad_enabled()) and isinstance(gate, torch.Tensor)
-    fused = fused and gate.shape == hidden_states.shape and rms_norm_ok(hidden_states, self.weight)
-    if not (fused and kernels_ok(gate)):
-        return type(self).forward(self, hidden_states, gate, *args, **kwargs)
-    return gated_rms_norm(hidden_states, gate, self.weight, eps)
+    if len(args) != 2 or kwargs or eps is None or torch.is_grad_enabled():
+        return _stock(self, args, kwargs)
+    x, gate = args
+    if not (isinstance(gate, torch.Tensor) and gate.shape == x.shape and kernels_ok(gate)):
+        return _stock(self, args, kwargs)
+    if not rms_norm_ok(x, self.weight):
+        return _stock(self, args, kwargs)
+    return gated_rms_norm(x, gate, self.weight, eps)
 
 
-def _fused_mlp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _fused_mlp_forward(self, *args, **kwargs) -> torch.Tensor:
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the activation and product in one kernel."""
-    if args or kwargs or torch.is_grad_enabled() or not kernels_ok(x) or not _is_silu(self.act_fn):
-        return type(self).forward(self, x, *args, **kwargs)
-    gate, up = self.gate_proj(x), self.up_proj(x)
+    if (
+        len(args) != 1
+        or kwargs
+        or torch.is_grad_enabled()
+        or not kernels_ok(args[0])
+        or not _is_silu(self.act_fn)
+    ):
+        return _stock(self, args, kwargs)
+    gate, up = self.gate_proj(args[0]), self.up_proj(args[0])
     if gate.shape != up.shape or not kernels_ok(gate, up):  # e.g. fp64 projections: HF's expression
         return self.down_proj(self.act_fn(gate) * up)
     return self.down_proj(silu_mul(gate, up))

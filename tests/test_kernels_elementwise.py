@@ -287,6 +287,35 @@ def test_trainer_no_grad_context_binds_when_configured(interpreter, fused, cast)
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def _registered_class(name: str) -> type:
+    import importlib
+
+    module, _, cls = name.rpartition(".")
+    return getattr(importlib.import_module(module), cls)
+
+
+def test_every_registered_class_passes_its_math_probe(monkeypatch):
+    """Each class of the registry computes its variant's math in this transformers (HF's forward on the probe
+    equals the kernel's torch reference bit for bit), and none passes another variant's probe."""
+    from transformers.activations import SiLUActivation
+
+    monkeypatch.setattr(ff, "_MATH_CHECKED", {})
+    for name, variant in ff._NORMS.items():
+        module = _registered_class(name)(16)
+        assert ff._math_matches(module, "norm", variant), name
+        for other in {"zero_centered", "llama", "gpt_oss"} - {variant}:
+            ff._MATH_CHECKED.pop(type(module))
+            assert not ff._math_matches(module, "norm", other), (name, other)
+    for name in ff._GATED_NORMS:
+        assert ff._math_matches(_registered_class(name)(16), "gated", None), name
+    for name in ff._MLPS:
+        cls = _registered_class(name)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.act_fn = SiLUActivation()
+        assert ff._math_matches(module, "mlp", None), name
+
+
 def test_cpu_model_is_left_alone():
     """Without the interpreter (or without Triton) a CPU model gets nothing bound, and runs as before."""
     model = build_hybrid("qwen3_5")
