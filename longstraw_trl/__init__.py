@@ -24,6 +24,7 @@ __all__ = [
     "UnsupportedModelError",
     "WindowKV",
     "capture_prompt",
+    "fused_elementwise_forwards",
     "patch_model",
     "prompt_backward",
     "replay_blocks_backward",
@@ -31,9 +32,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name):  # the trainer pulls in TRL: import it only when asked for
+def __getattr__(name):  # the trainer pulls in TRL, the fused forwards Triton: import them only when asked for
     if name in ("LongStrawGRPOTrainer", "LongStrawGRPOConfig"):
         from . import trainer
 
         return getattr(trainer, name)
+    if name == "fused_elementwise_forwards":
+        from .fused_forwards import fused_elementwise_forwards
+
+        return fused_elementwise_forwards
     raise AttributeError(f"module 'longstraw_trl' has no attribute {name!r}")

@@ -136,6 +136,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             whole-model capture with LoRA on every linear layer). The adapter's contribution is rounded to bf16 before
             it is added to the bf16 layer output. Replays (training, old and reference log-probs) always run the
             adapters as PEFT does. No effect without adapters or on fp32 models.
+        graph_free_fused_kernels (`bool`, *optional*, defaults to `True`):
+            During the capture, generation and prompt extension (no autograd, CUDA), run Hugging Face's RMSNorm,
+            gated RMSNorm and SiLU-MLP modules of the known classes as one fused Triton kernel each
+            (`longstraw_trl.fused_elementwise_forwards`) instead of their chains of small kernels. HF's cast points
+            are kept: outputs match HF's to within one unit in the last place of the model's dtype (the fp32
+            summation order of the norm's mean). Replays (training, old and reference log-probs) always run HF's
+            forwards. No effect on the CPU or without Triton.
         refresh_probe_period (`int`, *optional*, defaults to `4`):
             For `"adaptive"`: measure the drift on every k-th stale use of a state.
         refresh_max_interval (`int`, *optional*, defaults to `16`):
@@ -173,6 +180,13 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "During capture and generation (no autograd), run PEFT adapters (fp32 by PEFT's default) in the "
             "model's dtype. Replays always run them as PEFT does."
+        },
+    )
+    graph_free_fused_kernels: bool = field(
+        default=True,
+        metadata={
+            "help": "During capture, generation and extension (no autograd, CUDA), run HF's RMSNorm, gated RMSNorm "
+            "and SiLU-MLP modules as fused Triton kernels (HF's cast points kept). Replays always run HF's forwards."
         },
     )
     replay_batch_tokens: int = field(

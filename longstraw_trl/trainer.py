@@ -93,6 +93,7 @@ from .config import LongStrawGRPOConfig, check_train_groups, check_whole_groups
 from .distributed import new_cp_groups
 from .engine import StateGrads, capture_prompt, prompt_backward, replay_blocks_backward
 from .errors import LongStrawError, UnsupportedModelError
+from .fused_forwards import fused_elementwise_forwards
 from .loss import (
     GRPOLossSpec,
     adaptive_entropy_coef,
@@ -513,13 +514,17 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _no_grad_context(self, model, cast_adapters: bool = False):
         """No autograd, no activation checkpointing (nothing to recompute), the accelerator's autocast; with
-        `cast_adapters` (capture, generation: nothing is scored) adapters in the model's dtype if configured."""
+        `cast_adapters` (capture, generation, extension: nothing is scored) adapters in the model's dtype and the
+        fused norm / MLP kernels, if configured."""
         stack = contextlib.ExitStack()
         stack.enter_context(torch.no_grad())
         stack.enter_context(_checkpointing_off(model))
         stack.enter_context(self.accelerator.autocast())
         enabled = cast_adapters and self.args.graph_free_adapters_in_model_dtype
         stack.enter_context(adapters_in_model_dtype(model, enabled))
+        stack.enter_context(
+            fused_elementwise_forwards(model, cast_adapters and self.args.graph_free_fused_kernels)
+        )
         return stack
 
     def _capture(self, model, prompt_ids: torch.Tensor, role: str = "policy") -> PromptState:

@@ -1,0 +1,416 @@
+"""Fused RMSNorm / gated RMSNorm / SiLU-and-multiply kernels (``longstraw_trl.kernels.elementwise``) and their
+binding to HF's modules (``longstraw_trl.fused_forwards``), each against the HF module's own forward.
+
+On the CPU the kernels run in the Triton interpreter: tests/conftest.py sets ``TRITON_INTERPRET=1`` before Triton
+is first imported (on machines without CUDA), and the ``interpreter`` fixture lets the kernels take CPU tensors
+for one test (skipped without Triton, or where the interpreter is off: CUDA machines run the GPU tests). The
+interpreter rounds fp32 -> bfloat16 by truncation, not to nearest
+(``triton/runtime/interpreter.py``, ``cast_impl``), so the CPU tests run fp32 (math) and fp16 (cast points: numpy
+rounds fp16 to nearest even); bfloat16 is checked on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+from _models import build, build_hybrid
+from torch import nn
+from transformers import LlamaConfig, Qwen3_5TextConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5MLP,
+    Qwen3_5RMSNorm,
+    Qwen3_5RMSNormGated,
+)
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+from longstraw_trl import capture_prompt, fused_elementwise_forwards
+from longstraw_trl import fused_forwards as ff
+from longstraw_trl.kernels import elementwise as ew
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """The kernels in the Triton interpreter on CPU tensors, for this test only."""
+    triton = pytest.importorskip("triton")
+    if not triton.knobs.runtime.interpret:
+        pytest.skip(
+            "the Triton interpreter is off (CUDA present, or Triton imported before tests/conftest.py)"
+        )
+    monkeypatch.setattr(ew, "_KERNEL_DEVICE", "cpu")
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+    """Largest distance in units in the last place between two 16-bit float tensors, and the exact fraction."""
+    assert a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and a.shape == b.shape
+
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)  # sign-magnitude to a monotone integer
+
+    return int((ordered(a) - ordered(b)).abs().max()), (a == b).float().mean().item()
+
+
+def _assert_matches(out: torch.Tensor, ref: torch.Tensor, min_exact: float = 0.99) -> None:
+    """fp32: within a few fp32 rounding errors; 16-bit: at most one unit in the last place, and almost all
+    bit-identical (a misplaced cast point rounds a large fraction differently)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+        return
+    worst, exact = _ulps(out, ref)
+    assert worst <= 1 and exact >= min_exact, f"max {worst} ulp, {exact:.5f} bit-identical"
+
+
+def _rand(*shape, dtype=torch.float32, scale=1.0, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def _norm(cls, dim, dtype, device="cpu", seed=1):
+    module = cls(dim, eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(_rand(dim, scale=0.5, seed=seed))
+    return module.to(device=device, dtype=dtype)
+
+
+def _mlp(cls, hidden, inter, dtype, device="cpu"):
+    torch.manual_seed(0)
+    if cls is Qwen3_5MLP:
+        with torch.device(device):  # initialised where it runs (27B-sized projections on CUDA)
+            module = cls(Qwen3_5TextConfig(hidden_size=hidden, hidden_act="silu"), inter)
+    else:
+        module = cls(
+            LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu", num_attention_heads=2)
+        )
+    return module.to(device=device, dtype=dtype)
+
+
+NORMS = [Qwen3_5RMSNorm, LlamaRMSNorm, GptOssRMSNorm]
+GATED = [Qwen3_5RMSNormGated, Qwen3NextRMSNormGated]
+
+
+@contextlib.contextmanager
+def _stock_forwards_fail(*classes):
+    """Inside, the classes' own forwards raise: a fused forward that fell back to HF's would fail the test."""
+    saved = {cls: cls.forward for cls in classes}
+
+    def fail(self, *args, **kwargs):
+        raise AssertionError(f"{type(self).__name__}.forward ran: the fused forward fell back to it")
+
+    try:
+        for cls in classes:
+            cls.forward = fail
+        yield
+    finally:
+        for cls, forward in saved.items():
+            cls.forward = forward
+
+
+def _fused_call(module, *inputs):
+    """``module(*inputs)`` inside the context, checking that exactly this module was bound and used."""
+    with torch.no_grad(), fused_elementwise_forwards(module) as counts:
+        assert sum(counts.values()) == 1 and "forward" in module.__dict__, counts
+        with _stock_forwards_fail(type(module)):
+            out = module(*inputs)
+    assert "forward" not in module.__dict__  # the stock forward is back
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: the Triton interpreter against HF's modules
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cls", NORMS)
+def test_rms_norm_matches_hf_module(interpreter, cls, dtype):
+    """Hidden size 96 (not a power of two: masked lanes), 3 x 5 rows; per-head shape [2, 7, 4, 16] (several
+    rows a program, the last program partly outside)."""
+    for shape in ((3, 5, 96), (2, 7, 4, 16)):
+        module = _norm(cls, shape[-1], dtype)
+        x = _rand(*shape, dtype=dtype, scale=3.0)
+        with torch.no_grad():
+            ref = module(x)
+        _assert_matches(_fused_call(module, x), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cls", GATED)
+def test_gated_rms_norm_matches_hf_module(interpreter, cls, dtype):
+    """As the Gated DeltaNet calls it: ``[tokens * heads, head_v_dim]`` rows, gate of the same shape."""
+    module = _norm(cls, 24, dtype)
+    x, gate = _rand(40, 24, dtype=dtype, scale=2.0), _rand(40, 24, dtype=dtype, scale=2.0, seed=5)
+    with torch.no_grad():
+        ref = module(x, gate)
+    _assert_matches(_fused_call(module, x, gate), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cls", [Qwen3_5MLP, LlamaMLP])
+def test_silu_mlp_matches_hf_module(interpreter, cls, dtype):
+    module = _mlp(cls, 32, 80, dtype)
+    x = _rand(2, 9, 32, dtype=dtype)
+    with torch.no_grad():
+        ref = module(x)
+    _assert_matches(_fused_call(module, x), ref)
+
+
+def test_kernels_on_strided_mixed_and_edge_inputs(interpreter):
+    """Rows read in place from a chunk of a wider tensor (Qwen3.5's q / gate halves, a fused gate_up), weights
+    in another dtype than the input (HF's promotion), one row, no rows; against the torch references."""
+    wide = _rand(2, 3, 4, 64, dtype=torch.float16, scale=2.0)
+    x, gate = wide[..., :32], wide[..., 32:]  # row stride 64, not 32
+    for w_dtype in (torch.float16, torch.float32):
+        w = _rand(32, dtype=w_dtype, scale=0.5, seed=2)
+        for variant in ("zero_centered", "llama", "gpt_oss"):
+            out = ew.rms_norm(x, w, 1e-6, variant)
+            assert out.is_contiguous()
+            _assert_matches(out, ew.rms_norm_reference(x, w, 1e-6, variant))
+        _assert_matches(ew.gated_rms_norm(x, gate, w, 1e-6), ew.gated_rms_norm_reference(x, gate, w, 1e-6))
+    assert ew.rms_norm(x, w, 1e-6, "llama").dtype == torch.float32  # w (fp32) * n.to(fp16) promotes
+    gate_up = _rand(5, 2 * 48, dtype=torch.float16, scale=3.0)
+    g, u = gate_up.chunk(2, dim=-1)
+    _assert_matches(ew.silu_mul(g, u), ew.silu_mul_reference(g, u), min_exact=0.98)
+    _assert_matches(ew.silu_mul(g.float(), u), ew.silu_mul_reference(g.float(), u))  # fp32 x fp16 -> fp32
+    one = _rand(1, 32, dtype=torch.float16)
+    _assert_matches(ew.rms_norm(one, w, 1e-6, "llama"), ew.rms_norm_reference(one, w, 1e-6, "llama"))
+    assert ew.rms_norm(one[:0], w, 1e-6, "llama").shape == (0, 32)
+    assert ew.silu_mul(g[:0], u[:0]).shape == (0, 48)
+
+
+def test_bad_inputs_name_the_problem(interpreter, monkeypatch):
+    x, w = _rand(4, 32), _rand(32)
+    with pytest.raises(ValueError, match="weight of shape"):
+        ew.rms_norm(x, w[:16], 1e-6, "llama")
+    with pytest.raises(ValueError, match="unknown RMSNorm variant"):
+        ew.rms_norm(x, w, 1e-6, "gemma")
+    with pytest.raises(ValueError, match="gate"):
+        ew.gated_rms_norm(x, x[:2], w, 1e-6)
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        ew.silu_mul(x.double(), x.double())
+    monkeypatch.setattr(ew, "MAX_NORM_DIM", 16)
+    assert not ew.rms_norm_ok(x, w)  # the fused forward keeps HF's for rows this long
+    with pytest.raises(ValueError, match="rows of up to 16"):
+        ew.rms_norm(x, w, 1e-6, "llama")
+
+
+def test_whole_model_forward_with_fused_modules(interpreter):
+    """Every norm (input / post-attention / q / k / final), gated norm and MLP of a tiny Qwen3.5 (and of a Llama)
+    runs fused, none falls back, the logits are HF's, the caller's random stream is untouched (the math probes),
+    and the stock forwards are back afterwards."""
+    cases = [
+        (
+            build_hybrid("qwen3_5"),
+            {"norm": 9, "gated": 2, "mlp": 3},
+            [Qwen3_5RMSNorm, Qwen3_5RMSNormGated, Qwen3_5MLP],
+        ),
+        (build("llama"), {"norm": 5, "gated": 0, "mlp": 2}, [LlamaRMSNorm, LlamaMLP]),
+    ]
+    ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(0))
+    for model, expected, classes in cases:
+        ff._MATH_CHECKED.clear()  # probe again: the random stream must survive the probes
+        with torch.no_grad():
+            ref = model(ids).logits
+            rng = torch.get_rng_state()
+            with fused_elementwise_forwards(model) as counts, _stock_forwards_fail(*classes):
+                assert counts == expected
+                assert torch.equal(torch.get_rng_state(), rng)
+                out = model(ids).logits
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_inside_runs_stock_forwards(interpreter, monkeypatch):
+    """Bound, but a call with autograd enabled runs HF's forward (and can be differentiated)."""
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a fused kernel ran under autograd")
+
+    for name in ("rms_norm", "gated_rms_norm", "silu_mul"):
+        monkeypatch.setattr(ff, name, no_kernel)
+    norm, mlp = _norm(Qwen3_5RMSNorm, 32, torch.float32), _mlp(Qwen3_5MLP, 32, 48, torch.float32)
+    x = _rand(3, 32).requires_grad_()
+    with fused_elementwise_forwards(nn.ModuleList([norm, mlp])) as counts:
+        assert counts == {"norm": 1, "gated": 0, "mlp": 1}
+        out = mlp(norm(x))
+    with torch.no_grad():
+        assert torch.equal(out, mlp(norm(x)))
+    out.sum().backward()
+    assert x.grad is not None
+
+
+def test_only_known_classes_with_their_math_are_bound(interpreter, monkeypatch):
+    """A subclass keeps its forward; a class registered under the wrong variant fails its math probe and keeps
+    its forward; an MLP whose act_fn is not SiLU keeps its forward; a module with an instance forward (an
+    accelerate hook) is left alone."""
+
+    class MyNorm(LlamaRMSNorm):
+        pass
+
+    gelu_mlp = _mlp(LlamaMLP, 16, 24, torch.float32)
+    gelu_mlp.act_fn = nn.GELU()
+    hooked = _norm(LlamaRMSNorm, 16, torch.float32)
+    hooked.forward = hooked.forward  # what accelerate's hooks leave on the instance
+    model = nn.ModuleList([MyNorm(16), gelu_mlp, hooked, _norm(GptOssRMSNorm, 16, torch.float32)])
+    with torch.no_grad(), fused_elementwise_forwards(model) as counts:
+        assert counts == {"norm": 1, "gated": 0, "mlp": 0}  # the GptOss norm only
+    wrong = dict(ff._NORMS)
+    wrong[ff._class_name(GptOssRMSNorm)] = "llama"  # llama rounds n to the input dtype first: not GptOss
+    monkeypatch.setattr(ff, "_NORMS", wrong)
+    monkeypatch.setattr(ff, "_MATH_CHECKED", {})
+    with torch.no_grad(), fused_elementwise_forwards(model) as counts:
+        assert counts == {"norm": 0, "gated": 0, "mlp": 0}
+    assert ff._MATH_CHECKED[GptOssRMSNorm] is False
+
+
+@pytest.mark.parametrize("fused,cast", [(True, True), (False, True), (True, False)])
+def test_trainer_no_grad_context_binds_when_configured(interpreter, fused, cast):
+    """``LongStrawGRPOTrainer._no_grad_context``: the fused forwards in capture / generation / extension
+    (``cast_adapters=True``) when ``graph_free_fused_kernels`` is on, never in a scoring pass."""
+    from longstraw_trl.trainer import LongStrawGRPOTrainer
+
+    model = build("llama")
+    args = types.SimpleNamespace(graph_free_fused_kernels=fused, graph_free_adapters_in_model_dtype=True)
+    fake = types.SimpleNamespace(
+        args=args, accelerator=types.SimpleNamespace(autocast=contextlib.nullcontext)
+    )
+    with LongStrawGRPOTrainer._no_grad_context(fake, model, cast_adapters=cast):
+        bound = sum("forward" in m.__dict__ for m in model.modules())
+    assert bound == (7 if fused and cast else 0)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def _registered_class(name: str) -> type:
+    import importlib
+
+    module, _, cls = name.rpartition(".")
+    return getattr(importlib.import_module(module), cls)
+
+
+def test_every_registered_class_passes_its_math_probe(monkeypatch):
+    """Each class of the registry computes its variant's math in this transformers (HF's forward on the probe
+    equals the kernel's torch reference bit for bit), and none passes another variant's probe."""
+    from transformers.activations import SiLUActivation
+
+    monkeypatch.setattr(ff, "_MATH_CHECKED", {})
+    for name, variant in ff._NORMS.items():
+        module = _registered_class(name)(16)
+        assert ff._math_matches(module, "norm", variant), name
+        for other in {"zero_centered", "llama", "gpt_oss"} - {variant}:
+            ff._MATH_CHECKED.pop(type(module))
+            assert not ff._math_matches(module, "norm", other), (name, other)
+    for name in ff._GATED_NORMS:
+        assert ff._math_matches(_registered_class(name)(16), "gated", None), name
+    for name in ff._MLPS:
+        cls = _registered_class(name)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.act_fn = SiLUActivation()
+        assert ff._math_matches(module, "mlp", None), name
+
+
+def test_cpu_model_is_left_alone():
+    """Without the interpreter (or without Triton) a CPU model gets nothing bound, and runs as before."""
+    model = build_hybrid("qwen3_5")
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        with fused_elementwise_forwards(model) as counts:
+            assert counts == {"norm": 0, "gated": 0, "mlp": 0}
+            assert not any("forward" in m.__dict__ for m in model.modules())
+            assert torch.equal(model(ids).logits, ref)
+        with fused_elementwise_forwards(model, enabled=False) as counts:
+            assert sum(counts.values()) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA: bf16 at the shapes of Qwen3.6-27B (hidden 5120, 24 query heads of 256, 48 GDN value heads of 128,
+# MLP 17408): a capture chunk of 16384 tokens and a decode step of 8 sequences
+# ---------------------------------------------------------------------------------------------------------
+
+TOKENS = {"capture": 16384, "decode": 8}
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("phase", list(TOKENS))
+@pytest.mark.parametrize("cls", NORMS)
+def test_rms_norm_bf16_on_cuda(cls, phase):
+    t = TOKENS[phase]
+    module = _norm(cls, 5120, torch.bfloat16, "cuda")
+    x = _rand(1, t, 5120, dtype=torch.bfloat16, scale=3.0, device="cuda")
+    with torch.no_grad():
+        ref = module(x)
+    _assert_matches(_fused_call(module, x), ref, min_exact=0.999)
+    # q_norm of a gated attention layer: per head, on the query half of q_proj's output (row stride 512)
+    head = _norm(cls, 256, torch.bfloat16, "cuda")
+    q = _rand(1, t, 24, 512, dtype=torch.bfloat16, scale=3.0, device="cuda")[..., :256]
+    with torch.no_grad():
+        ref = head(q)
+    _assert_matches(_fused_call(head, q), ref, min_exact=0.999)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("phase", list(TOKENS))
+@pytest.mark.parametrize("cls", GATED)
+def test_gated_rms_norm_bf16_on_cuda(cls, phase):
+    t = TOKENS[phase] * 48
+    module = _norm(cls, 128, torch.bfloat16, "cuda")
+    x = _rand(t, 128, dtype=torch.bfloat16, scale=2.0, device="cuda")
+    gate = _rand(t, 128, dtype=torch.bfloat16, scale=2.0, seed=5, device="cuda")
+    with torch.no_grad():
+        ref = module(x, gate)
+    _assert_matches(_fused_call(module, x, gate), ref, min_exact=0.999)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("phase", list(TOKENS))
+def test_silu_mul_bf16_on_cuda(phase):
+    """The activation and product against HF's ``act_fn(gate) * up``, and the whole MLP module."""
+    t = TOKENS[phase]
+    mlp = _mlp(Qwen3_5MLP, 5120, 17408, torch.bfloat16, "cuda")
+    gate = _rand(t, 17408, dtype=torch.bfloat16, scale=3.0, device="cuda")
+    up = _rand(t, 17408, dtype=torch.bfloat16, seed=3, device="cuda")
+    with torch.no_grad():
+        _assert_matches(ew.silu_mul(gate, up), mlp.act_fn(gate) * up, min_exact=0.999)
+        x = _rand(1, t, 5120, dtype=torch.bfloat16, scale=0.5, device="cuda")
+        ref = mlp(x)
+    torch.testing.assert_close(_fused_call(mlp, x), ref, rtol=1.6e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_5_capture_and_generate_on_cuda(dtype):
+    """A tiny Qwen3.5 captured and decoded (CUDA graphs) with and without the fused forwards: every norm, gated
+    norm and MLP runs fused, none falls back; fp32: the same greedy tokens and the state within 1e-5; bf16: the
+    state within bf16 rounding."""
+    model = build_hybrid("qwen3_5").cuda().to(dtype)
+    prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def run():
+        state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
+        tokens = state.generate(model, 4, 16, do_sample=False, cuda_graphs=True)
+        blocks = [b for layer in state.layers.values() for b in layer.stream(prompt.device)]
+        return [t.float() for block in blocks for t in block if t is not None], tokens
+
+    with torch.no_grad():
+        ref_state, ref_tokens = run()
+        with fused_elementwise_forwards(model) as counts:
+            assert counts == {"norm": 9, "gated": 2, "mlp": 3}
+            with _stock_forwards_fail(Qwen3_5RMSNorm, Qwen3_5RMSNormGated, Qwen3_5MLP):
+                state, tokens = run()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for a, b in zip(state, ref_state, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    if dtype == torch.float32:
+        assert torch.equal(tokens, ref_tokens)
