@@ -10,6 +10,9 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad         # issue 14: full gradient, reverse block replay
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm         # GLM-5 slice: 1M GPU/host state, then 2M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m      # GLM-5 slice: 2M only, GPU then host state
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh v3          # GPU tests of the fused kernels, whole 27B at 512K
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full-1m     # the whole 27B's GRPO step at 1M, R = 1024
+# Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
 # fla importable, the stock HF Qwen3.5 layers train through fla's backward, which refuses on Triton < 3.7.1
 # (docs/design.md, "Device figures the code relies on"), so both sides of the stock comparison run without it (torch GDN rule).
@@ -150,6 +153,12 @@ glm)  # issue 13: GLM-5 slice (1 dense + 2 MoE, indexer full/shared/shared), G =
 glm-2m)  # the 2M points alone (when `glm` skipped them)
   cd bench && timeout 590 python3 -u glm_slice.py --prompt 2097152 --budget-s 560 --tag _2M 2>&1 \
     | grep -v -i warn | tee "$OUT/glm_2m.log" | tail -10
+  ;;
+full-1m)  # issue 11's whole GRPO step at P = 1M, G = 8, R = 1024 in one command: no warm-up step (the first step
+          # is timed cold, compilation included), the responses replayed 4 at a time (plan 123.8 GiB against 129.1 for 8)
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 592 python3 -u full_model.py --skip-stock --prompts 1048576 \
+    --response 1024 --warmup-prompt 0 --replay-batch-tokens 4100 --budget-s 580 --tag _P1M 2>&1 | grep -v -i warn \
+    | tee "$OUT/full.log" | tail -8
   ;;
 full)  # the whole Qwen3.6-27B with LoRA r=64: LongStraw steps vs floors, then stock TRL until OOM. Extra
        # arguments go to full_model.py: `full --skip-stock` (with fla: no stock layer trains through it) and
