@@ -29,7 +29,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, fused_elementwise_forwards
+from longstraw_trl.adapters import adapters_in_model_dtype
 from longstraw_trl.presets import preset_config
 
 
@@ -73,32 +74,43 @@ def main() -> None:
         k: torch.randint(0, config.vocab_size, (k, args.response), device="cuda") for k in args.batches
     }
     completion = completions[args.batches[0]]
-    with Timer() as t_cap:
+
+    def autocast():
+        return (
+            torch.autocast("cuda", dtype=torch.bfloat16) if not args.no_autocast else contextlib.nullcontext()
+        )
+
+    @contextlib.contextmanager
+    def graph_free():
+        """What the trainer enters for capture and generation (`_no_grad_context(cast_adapters=True)`): no
+        autograd, autocast, adapters in the model's dtype with fused LoRA epilogues, fused elementwise kernels."""
+        with torch.no_grad(), autocast(), adapters_in_model_dtype(model), fused_elementwise_forwards(model):
+            yield
+
+    with Timer() as t_cap, graph_free():
         state = capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
 
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if not args.no_autocast else contextlib.nullcontext()
-    )
-
     def run(phase: str) -> None:
-        with autocast:
-            if phase == "capture":
+        if phase == "capture":
+            with graph_free():
                 capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
-                return
-            if phase == "decode":
+            return
+        if phase == "decode":
+            with graph_free():
                 state.generate(model, args.generations, args.decode_steps, do_sample=True, eos_token_id=None)
-                return
+            return
+        with autocast():
             (-state.logprobs(model, completion, grad=True).mean()).backward()
 
     def replay_batches(batches: dict) -> dict:
         """Seconds per response of a replay + backward of ``k`` responses together (warm, best of 3)."""
         per_response = {}
         for k, ids in batches.items():
-            with autocast:
+            with autocast():
                 (-state.logprobs(model, ids, grad=True).mean()).backward()  # warm this shape
             best = float("inf")
             for _ in range(3):
-                with Timer() as t, autocast:
+                with Timer() as t, autocast():
                     (-state.logprobs(model, ids, grad=True).mean()).backward()
                 best = min(best, t.seconds)
             per_response[k] = best / k
