@@ -44,7 +44,9 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def prefetch_to_device(
-    blocks: Iterable[tuple[torch.Tensor | None, ...]], device: torch.device
+    blocks: Iterable[tuple[torch.Tensor | None, ...]],
+    device: torch.device,
+    after: torch.cuda.Event | None = None,
 ) -> Iterator[tuple[torch.Tensor | None, ...]]:
     """``blocks`` (tuples of host tensors) on ``device``, each block's copy overlapping the previous one's compute.
 
@@ -54,6 +56,8 @@ def prefetch_to_device(
     device tensor is marked as used by the compute stream (``record_stream``), so its memory is not reused
     while kernels still read it. Elsewhere (CPU), it is a plain ``.to(device)``. Any state kind whose blocks
     live on the host streams through here (offload), so every family overlaps its copies the same way.
+    ``after``: an event of the compute stream the copies must wait for (the asynchronous device-to-host writes
+    that filled the blocks: the side stream is otherwise not ordered after them).
     """
     if device.type != "cuda":
         for block in blocks:
@@ -61,6 +65,8 @@ def prefetch_to_device(
         return
     compute = torch.cuda.current_stream(device)
     copy = _copy_stream(device)
+    if after is not None:
+        copy.wait_event(after)
 
     def issue(block):
         with torch.cuda.stream(copy):
@@ -247,6 +253,9 @@ class KVPages(LayerState):
         self.segments: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._writable_tail = False  # may the last segment take more tokens (False when shared by a fork)
         self._reserved = 0  # owned tokens announced by `reserve` and not yet appended
+        # offloaded: recorded on the compute stream after the last device-to-host write into the segments; the
+        # side stream that streams them back waits for it (`prefetch_to_device`)
+        self._host_written: torch.cuda.Event | None = None
 
     def owns(self, page_index: int) -> bool:
         return page_index % self.cp_size == self.cp_rank
@@ -290,6 +299,8 @@ class KVPages(LayerState):
         kb, vb, filled = self.segments[-1]
         kb[:, filled : filled + n].copy_(k, non_blocking=True)
         vb[:, filled : filled + n].copy_(v, non_blocking=True)
+        if k.is_cuda and kb.device.type == "cpu":
+            self._host_written = torch.cuda.current_stream(k.device).record_event()
         self.segments[-1] = (kb, vb, filled + n)
         self._reserved = max(0, self._reserved - n)
 
@@ -318,7 +329,7 @@ class KVPages(LayerState):
         if not self.offloaded:
             yield from pieces
             return
-        yield from prefetch_to_device(pieces, device)
+        yield from prefetch_to_device(pieces, device, after=self._host_written)
 
     grad_kind = "buffer"
 
@@ -332,6 +343,7 @@ class KVPages(LayerState):
         left = owned_tokens(0, tokens, self.page_size, self.cp_rank, self.cp_size)
         view = self._empty_like()
         view.num_tokens = tokens
+        view._host_written = self._host_written
         for kb, vb, filled in self.segments:
             if left <= 0:
                 break
@@ -376,6 +388,7 @@ class KVPages(LayerState):
     def fork(self) -> KVPages:
         new = self._empty_like()
         new.num_tokens, new.segments = self.num_tokens, list(self.segments)
+        new._host_written = self._host_written  # the shared segments' writes
         self._writable_tail = False  # neither may write past the shared `filled` any more
         return new
 

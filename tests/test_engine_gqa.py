@@ -164,6 +164,45 @@ def test_prefetch_to_device_overlaps_and_keeps_values():
     assert torch.allclose(torch.stack(seen), torch.stack(expected), rtol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_pages_stream_after_their_own_writes():
+    """Pages written to pinned host memory on the compute stream (asynchronously, behind slow kernels) and streamed
+    back at once on the side stream come back as written: the side stream waits for the writes."""
+    from longstraw_trl.state import KVPages
+
+    dev = torch.device("cuda")
+    weight = torch.randn(2048, 2048, device=dev) / 45
+    for trial in range(3):
+        pages = KVPages(2, 64, 64, 512, torch.float32, torch.device("cpu"), offloaded=True)
+        pages.reserve(1024)
+        x = torch.randn(2048, 2048, device=dev)
+        for _ in range(100):  # the writes below wait for these on the compute stream
+            x = torch.tanh(x @ weight)
+        k = x[:1024, :128].reshape(2, 512, 128)[..., :64].contiguous() + trial
+        pages.append(k[:, :512], k[:, :512])
+        pages.append(k[:, 512:], k[:, 512:])
+        got = torch.cat([kk for kk, _ in pages.stream(dev)], 1)
+        assert torch.equal(got, k), f"trial {trial}: streamed pages differ from what was written"
+
+
+def test_offloaded_streams_wait_for_the_writes_of_their_segments(monkeypatch):
+    """The event of the last device-to-host write travels with the segments (forks, prefix views) and every stream of
+    them hands it to the side stream (CPU: the event is a stand-in; the GPU test above checks the ordering itself)."""
+    import longstraw_trl.state as st
+
+    seen = []
+    monkeypatch.setattr(
+        st, "prefetch_to_device", lambda pieces, device, after=None: seen.append(after) or iter(())
+    )
+    pages = st.KVPages(2, 4, 4, 8, torch.float32, torch.device("cpu"), offloaded=True)
+    pages.append(torch.randn(2, 20, 4), torch.randn(2, 20, 4))
+    pages._host_written = written = object()
+    for view in (pages, pages.fork(), pages.prefix(12)):
+        list(view.stream(torch.device("cpu")))
+    assert seen == [written] * 3
+
+
 def test_patch_is_idempotent_and_leaves_stock_forward_alone():
     model = build("qwen3")
     ids = torch.randint(0, VOCAB, (2, 12))
