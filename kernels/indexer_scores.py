@@ -128,7 +128,9 @@ def _kernel():
         )
         q_rows = Q + rb * stride_qb + rt * stride_qt
         w_rows = W + rb * stride_wb + rt * stride_wt
-        acc = tl.zeros([BLOCK_T, BLOCK_L], dtype=tl.float32)
+        # (tl.full, not tl.zeros: a @jit function of Triton's library, built when triton was imported, which
+        # Triton's CPU interpreter cannot call when switched on after that, as the tests do)
+        acc = tl.full([BLOCK_T, BLOCK_L], 0.0, tl.float32)
         # (every tile runs all heads: skipping the fully masked ones would save under 2% of a capture)
         for h in range(0, H):
             q = tl.load(q_rows[:, None] + h * stride_qh + offs_d[None, :], mask=in_r[:, None], other=0.0)
@@ -240,7 +242,11 @@ def index_scores_kernel(
     if tile is None and _interpreted():
         tile = _SMALL.get(max(16, rows_bucket), _LARGE[0])[:2]
     if tile is not None:
-        kernel, meta = plain, {"BLOCK_T": tile[0], "BLOCK_L": tile[1]}
+        configs = {c[:2]: c for c in (*_LARGE, *_SMALL.values())}
+        if tuple(tile) not in configs:
+            raise ValueError(f"tile {tile} is none of the kernel's configs {sorted(configs)}")
+        bt, bl, warps, stages = configs[tuple(tile)]
+        kernel, meta = plain, dict(BLOCK_T=bt, BLOCK_L=bl, num_warps=warps, num_stages=stages)
 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_L"]), triton.cdiv(rows, meta["BLOCK_T"]), 1 if shared else b)
