@@ -183,29 +183,38 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("tile", [None, (128, 128), (64, 256)], ids=["tuned", "128x128", "64x256"])
-@pytest.mark.parametrize("b,t,h,d,n,key_batch,mask", GPU_CASES)
-def test_kernel_matches_fp64_reference_on_cuda(b, t, h, d, n, key_batch, mask, tile):
+def _check_kernel_case(b, t, h, d, n, key_batch, mask, tile):
     q, w, k = inputs(b, t, h, d, n, key_batch, device="cuda", seed=n)
-    # a view with gaps, as indexer_topk passes them: a query block of a longer chunk, a key range of pages
+    # views with gaps, as indexer_topk passes them: a query block of a longer chunk, a key range of pages
     q = torch.cat([q, q[:, :3]], 1)[:, :t]
     k = torch.cat([k, k[:, :5]], 1)[:, :n]
     q_pos = torch.arange(t, device="cuda") + n - t // 2 if mask else None
     key_pos = torch.arange(n, device="cuda") if mask else None
     buf = torch.full((b, t, n + 9), 7.0, device="cuda")
-    index_scores_kernel(q, w, k, 128**-0.5, out=buf[..., 4 : 4 + n], q_pos=q_pos, key_pos=key_pos, tile=tile)
-    ref, mag = reference_scores(q, w, k, 128**-0.5, q_pos, key_pos)
+    index_scores_kernel(q, w, k, d**-0.5, out=buf[..., 4 : 4 + n], q_pos=q_pos, key_pos=key_pos, tile=tile)
+    ref, mag = reference_scores(q, w, k, d**-0.5, q_pos, key_pos)
     assert_scores_close(buf[..., 4 : 4 + n], ref, mag)
     assert (buf[..., :4] == 7.0).all() and (buf[..., 4 + n :] == 7.0).all()
-    if tile is None:  # the dispatch takes the kernel, and the torch path agrees with the same reference
-        assert ix.index_scores_kernel_ok(q, k)
-        assert_scores_close(
-            index_scores_reference(q, w, k, 128**-0.5).masked_fill(~torch.isfinite(ref), float("-inf")),
-            ref,
-            mag,
-        )
+    return q, w, k, ref, mag
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("b,t,h,d,n,key_batch,mask", GPU_CASES)
+def test_kernel_matches_fp64_reference_on_cuda(b, t, h, d, n, key_batch, mask):
+    """The tuned kernel (the dispatch takes it) and the torch path, against the same fp64 reference."""
+    q, w, k, ref, mag = _check_kernel_case(b, t, h, d, n, key_batch, mask, None)
+    assert ix.index_scores_kernel_ok(q, k)
+    torch_path = index_scores_reference(q, w, k, d**-0.5).masked_fill(~torch.isfinite(ref), float("-inf"))
+    assert_scores_close(torch_path, ref, mag)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tile", sorted({c[:2] for c in (*ix._LARGE, *ix._SMALL.values())}))
+def test_every_kernel_tile_on_cuda(tile):
+    """Each tile shape the tuner or the small-row configs may pick, on ragged sizes with the mask."""
+    _check_kernel_case(2, 300, 32, 128, 4133, 1, True, tile)
 
 
 @pytest.mark.gpu
@@ -243,14 +252,6 @@ def test_matmul_fp32_half_gemm_on_cuda():
     assert ((got.double() - ref).abs() / mag).max() <= 1e-5
 
 
-def _tie_free_rows(ref, k, gap):
-    """Rows whose k-th and (k+1)-th visible reference scores differ by more than ``gap`` (their top-k set is
-    the same whichever fp32 rounding computed it)."""
-    top = ref.topk(k + 1, -1).values
-    fin = torch.isfinite(top[..., k])
-    return (~fin) | ((top[..., k - 1] - top[..., k]) > gap)
-
-
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize(
@@ -259,8 +260,9 @@ def _tie_free_rows(ref, k, gap):
     ids=["prompt-keys", "decode-rows", "own-keys-masked"],
 )
 def test_indexer_topk_kernel_equals_torch_path(monkeypatch, b, t, n, key_batch, masked):
-    """The top-k sets through the kernel and through the torch path (LONGSTRAW_INDEXER_KERNEL=0) are equal on
-    every row without a near-tie at the top-k boundary (and those are nearly all), several merges each."""
+    """The top-k sets through the kernel and through the torch path (LONGSTRAW_INDEXER_KERNEL=0), several
+    merges each: equal on nearly every row, and where they differ, only by keys within the two paths' error
+    bound (:func:`assert_scores_close`) of the row's k-th fp64 score (a near-tie either may break)."""
     monkeypatch.setattr(sparse, "TOPK_BUFFER_ELEMENTS", 9000 * b * t)  # 9000 keys per merge
     q, w, keys = inputs(b, t, 32, 128, n, key_batch, device="cuda", seed=t)
     key_pos = torch.arange(n, device="cuda") + 5
@@ -271,12 +273,60 @@ def test_indexer_topk_kernel_equals_torch_path(monkeypatch, b, t, n, key_batch, 
     assert not ix.index_scores_kernel_ok(q, keys)
     ref_s, ref_p = indexer_topk(q, w, keys, key_pos, q_pos, 128**-0.5, k)
     exact, mag = reference_scores(q, w, keys, 128**-0.5, q_pos, key_pos if masked else None)
-    ok = _tie_free_rows(exact, k, 1e-5 * mag.amax(-1)).flatten()
-    assert ok.float().mean() >= 0.9, ok.float().mean()
-    sets, ref_sets = _topk_sets(*got), _topk_sets(ref_s, ref_p)
-    for i in ok.nonzero().flatten().tolist():
-        assert sets[i] == ref_sets[i], i
-    assert (
-        (got[0].sort(-1).values - ref_s.sort(-1).values).abs().nan_to_num()
-        <= 1e-5 * mag.amax(-1, keepdim=True)
-    ).all()
+    exact, mag = exact.flatten(0, 1), mag.flatten(0, 1)
+    kth = exact.topk(k, -1).values[:, -1]
+    equal = 0
+    for i, (a, r) in enumerate(zip(_topk_sets(*got), _topk_sets(ref_s, ref_p), strict=True)):
+        if a == r:
+            equal += 1
+            continue
+        cols = torch.tensor(sorted(set(a) ^ set(r)), device="cuda") - 5
+        near = (exact[i, cols] - kth[i]).abs() <= 2e-5 * mag[i, cols]
+        assert near.all(), (i, cols[~near].tolist())
+    assert equal >= 0.9 * exact.shape[0], (equal, exact.shape[0])
+    close = (got[0].sort(-1).values - ref_s.sort(-1).values).abs().nan_to_num()
+    assert (close <= 1e-5 * mag.amax(-1).view_as(close[..., 0]).unsqueeze(-1)).all()
+
+
+@pytest.mark.gpu
+@cuda
+def test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode(monkeypatch):
+    """The tiny GLM-5 in bf16 on CUDA (a small top-k, so the indexer decides): the log-probs through the kernel
+    and through the torch path agree; an offloaded state gives the resident one's log-probs, gradients and
+    tokens (its decode gathers the chosen latent rows in pinned host memory); decoding as one CUDA graph gives
+    the eager tokens, and the graph really is captured (no eager fallback)."""
+    from _models import build_glm_dsa
+
+    from longstraw_trl import capture_prompt
+    from longstraw_trl.generation import DecodeStep
+
+    model = build_glm_dsa(index_topk=6).cuda().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 97, (300,), generator=gen).cuda()
+    ids = torch.randint(0, 97, (2, 24), generator=gen).cuda()
+    state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
+    kernel_lp = state.logprobs(model, ids)
+    with monkeypatch.context() as m:
+        m.setenv(ix.KERNEL_ENV, "0")
+        torch_lp = capture_prompt(model, prompt, chunk_size=128, page_size=64).logprobs(model, ids)
+    assert (kernel_lp - torch_lp).abs().max() <= 2e-2, (kernel_lp - torch_lp).abs().max()
+
+    offloaded = capture_prompt(model, prompt, chunk_size=128, page_size=64, offload="cpu")
+    assert offloaded.layers[0].segments[0][0].is_pinned()
+    assert torch.equal(offloaded.logprobs(model, ids), kernel_lp)
+    grads = []
+    for s in (state, offloaded):
+        model.zero_grad(set_to_none=True)
+        s.logprobs(model, ids[:1], grad=True).float().mean().backward()
+        grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0] and all(torch.isfinite(g).all() for g in grads[0].values())
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+    eager = state.generate(model, 4, 16, do_sample=False, cuda_graphs=False)
+    graphed = state.generate(model, 4, 16, do_sample=False, cuda_graphs=True)
+    assert torch.equal(eager, graphed)
+    assert torch.equal(offloaded.generate(model, 4, 16, do_sample=False), eager)
+    step = DecodeStep(model, state, 4, 8, cuda_graphs=True)
+    step(state.last_token.view(1, 1).expand(4, 1))
+    assert step.graph is not None, "the decode step's CUDA graph capture failed (eager fallback)"
