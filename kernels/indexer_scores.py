@@ -58,22 +58,13 @@ def index_scores_reference(
 
 # (BLOCK_T, BLOCK_L, warps, stages). The key tile (BLOCK_L x D) sits in shared memory for all the heads, the
 # query tile of each head streams through it (``stages`` deep, async copies), the fp32 accumulator stays in
-# registers. Compiled for sm_90 (Triton 3.6): wgmma, no spills (158-175 registers), 112-128 KiB of shared
-# memory; the query tile is re-read per key tile (from L2), 64 B per score at 128 x 128 and 32 B at 64 x 256.
+# registers. Compiled for sm_90 (Triton 3.6, offline): wgmma, 158-176 registers and no spills, 112-128 KiB of
+# shared memory (a buffer row of ragged width, whose stores cannot be vectorised: 255 registers, 48 B spilled
+# at 128 x 128). The query tile is re-read per key tile (from L2): 64 B per score at 128 x 128, 32 at 64 x 256.
 _LARGE = ((128, 128, 8, 3), (64, 256, 8, 3))
-# a few rows (decoding: G queries, or a ragged last block): one config each, no autotuning
+# a few rows (decoding: G queries, a short last query block): the one config for their count, not timed
 _SMALL = {16: (16, 128, 4, 3), 32: (32, 128, 4, 3), 64: (64, 128, 4, 3)}
-
-
-def _config_key(c) -> tuple[int, int, int, int]:
-    return c.kwargs["BLOCK_T"], c.kwargs["BLOCK_L"], c.num_warps, c.num_stages
-
-
-def _prune(configs, named_args, **kwargs):
-    """The one config for a few rows; the large ones (timed against each other once per key) otherwise."""
-    small = _SMALL.get(max(16, named_args["ROWS_BUCKET"]))
-    wanted = [small] if small else _LARGE
-    return [c for c in configs if _config_key(c) in wanted]
+_CONFIGS = {c[:2]: c for c in (*_LARGE, *_SMALL.values())}
 
 
 @functools.cache
@@ -81,7 +72,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # sizes are not specialised (divisible by 16 or not): each new key range or query block would compile again
+    @triton.jit(do_not_specialize=["T", "ROWS", "L", "ROWS_BUCKET"])
     def scores_kernel(
         Q,
         W,
@@ -149,12 +141,9 @@ def _kernel():
         )
 
     configs = [
-        triton.Config({"BLOCK_T": bt, "BLOCK_L": bl}, num_warps=w, num_stages=s)
-        for bt, bl, w, s in (*_LARGE, *_SMALL.values())
+        triton.Config({"BLOCK_T": bt, "BLOCK_L": bl}, num_warps=w, num_stages=s) for bt, bl, w, s in _LARGE
     ]
-    tuned = triton.autotune(
-        configs=configs, key=["D", "ROWS_BUCKET", "HAS_MASK"], prune_configs_by={"early_config_prune": _prune}
-    )(scores_kernel)
+    tuned = triton.autotune(configs=configs, key=["D", "ROWS_BUCKET", "HAS_MASK"])(scores_kernel)
     return triton, tuned, scores_kernel
 
 
@@ -211,8 +200,10 @@ def index_scores_kernel(
 ) -> torch.Tensor:
     """The Triton kernel (see the module docstring); ``out``: where to write (an fp32 ``[B, T, L]`` view with a
     contiguous last dim; allocated if ``None``); ``q_pos [T]``, ``key_pos [L]``: ``-inf`` where
-    ``key_pos > q_pos``. ``tile``: ``(BLOCK_T, BLOCK_L)`` instead of the tuned choice (tests; under Triton's CPU
-    interpreter, which cannot time configs, the first config that fits is the default). Returns ``out``."""
+    ``key_pos > q_pos``. ``tile``: ``(BLOCK_T, BLOCK_L)`` of one of the configs instead of the usual choice: the
+    tuned one of the two large tiles (timed once per power-of-two row count, mask or not), or for up to 64 rows
+    the one small tile that fits (not timed; also the choice under Triton's CPU interpreter, which cannot time
+    configs). Returns ``out``."""
     _check(q, weights, keys, scale, out, q_pos, key_pos)
     triton, tuned, plain = _kernel()
     b, t, h, d = q.shape
@@ -238,14 +229,13 @@ def index_scores_kernel(
     rows = b * t if shared else t
 
     rows_bucket = 1 << max(rows - 1, 1).bit_length()  # autotune once per power-of-two row count
-    kernel, meta = tuned, {}
-    if tile is None and _interpreted():
+    if tile is None and (rows_bucket <= 64 or _interpreted()):
         tile = _SMALL.get(max(16, rows_bucket), _LARGE[0])[:2]
+    kernel, meta = tuned, {}
     if tile is not None:
-        configs = {c[:2]: c for c in (*_LARGE, *_SMALL.values())}
-        if tuple(tile) not in configs:
-            raise ValueError(f"tile {tile} is none of the kernel's configs {sorted(configs)}")
-        bt, bl, warps, stages = configs[tuple(tile)]
+        if tuple(tile) not in _CONFIGS:
+            raise ValueError(f"tile {tile} is none of the kernel's configs {sorted(_CONFIGS)}")
+        bt, bl, warps, stages = _CONFIGS[tuple(tile)]
         kernel, meta = plain, dict(BLOCK_T=bt, BLOCK_L=bl, num_warps=warps, num_stages=stages)
 
     def grid(meta):

@@ -211,7 +211,7 @@ def test_kernel_matches_fp64_reference_on_cuda(b, t, h, d, n, key_batch, mask):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("tile", sorted({c[:2] for c in (*ix._LARGE, *ix._SMALL.values())}))
+@pytest.mark.parametrize("tile", sorted(ix._CONFIGS))
 def test_every_kernel_tile_on_cuda(tile):
     """Each tile shape the tuner or the small-row configs may pick, on ragged sizes with the mask."""
     _check_kernel_case(2, 300, 32, 128, 4133, 1, True, tile)
