@@ -9,18 +9,24 @@ weights. Trained: every parameter but the routed experts (their 2 x 19 GB of gra
 for a 2M-token state; their activations still get gradients, so backward runs through the MoE blocks).
 
 Per (P, storage): peaks, state bytes on the GPU and in host memory, capture / generation / replay seconds
-against floors from rates measured in the same run (bf16 GEMM, device copy, host-to-device copy):
-- capture: indexer (2 x 32 x 128 FLOPs per causal q-k pair, each full layer), sparse attention in latent space
-  (2 x 64 x (576 + 512) per query and selected key, each layer) and dense (2 per active parameter per token)
-  FLOPs at the GEMM rate;
+against floors from rates measured in the same run (bf16 GEMM, device copy, host-to-device copy, and the
+indexer: its fused score kernel's TFLOP/s and the whole top-k flow's ns per score, at a capture chunk's
+shape, printed on the first line):
+- capture: indexer scores (2 x 32 x 128 FLOPs per q-k pair the capture scores: causal pairs plus the masked
+  half of each chunk's own, each full layer) at the indexer kernel's rate, plus writing and reading each
+  score once at the copy rate (its top-k), sparse attention in latent space (2 x 64 x (576 + 512) per query
+  and selected key, each layer) and dense (2 per active parameter per token) FLOPs at the GEMM rate;
 - generation: bytes per decode step (the non-expert weights, the experts G x top-8 rows can reach, the indexer
   keys of the full layers, the selected latent rows) at the device copy rate, or for offloaded state the
   indexer keys at the host-to-device rate;
-- replay: the larger of its FLOPs (indexer over the prompt, attention forward + backward, dense 6 per active
-  parameter per token) and its bytes.
+- replay: the larger of its FLOPs (indexer over the prompt at the indexer rate, attention forward + backward,
+  dense 6 per active parameter per token) and its bytes.
 Offloaded generation decodes ``--offload-gen-tokens`` tokens (default 256) and reports seconds per token too.
 Runs are ordered (1M resident, 1M offloaded, 2M resident, 2M offloaded) and one whose estimated time does not
-fit what is left of ``--budget-s`` is skipped and listed as such.
+fit what is left of ``--budget-s`` is skipped and listed as such. The estimate: the indexer's top-k flow at
+its measured ns per score, and every other part at its floor times the ratio measured/floor of the last case
+run (of the same storage if any; 1 before the first). The JSON is written after every phase, and each case's
+row is printed when it ends (a run cut short keeps what it measured).
 
     python bench/glm_slice.py --prompt 1048576 2097152 --budget-s 540
     python bench/glm_slice.py --smoke      # CPU dry run, tiny widths
@@ -40,13 +46,14 @@ from common import (
     matmul_tflops,
     mean_after_first,
     peak_gib,
-    print_table,
     reset_peak,
     write_result,
 )
 from transformers import AutoModelForCausalLM
 
 from longstraw_trl import capture_prompt
+from longstraw_trl.kernels.indexer_scores import index_scores, index_scores_kernel_ok
+from longstraw_trl.kernels.sparse_attention import TOPK_BUFFER_ELEMENTS, indexer_topk
 from longstraw_trl.presets import preset_config
 
 
@@ -124,19 +131,69 @@ def param_counts(model, config) -> dict[str, int]:
     )
 
 
-def floors(config, counts, p: int, g: int, r: int, rates: dict, offload: bool) -> dict[str, float]:
-    gemm = rates["matmul_tflops"] * 1e12
+def indexer_probe(config, dev: str, smoke: bool) -> dict:
+    """The indexer at a capture chunk's shape (one 4096-query block against four top-k buffers of prompt keys,
+    as :func:`indexer_topk` lays them out): the score kernel alone, warm (TFLOP/s at 2 x heads x head_dim FLOPs
+    per score), and the whole top-k flow (scores, buffer copies, merges; ns per score)."""
+    hi, di, k = config.index_n_heads, config.index_head_dim, config.index_topk
+    tq = 64 if smoke else 4096
+    per_buffer = max(1, TOPK_BUFFER_ELEMENTS // tq) if not smoke else 512
+    n = 4 * per_buffer
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, tq, hi, di, device=dev, generator=g).to(torch.bfloat16)
+    w = torch.randn(1, tq, hi, device=dev, generator=g) * hi**-0.5
+    keys = torch.randn(1, n, di, device=dev, generator=g).to(torch.bfloat16)
+    buf = torch.empty(1, tq, k + per_buffer, device=dev)
+    scale = di**-0.5
+
+    def scores():
+        index_scores(q, w, keys[:, :per_buffer], scale, out=buf[..., k:])
+
+    scores()  # compile and autotune
+    with Timer() as t:
+        for _ in range(5):
+            scores()
+    kernel_tflops = 2 * hi * di * tq * per_buffer * 5 / t.seconds / 1e12
+    pos = torch.arange(n, device=dev)
+    indexer_topk(q, w, keys, pos, None, scale, k)
+    with Timer() as t_flow:
+        indexer_topk(q, w, keys, pos, None, scale, k)
+    return {
+        "indexer_kernel": index_scores_kernel_ok(q, keys),
+        "indexer_tflops": kernel_tflops,
+        "indexer_topk_ns_per_score": t_flow.seconds / (tq * n) * 1e9,
+    }
+
+
+def scored_pairs(p: int, chunk: int) -> float:
+    """q-k pairs the capture's indexer scores: every earlier chunk's keys, and all of its own chunk's (half of
+    them masked)."""
+    full, rest = divmod(p, chunk)
+    sizes = [chunk] * full + ([rest] if rest else [])
+    done = pairs = 0
+    for c in sizes:
+        pairs += c * done + c * c
+        done += c
+    return float(pairs)
+
+
+def floors(config, counts, p: int, args, rates: dict, offload: bool) -> dict[str, float]:
+    """Seconds each phase cannot go below at the measured rates: ``capture`` (of which ``capture_indexer``: the
+    scores at the indexer kernel's rate, and each written and read once), ``gen_step``, ``replay``."""
+    g, r = args.groups, args.response
+    gemm, index_rate = rates["matmul_tflops"] * 1e12, rates["indexer_tflops"] * 1e12
     copy, h2d = rates["copy_gbs"] * 1e9, rates["h2d_gbs"] * 1e9
     n_full = config.indexer_types.count("full")
     layers = config.num_hidden_layers
     hi, di, k = config.index_n_heads, config.index_head_dim, config.index_topk
     h, d_lat = config.num_attention_heads, config.kv_lora_rank + config.qk_rope_head_dim
     attn_per_key = 2 * h * (d_lat + config.kv_lora_rank)
-    pairs = p * p / 2
+    scores = scored_pairs(p, args.chunk) * n_full
+    capture_indexer = 2 * hi * di * scores / index_rate + 8 * scores / copy
     sel = k * (k + 1) / 2 + k * (p - k) if p > k else p * (p + 1) / 2  # sum over queries of min(k, visible)
-    capture = (2 * hi * di * pairs * n_full + attn_per_key * sel * layers) / gemm + 2 * (
-        counts["active_per_token"] - counts["head"]
-    ) * p / gemm
+    capture_other = (
+        attn_per_key * sel * layers / gemm + 2 * (counts["active_per_token"] - counts["head"]) * p / gemm
+    )
     moe_layers = config.mlp_layer_types.count("sparse")
     reach = min(config.n_routed_experts, g * config.num_experts_per_tok)
     step_weights = (counts["total"] - counts["experts"] - counts["embed"]) * 2 + moe_layers * reach * counts[
@@ -146,11 +203,20 @@ def floors(config, counts, p: int, g: int, r: int, rates: dict, offload: bool) -
     latent_rows = layers * g * min(k, p) * d_lat * 2
     gen_step = step_weights / copy + (index_keys / h2d if offload else (index_keys + latent_rows) / copy)
     rep_flops = (
-        2 * hi * di * r * p * n_full + 3 * attn_per_key * r * min(k, p) * layers
-    ) / gemm + 6 * counts["active_per_token"] * r / gemm
+        2 * hi * di * r * p * n_full / index_rate
+        + 3 * attn_per_key * r * min(k, p) * layers / gemm
+        + 6 * counts["active_per_token"] * r / gemm
+    )
     state_bytes = layers * p * d_lat * 2 + index_keys
     rep_bytes = 2 * state_bytes / (h2d if offload else copy) + 3 * step_weights / copy
-    return dict(capture=capture, gen_step=gen_step, replay=max(rep_flops, rep_bytes))
+    return dict(
+        capture=capture_indexer + capture_other,
+        capture_indexer=capture_indexer,
+        capture_other=capture_other,
+        indexer_scores=scores,
+        gen_step=gen_step,
+        replay=max(rep_flops, rep_bytes),
+    )
 
 
 def run_case(
@@ -166,7 +232,7 @@ def run_case(
             model, prompt, chunk_size=args.chunk, page_size=args.page, offload=storage, progress=False
         )
     cap_peak = peak_gib()
-    fl = floors(config, counts, p, args.groups, args.response, rates, offload)
+    fl = floors(config, counts, p, args, rates, offload)
     nbytes = state.nbytes()
     result.update(
         {
@@ -177,6 +243,9 @@ def run_case(
             "state_bytes_host": nbytes if offload else 0,
             "capture_s": t_cap.seconds,
             "capture_floor_s": fl["capture"],
+            "capture_indexer_floor_s": fl["capture_indexer"],
+            "capture_other_floor_s": fl["capture_other"],
+            "capture_indexer_scores": fl["indexer_scores"],
             "capture_over_floor": t_cap.seconds / fl["capture"],
             "capture_peak_gib": cap_peak,
         }
@@ -223,16 +292,39 @@ def run_case(
     save()
 
 
-def estimate_s(done: list[dict], p: int, offload: bool, args) -> float | None:
-    """Seconds a case should take, from the measured ones: capture ~ P^2 (the indexer), the rest ~ P."""
+def estimate_s(done: list[dict], config, counts, p: int, offload: bool, args, rates: dict) -> float:
+    """Seconds a case should take: the indexer's top-k flow at its measured ns per score, every other part at
+    its floor times the ratio measured/floor of the last case run (of the same storage if any; 1 before any)."""
     done = [r for r in done if "replay_s_per_response" in r]
     same = [r for r in done if (r["state_bytes_host"] > 0) == offload] or done
-    if not same:
-        return None
-    r = same[-1]
-    q = p / r["prompt_tokens"]
-    rest = r["generation_s"] + r["replay_s_per_response"] * args.groups
-    return r["capture_s"] * q * q + rest * q
+    flow = rates["indexer_topk_ns_per_score"] * 1e-9
+    cap_ratio = gen_ratio = rep_ratio = 1.0
+    if same:
+        r = same[-1]
+        indexer_s = r["capture_indexer_scores"] * flow
+        cap_ratio = max(r["capture_s"] - indexer_s, 0.0) / r["capture_other_floor_s"]
+        gen_ratio, rep_ratio = r["generation_over_floor"], r["replay_over_floor"]
+    fl = floors(config, counts, p, args, rates, offload)
+    tokens = args.offload_gen_tokens if offload else args.gen_tokens
+    return (
+        fl["indexer_scores"] * flow
+        + fl["capture_other"] * cap_ratio
+        + fl["gen_step"] * tokens * gen_ratio
+        + fl["replay"] * args.groups * rep_ratio
+    )
+
+
+def case_line(r: dict) -> str:
+    """One line per case, printed when it ends."""
+    return (
+        f"P={r['prompt_tokens']} {'host' if r['state_bytes_host'] else 'gpu'} state "
+        f"({max(r['state_bytes_gpu'], r['state_bytes_host']) / GiB:.2f} GiB): capture {r['capture_s']:.1f} s "
+        f"(x{r['capture_over_floor']:.1f} floor, peak {r['capture_peak_gib']:.1f} GiB), gen "
+        f"{r['generation_s_per_token']:.4f} s/tok (x{r['generation_over_floor']:.1f}, peak "
+        f"{r['generation_peak_gib']:.1f}), replay {r['replay_s_per_response']:.2f} s/resp "
+        f"(x{r['replay_over_floor']:.1f}, peak {r['replay_peak_gib']:.1f}); case {r['case_s']:.0f} s "
+        f"(estimated {r['estimate_s']:.0f})"
+    )
 
 
 def main() -> None:
@@ -278,7 +370,16 @@ def main() -> None:
         "matmul_tflops": matmul_tflops() if not args.smoke else 1.0,
         "copy_gbs": copy_bandwidth_gbs() if not args.smoke else 10.0,
         "h2d_gbs": h2d_bandwidth_gbs() if not args.smoke else 10.0,
+        **indexer_probe(config, dev, args.smoke),
     }
+    # first, so a run cut short still shows the rates
+    print(
+        f"glm-5 x{args.layers} layers ({types}): weights {weights_gib:.1f} GiB; GEMM {rates['matmul_tflops']:.0f} "
+        f"TFLOP/s, copy {rates['copy_gbs']:.0f} GB/s, H2D {rates['h2d_gbs']:.0f} GB/s; indexer "
+        f"{'kernel' if rates['indexer_kernel'] else 'torch path'} {rates['indexer_tflops']:.0f} TFLOP/s, top-k flow "
+        f"{rates['indexer_topk_ns_per_score']:.4f} ns/score; small bf16 check max |dlogp| = {small_diff:.3g}",
+        flush=True,
+    )
     cases = [(p, s == "cpu") for p in sorted(args.prompt) for s in args.storage]
     results, skipped = [], []
     payload = {
@@ -301,12 +402,14 @@ def main() -> None:
     name = f"glm_slice_{args.layers}L{args.tag}"
     path = write_result(name, payload)
     for p, offload in cases:  # written after each case, so a run cut short keeps what it measured
-        left = args.budget_s - (time.perf_counter() - start)
-        est = estimate_s(results, p, offload, args)
-        if est is not None and est > left:
+        t0 = time.perf_counter()
+        left = args.budget_s - (t0 - start)
+        est = estimate_s(results, config, counts, p, offload, args, rates)
+        if est > left:
             skipped.append({"prompt_tokens": p, "offload": offload, "estimate_s": est, "left_s": left})
+            print(f"skipped P={p} offload={offload}: estimate {est:.0f} s > {left:.0f} s left", flush=True)
         else:
-            results.append({})
+            results.append({"estimate_s": est})
             run_case(
                 model,
                 config,
@@ -319,35 +422,9 @@ def main() -> None:
                 results[-1],
                 lambda: write_result(name, payload),
             )
+            results[-1]["case_s"] = time.perf_counter() - t0
+            print(case_line(results[-1]), flush=True)
         path = write_result(name, payload)
-    print(
-        f"glm-5 x{args.layers} layers ({types}): weights {weights_gib:.1f} GiB; GEMM {rates['matmul_tflops']:.0f} "
-        f"TFLOP/s, copy {rates['copy_gbs']:.0f} GB/s, H2D {rates['h2d_gbs']:.0f} GB/s; small bf16 check "
-        f"max |dlogp| = {small_diff:.3g}"
-    )
-    rows = [
-        {
-            "P": r["prompt_tokens"],
-            "state": "host" if r["state_bytes_host"] else "gpu",
-            "GPU/host GiB": f"{r['state_bytes_gpu'] / GiB:.2f}/{r['state_bytes_host'] / GiB:.2f}",
-            "capture s": f"{r['capture_s']:.1f}",
-            "cap/floor": f"{r['capture_over_floor']:.1f}",
-            "cap peak": f"{r['capture_peak_gib']:.1f}",
-            "gen s/tok": f"{r['generation_s_per_token']:.3f}",
-            "gen/floor": f"{r['generation_over_floor']:.1f}",
-            "gen peak": f"{r['generation_peak_gib']:.1f}",
-            "replay s/resp": f"{r['replay_s_per_response']:.2f}",
-            "rep/floor": f"{r['replay_over_floor']:.1f}",
-            "rep peak": f"{r['replay_peak_gib']:.1f}",
-        }
-        for r in results
-        if "replay_s_per_response" in r
-    ]
-    print_table(rows)
-    for s in skipped:
-        print(
-            f"skipped P={s['prompt_tokens']} offload={s['offload']}: estimate {s['estimate_s']:.0f} s > {s['left_s']:.0f} s left"
-        )
     print(f"wrote {path}")
 
 

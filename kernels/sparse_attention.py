@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .indexer_scores import index_scores, index_scores_kernel_ok
+
 # One fp32 score tile (queries x heads x keys) stays under this many elements (1 GiB).
 SCORE_TILE_ELEMENTS = 1 << 28
 # Query rows (batch x queries) per block of the selected-keys attention; the gathered keys of a block are
@@ -28,33 +30,21 @@ SCORE_TILE_ELEMENTS = 1 << 28
 ATTENTION_QUERY_ROWS = 256
 
 
-def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in fp32 as HF's indexer computes it (``a.float() @ b.float()``). On CUDA with half inputs the
-    half GEMM with an fp32 output gives the same products (exact in fp32) with fp32 accumulation."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
-        try:
-            shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-            a3 = a.expand(*shape, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-            b3 = b.expand(*shape, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-            out = torch.bmm(a3, b3, out_dtype=torch.float32)
-            return out.view(*shape, a.shape[-2], b.shape[-1])
-        except (RuntimeError, TypeError):  # no fp32-output half GEMM in this build
-            pass
-    return torch.matmul(a.float(), b.float())
-
-
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [B, T, H, D]``, ``weights [B, T, H]`` (fp32), ``keys [B or 1, L, D]`` -> ``[B, T, L]`` fp32:
-    ``sum_h weights[h] * relu(scale * q_h . k)``, as HF computes it (fp32 scores, ReLU, then the weighted sum
-    over heads). The heads are folded into the GEMM's rows (keys shared by the batch: the batch too), and the
-    positive ``scale`` into the head weights (``relu(scale * s) = scale * relu(s)``: one pass less over the
-    fp32 scores; equal up to rounding)."""
-    b, t, h, d = q.shape
-    if keys.shape[0] == 1:
-        s = matmul_fp32(q.reshape(1, b * t * h, d), keys.transpose(-1, -2)).view(b, t, h, -1)
-    else:
-        s = matmul_fp32(q.reshape(b, t * h, d), keys.transpose(-1, -2)).view(b, t, h, -1)
-    return torch.matmul((weights.float() * scale).unsqueeze(-2), torch.relu_(s)).squeeze(-2)
+def _topk_of_buffer(
+    buf: torch.Tensor, kept: int, best_pos: torch.Tensor | None, pos: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best scores of ``buf [B, T, kept + n]`` and their positions: its first ``kept`` columns are a
+    running top-k (positions ``best_pos [B, T, kept]``), the rest new candidates (positions ``pos``,
+    broadcastable to ``[B, T, n]``). Unsorted (the selection is a set); positions are gathered, never
+    concatenated (a capture's merge would otherwise write 8 bytes per candidate)."""
+    top, i = buf.topk(min(k, buf.shape[-1]), dim=-1, sorted=False)
+    if kept == buf.shape[-1]:  # no candidates
+        return top, best_pos.gather(-1, i)
+    pos = pos.expand(*buf.shape[:-1], buf.shape[-1] - kept)
+    new = pos.gather(-1, (i - kept).clamp_min(0))
+    if not kept:
+        return top, new
+    return top, torch.where(i < kept, best_pos.gather(-1, i.clamp_max(kept - 1)), new)
 
 
 def topk_merge(
@@ -66,12 +56,9 @@ def topk_merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best of a running top-k ``(best, best_pos) [B, T, k']`` and new candidates ``(scores, pos)``
     (``pos [B, T, L]`` or ``[L]``); masked candidates carry ``-inf``."""
-    pos = pos.expand_as(scores)
-    if best is not None:
-        scores, pos = torch.cat([best, scores], -1), torch.cat([best_pos, pos], -1)
-    kk = min(k, scores.shape[-1])
-    top, i = scores.topk(kk, dim=-1)
-    return top, pos.gather(-1, i)
+    if best is None:
+        return _topk_of_buffer(scores, 0, None, pos, k)
+    return _topk_of_buffer(torch.cat([best, scores], -1), best.shape[-1], best_pos, pos, k)
 
 
 # Scores (queries x keys, fp32) gathered into one buffer before a top-k merge: fewer, larger top-k calls
@@ -92,31 +79,38 @@ def indexer_topk(
 
     ``q_pos [T]``: query positions; key ``j`` is visible to query ``i`` iff ``key_pos[j] <= q_pos[i]``
     (``None``: every key is visible, e.g. prompt keys for later queries). Returns ``(scores, positions)``
-    ``[B, T, min(k, L)]``; a slot with no visible key left has score ``-inf``. Scores are computed in tiles
-    of at most :data:`SCORE_TILE_ELEMENTS` (queries x heads x keys), written into a buffer of up to
-    :data:`TOPK_BUFFER_ELEMENTS` scores, which is merged into the running top-k at once.
+    ``[B, T, min(k, L)]`` (in no particular order); a slot with no visible key left has score ``-inf``.
+    Scores of up to :data:`TOPK_BUFFER_ELEMENTS` keys x queries are written (by the fused kernel,
+    :mod:`kernels.indexer_scores`, in one launch; by the torch path in tiles of at most
+    :data:`SCORE_TILE_ELEMENTS` queries x heads x keys) into a buffer behind the running top-k, which is
+    merged into it at once.
     """
     b, t, h, _ = q.shape
     n = keys.shape[-2]
     if n == 0:
         return q.new_empty((b, t, 0), dtype=torch.float32), key_pos.new_empty((b, t, 0))
+    fused = index_scores_kernel_ok(q, keys)
     tq = min(t, max(1, 4096 // b))
     outs_s, outs_p = [], []
     for a in range(0, t, tq):
         e = min(t, a + tq)
-        tile = max(1, SCORE_TILE_ELEMENTS // (b * (e - a) * h))
+        qa, wa = q[:, a:e], weights[:, a:e]
+        qp = None if q_pos is None else q_pos[a:e]
+        tile = n if fused else max(1, SCORE_TILE_ELEMENTS // (b * (e - a) * h))
         block = max(1, TOPK_BUFFER_ELEMENTS // (b * (e - a)))
         best = best_pos = None
         for s0 in range(0, n, block):
             s1 = min(n, s0 + block)
-            buf = torch.empty(b, e - a, s1 - s0, dtype=torch.float32, device=q.device)
+            kept = 0 if best is None else best.shape[-1]
+            buf = torch.empty(b, e - a, kept + s1 - s0, dtype=torch.float32, device=q.device)
+            if kept:
+                buf[..., :kept] = best
             for c in range(s0, s1, tile):
-                kb = keys[:, c : min(s1, c + tile)]
-                buf[..., c - s0 : c - s0 + kb.shape[-2]] = index_scores(q[:, a:e], weights[:, a:e], kb, scale)
-            pb = key_pos[s0:s1]
-            if q_pos is not None:
-                buf.masked_fill_(pb[None, None, :] > q_pos[a:e, None], float("-inf"))
-            best, best_pos = topk_merge(best, best_pos, buf, pb, k)
+                c1 = min(s1, c + tile)
+                out = buf[..., kept + c - s0 : kept + c1 - s0]
+                kp = None if qp is None else key_pos[c:c1]
+                index_scores(qa, wa, keys[:, c:c1], scale, out=out, q_pos=qp, key_pos=kp)
+            best, best_pos = _topk_of_buffer(buf, kept, best_pos, key_pos[s0:s1], k)
         outs_s.append(best)
         outs_p.append(best_pos)
     return torch.cat(outs_s, 1), torch.cat(outs_p, 1)
