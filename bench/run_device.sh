@@ -142,13 +142,13 @@ agents)  # issue 12: P = 512K, G = 8, three tool turns per rollout on the Qwen3.
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 500 python3 -u agent_turns.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/agents.log" | tail -12
   ;;
-glm)  # issue 13: GLM-5 slice (1 dense + 2 MoE, indexer full/shared/shared), G = 8, R = 2048. Cases in order
-       # 1M GPU state, 1M host state, 2M GPU, 2M host; one estimated past the budget is skipped (listed in
-       # the JSON and the table). The GLM tests run first (CPU, ~30 s), so a broken patch costs no GPU time.
-  timeout 45 python3 -m pytest -q -x tests/test_engine_glm_moe_dsa.py -k "small_topk or grads_match" \
-    > "$OUT/pytest_glm.log" 2>&1; echo "glm tests: rc=$?"; tail -1 "$OUT/pytest_glm.log"
-  cd bench && timeout 500 python3 -u glm_slice.py --prompt 1048576 2097152 --gen-tokens 1024 --budget-s 450 2>&1 \
-    | grep -v -i warn | tee "$OUT/glm.log" | tail -12
+glm)  # issue 13: GLM-5 slice (1 dense + 2 MoE, indexer full/shared/shared), G = 8, R = 2048. The indexer kernel's
+       # GPU tests first (a broken kernel costs no slice time), then the cases in order 1M GPU state, 1M host state,
+       # 2M GPU, 2M host; one estimated past the budget is skipped (listed in the JSON and the table).
+  PYTHONPATH=/tmp/site timeout 130 python3 -m pytest -q -x -m gpu tests/test_kernels_indexer.py \
+    > "$OUT/pytest_indexer.log" 2>&1; echo "indexer gpu tests: rc=$?"; tail -3 "$OUT/pytest_indexer.log"
+  cd bench && timeout 440 python3 -u glm_slice.py --prompt 1048576 2097152 --gen-tokens 512 --budget-s 420 2>&1 \
+    | grep -v -i warn | tee "$OUT/glm.log" | tail -8
   ;;
 glm-2m)  # the 2M points alone (when `glm` skipped them)
   cd bench && timeout 590 python3 -u glm_slice.py --prompt 2097152 --budget-s 560 --tag _2M 2>&1 \
