@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .indexer_scores import index_scores, index_scores_kernel_ok
+from .indexer_scores import index_scores, index_scores_kernel_ok, matmul_fp32
 
 # One fp32 score tile (queries x heads x keys) stays under this many elements (1 GiB).
 SCORE_TILE_ELEMENTS = 1 << 28
@@ -130,6 +130,19 @@ def _gather(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return table[b, safe]
 
 
+def _rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``einsum("bhtk,btkr->bhtr", a, b)`` in fp32: per query, its heads' rows ``a`` times the query's own
+    ``b``. With a half ``b`` (bf16 latent rows), ``a`` is rounded to that dtype and the product is a tensor-core
+    GEMM with fp32 accumulation and output (HF's attention rounds its probabilities to the activation dtype
+    too); fp32 math otherwise (the CPU tests)."""
+    at = a.transpose(1, 2)  # [B, t, H, k]
+    if b.dtype in (torch.bfloat16, torch.float16):
+        out = matmul_fp32(at.to(b.dtype), b)
+    else:
+        out = torch.matmul(at.float(), b.float())
+    return out.transpose(1, 2)
+
+
 def selected_attention_block(
     q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, value_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +159,7 @@ def selected_attention_block(
     total = p.sum(-1)
     has = total > 0
     lse = torch.where(has, m + torch.log(torch.where(has, total, torch.ones_like(total))), float("-inf"))
-    out = torch.einsum("bhtk,btkr->bhtr", p, kg[..., :value_dim].float())
+    out = _rows_matmul(p, kg[..., :value_dim])
     out = out / torch.where(has, total, torch.ones_like(total)).unsqueeze(-1)
     return out, lse
 
@@ -191,15 +204,15 @@ def selected_attention_dq(
     lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     for a in range(0, t, tq):
         e = min(t, a + tq)
-        kg = _gather(table, rows[:, a:e]).float()
+        kg = _gather(table, rows[:, a:e])  # the table's dtype: the GEMMs below accumulate in fp32
         valid = (rows[:, a:e] >= 0).unsqueeze(1)
         s = torch.einsum("bhtd,btkd->bhtk", q[:, :, a:e], kg.to(q.dtype)).float() * scale
         p = torch.exp(s - lse_safe[:, :, a:e, None]).masked_fill(~valid, 0.0)
         do = dout[:, :, a:e].float()
         delta = (do * out[:, :, a:e]).sum(-1, keepdim=True)
-        dp = torch.einsum("bhtr,btkr->bhtk", do, kg[..., :value_dim])
+        dp = _rows_matmul(do, kg[..., :value_dim].transpose(-1, -2))
         ds = p * (dp - delta + dlse[:, :, a:e, None].float())
-        dq[:, :, a:e] = torch.einsum("bhtk,btkd->bhtd", ds, kg) * scale
+        dq[:, :, a:e] = _rows_matmul(ds, kg) * scale
     return dq
 
 
