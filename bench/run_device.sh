@@ -21,8 +21,14 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 fla=$(ls .whl/*.whl | grep -E 'fla_core|flash_linear')
 rest=$(ls .whl/*.whl | grep -v -E 'fla_core|flash_linear')
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $rest || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla $fla || exit 1
+# a warm machine keeps /tmp and the checkout's ignored files between calls: install once per machine and keep
+# Triton's compiled kernels (and fla's autotune choices) in the checkout, so the next command does not compile again
+if [[ ! -f /tmp/site/.longstraw_wheels ]] || ! cmp -s <(ls .whl) /tmp/site/.longstraw_wheels; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $rest || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fla $fla || exit 1
+  ls .whl > /tmp/site/.longstraw_wheels
+fi
+export TRITON_CACHE_DIR=$PWD/.triton_cache
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
