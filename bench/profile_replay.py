@@ -10,6 +10,7 @@ reports its GPU-busy time beside its wall time.
     python bench/profile_replay.py --phase capture --prompt 65536
     python bench/profile_replay.py --phase both --prompt 131072   # replay, then capture, one model build
     python bench/profile_replay.py --phase replay decode --batches 8 --layers 16 --prompt 524288
+    python bench/profile_replay.py --glm-slice --prompt 65536 --phase replay capture   # GLM-5, 1 dense + 2 MoE
 
 ``--phase decode`` profiles ``--decode-steps`` decode steps of ``--generations`` sequences (the trainer's
 generation path: one CUDA graph per step) and reports milliseconds per step.
@@ -58,11 +59,21 @@ def main() -> None:
         default=[1],
         help="responses replayed together under autograd (one backward for all); the first is profiled",
     )
+    ap.add_argument(
+        "--glm-slice",
+        action="store_true",
+        help="the GLM-5 slice of bench/glm_slice.py (layer 0 dense, the rest MoE; indexer full, then shared)",
+    )
     args = ap.parse_args()
     # positions for the prompt and the response (the preset keeps the model's own 32K limit)
-    config = preset_config(
-        args.preset, args.layers, max_position_embeddings=max(32768, args.prompt + args.response)
-    )
+    positions = max(32768, args.prompt + args.response)
+    if args.glm_slice:
+        from glm_slice import slice_config
+
+        layers = args.layers or 3
+        config = slice_config(layers, ["full"] + ["shared"] * (layers - 1), positions, smoke=False)
+    else:
+        config = preset_config(args.preset, args.layers, max_position_embeddings=positions)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
@@ -157,7 +168,7 @@ def main() -> None:
         if phase == "replay":
             results["replay_seconds_per_response"] = replay_batches(completions)
     write_result(
-        f"profile_{'_'.join(args.phase)}_{args.preset}",
+        f"profile_{'_'.join(args.phase)}_{'glm-5_slice' if args.glm_slice else args.preset}",
         {
             "prompt_tokens": args.prompt,
             "response_tokens": args.response,
