@@ -230,6 +230,25 @@ class _KeepMetrics(TrainerCallback):
             self.kept[k].extend(v)
 
 
+def record_progress(trainer, entry: dict, save) -> None:
+    """After each capture and each generation call of ``trainer``, its phase seconds so far (and the peak) go into
+    ``entry["partial"]`` and the JSON is written: a step cut by the command's timeout still leaves what finished."""
+    metrics = trainer._metrics["train"]
+
+    def recording(stock):
+        def wrapped(*a, **k):
+            out = stock(*a, **k)
+            entry["partial"] = {key: list(v) for key, v in metrics.items() if key.endswith("_seconds")}
+            entry["partial"]["peak_gib_so_far"] = peak_gib() if torch.cuda.is_available() else None
+            save()
+            return out
+
+        return wrapped
+
+    for name in ("_capture", "_generate_single_turn"):
+        setattr(trainer, name, recording(getattr(trainer, name)))
+
+
 def longstraw_trainer(model, tokenizer, args, p: int, r: int, peft_config=None) -> LongStrawGRPOTrainer:
     out_dir = tempfile.mkdtemp(prefix="longstraw_full_")  # nothing is saved there (save_strategy="no")
     atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
@@ -382,6 +401,7 @@ def run_longstraw(peft_model, tokenizer, floors, args, results: list, save, dead
         save()
         # a fresh trainer (and optimizer) per P, on the same PEFT model
         trainer = longstraw_trainer(peft_model, tokenizer, args, p, args.response)
+        record_progress(trainer, results[-1], save)
         result = _guarded(longstraw_step, trainer, floors, args, p, args.response, dtype_bytes)
         del trainer
         gc.collect()

@@ -137,3 +137,44 @@ def test_glm_slice_smoke(tmp_path):
     for r in (gpu, host):
         assert r["capture_floor_s"] > 0 and r["replay_floor_s"] > 0 and r["generation_floor_s_R"] > 0
         assert r["replay_over_floor"] == r["replay_s_per_response"] / r["replay_floor_s"]
+
+
+def test_full_model_step_cut_short_leaves_its_finished_phases(tmp_path, monkeypatch):
+    """A step that dies after generation (the device command's timeout) leaves its capture and generation seconds
+    in the JSON, under the entry still marked running."""
+    import pytest
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.chdir(BENCH)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "full_model.py",
+            "--tiny",
+            "--prompts",
+            "512",
+            "--warmup-prompt",
+            "0",
+            "--skip-stock",
+            "--tag",
+            "_cut",
+        ],
+    )
+    import full_model
+
+    from longstraw_trl.trainer import LongStrawGRPOTrainer
+
+    def cut(self, *args, **kwargs):
+        raise KeyboardInterrupt("the command's timeout")
+
+    monkeypatch.setattr(LongStrawGRPOTrainer, "_streamed_loss", cut)
+    with pytest.raises(KeyboardInterrupt):
+        full_model.main()
+    entry = json.loads((tmp_path / "full_model_qwen3.6-27b_tiny_cut.json").read_text())["longstraw"][0]
+    assert entry["status"] == "running"
+    partial = entry["partial"]
+    assert (
+        len(partial["longstraw/capture_seconds"]) == 1 and len(partial["longstraw/generation_seconds"]) == 1
+    )
