@@ -37,6 +37,7 @@ import argparse
 import atexit
 import gc
 import importlib.util
+import os
 import random
 import shutil
 import string
@@ -103,6 +104,12 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=8192,
         help="replay_batch_tokens (0: one response at a time)",
+    )
+    ap.add_argument(
+        "--fused-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="graph_free_fused_kernels (--no-fused-kernels: HF's norm and MLP forwards in capture and generation)",
     )
     ap.add_argument("--page", type=int, default=16384, help="page_size")
     ap.add_argument("--lora-rank", type=int, default=64)
@@ -266,6 +273,7 @@ def longstraw_trainer(model, tokenizer, args, p: int, r: int, peft_config=None) 
         capture_chunk_size=args.chunk,
         page_size=args.page,
         replay_batch_tokens=args.replay_batch_tokens,
+        graph_free_fused_kernels=args.fused_kernels,
         use_cpu=args.tiny,
         bf16=not args.tiny,
     )
@@ -541,6 +549,11 @@ def main() -> None:
         "response_tokens": args.response,
         "capture_chunk_size": args.chunk,
         "page_size": args.page,
+        "graph_free_fused_kernels": args.fused_kernels,
+        # the kernel switches set for this run (README, "Kernel switches"); unset: every fast path on
+        "kernel_switches": {
+            k: v for k, v in os.environ.items() if k.startswith("LONGSTRAW_") and k != "LONGSTRAW_REV"
+        },
         "budget_s": args.budget_s,
         "fla_importable": importlib.util.find_spec("fla") is not None,  # GDN kernels of both sides
         "build_s": t_build.seconds,
