@@ -84,11 +84,26 @@ def response_only_reference(model, prompt, completion, weights):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def param_grads(model) -> dict[str, torch.Tensor]:
+    """A copy of every parameter gradient ``model`` holds, by name."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def engine_grads(model, state, completion, weights, **kwargs):
     model.zero_grad()
     logp = state.logprobs(model, completion[None], grad=True, **kwargs)[0]
     (logp * weights).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return param_grads(model)
+
+
+def weighted_replay_grads(model, state, ids, mask) -> torch.Tensor:
+    """All parameter gradients (one flat tensor) of each row's replay, its log-probs weighted -1 .. 1."""
+    model.zero_grad()
+    for i in range(ids.shape[0]):
+        n = int(mask[i].sum())
+        w = torch.linspace(-1, 1, n)
+        (state.logprobs(model, ids[i : i + 1, :n], grad=True)[0] * w).sum().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
 def assert_grads_close(got, ref, tol=1e-4):

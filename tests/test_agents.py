@@ -27,14 +27,11 @@ from _agent_helpers import (
     script_stock,
     turn,
 )
+from _reference import param_grads
 from _trl_helpers import patch_response_only_logps
 from test_trainer_parity import assert_grads_close
 
 ROWS = [{"prompt": MESSAGES}] * 4
-
-
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 class Counts:
@@ -94,7 +91,7 @@ def _assert_loss_parity(ref, out, stock, ours):
     ours.model.zero_grad()
     loss = ours._streamed_loss(ours.model, out, backward=True)
     torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
-    assert_grads_close(_grads(ours.model), _grads(stock.model))
+    assert_grads_close(param_grads(ours.model), param_grads(stock.model))
     assert ours._metrics["train"]["entropy"][-1] == pytest.approx(
         stock._metrics["train"]["entropy"][-1], rel=1e-4
     )

@@ -13,20 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from _models import build
+from _reference import weighted_replay_grads
 from _spawn import exit_worker, run_processes
 
 from longstraw_trl import capture_prompt
 from longstraw_trl.distributed import merge_gathered
 from longstraw_trl.kernels.attention import attention_lse, merge_partials
-
-
-def _grads(model, state, ids, mask):
-    model.zero_grad()
-    for i in range(ids.shape[0]):
-        n = int(mask[i].sum())
-        w = torch.linspace(-1, 1, n)
-        (state.logprobs(model, ids[i : i + 1, :n], grad=True)[0] * w).sum().backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
 def _worker(rank: int, world: int, init_file: str, family: str) -> None:
@@ -54,8 +46,8 @@ def _worker(rank: int, world: int, init_file: str, family: str) -> None:
         assert diff.abs().max() <= 1e-5, diff.abs().max()
 
         # gradients: equal to one process, and identical on every rank
-        g_single = _grads(model, single, ids, mask)
-        g_cp = _grads(model, sharded, ids, mask)
+        g_single = weighted_replay_grads(model, single, ids, mask)
+        g_cp = weighted_replay_grads(model, sharded, ids, mask)
         assert (g_cp - g_single).norm() / g_single.norm() <= 1e-5
         gathered = [torch.empty_like(g_cp) for _ in range(world)]
         dist.all_gather(gathered, g_cp)
@@ -102,7 +94,8 @@ def _bf16_worker(rank: int, world: int, init_file: str) -> None:
                 for n, st in [("1", single), ("a", alone), ("s", sharded)]
             }
             grads = {
-                n: _grads(model, st, ids, mask) for n, st in [("1", single), ("a", alone), ("s", sharded)]
+                n: weighted_replay_grads(model, st, ids, mask)
+                for n, st in [("1", single), ("a", alone), ("s", sharded)]
             }
             tokens = {
                 n: st.generate(model, 2, 6, do_sample=False) for n, st in [("a", alone), ("s", sharded)]

@@ -24,6 +24,7 @@ from _reference import (
     padded_completions,
     response_only_reference,
     stock_logprobs,
+    weighted_replay_grads,
 )
 from _spawn import exit_worker, run_processes
 from _state import snapshot, unchanged
@@ -195,22 +196,13 @@ def test_offload_equals_resident(family):
     }
     assert streamed == {0: [7], 1: [8, 8, 8, 8, 7], 2: [7]}  # windows whole, full K/V in pages of 8
     mask = torch.ones_like(comps)
-    g_a, g_b = _grads(model, a, comps, mask), _grads(model, b, comps, mask)
+    g_a, g_b = weighted_replay_grads(model, a, comps, mask), weighted_replay_grads(model, b, comps, mask)
     assert (g_a - g_b).norm() / g_a.norm() <= 1e-5
 
 
 # ----------------------------------------------------------------------------------------------------
 # Context parallelism: full-layer pages sharded, windows held whole on every rank
 # ----------------------------------------------------------------------------------------------------
-def _grads(model, state, ids, mask):
-    model.zero_grad()
-    for i in range(ids.shape[0]):
-        n = int(mask[i].sum())
-        w = torch.linspace(-1, 1, n)
-        (state.logprobs(model, ids[i : i + 1, :n], grad=True)[0] * w).sum().backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-
-
 def _cp_worker(rank: int, world: int, init_file: str, family: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -237,7 +229,10 @@ def _cp_worker(rank: int, world: int, init_file: str, family: str) -> None:
         assert int(kv) == single.nbytes_by_kind()["kv"]
         diff = (single.logprobs(model, ids, mask) - sharded.logprobs(model, ids, mask)) * mask
         assert diff.abs().max() <= 1e-5, diff.abs().max()
-        g_single, g_cp = _grads(model, single, ids, mask), _grads(model, sharded, ids, mask)
+        g_single, g_cp = (
+            weighted_replay_grads(model, single, ids, mask),
+            weighted_replay_grads(model, sharded, ids, mask),
+        )
         assert (g_cp - g_single).norm() / g_single.norm() <= 1e-5
         gathered = [torch.empty_like(g_cp) for _ in range(world)]
         dist.all_gather(gathered, g_cp)

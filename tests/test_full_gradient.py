@@ -19,7 +19,7 @@ import tempfile
 import pytest
 import torch
 from _models import HYBRID_COMMON, MROPE_INTERLEAVED, build, build_hybrid, build_window
-from _reference import VOCAB, assert_grads_close, with_lora
+from _reference import VOCAB, assert_grads_close, param_grads, with_lora
 from _trl_helpers import TINY_VOCAB, make_tiny_grpo_trainer, make_tiny_longstraw_trainer, random_grpo_inputs
 
 from longstraw_trl import LongStrawError, capture_prompt
@@ -32,10 +32,6 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_
 
 def _model(family: str):
     return build(family) if family == "qwen3" else build_hybrid(family)
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _data(seed: int = 1, prompt_len: int = 29, g: int = 3, r: int = 11):
@@ -53,7 +49,7 @@ def stock_full_grads(model, prompt, comps, weights):
         logits = model(torch.cat([prompt, comps[i]])[None]).logits.float()
         logp = torch.log_softmax(logits[0, p - 1 : -1], -1).gather(-1, comps[i][:, None])[:, 0]
         (logp * weights[i]).sum().backward()
-    return _grads(model)
+    return param_grads(model)
 
 
 def engine_full_grads(model, prompt, comps, weights, block_size=None, **capture):
@@ -69,7 +65,7 @@ def engine_full_grads(model, prompt, comps, weights, block_size=None, **capture)
                 state, model, comps[i], block_size, lambda lp, h, w=weights[i]: (lp * w).sum(), grads=grads
             )
     prompt_backward(state, model, grads)
-    return _grads(model)
+    return param_grads(model)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -96,7 +92,7 @@ def test_the_prompt_path_matters_here():
     model.zero_grad()
     for i in range(3):
         (state.logprobs(model, comps[i : i + 1], grad=True)[0] * weights[i]).sum().backward()
-    rel = max(((g - ref[n]).norm() / ref[n].norm()).item() for n, g in _grads(model).items())
+    rel = max(((g - ref[n]).norm() / ref[n].norm()).item() for n, g in param_grads(model).items())
     assert rel > 1e-2
 
 
@@ -129,7 +125,7 @@ def test_prompt_backward_through_an_extended_state(family):
     for i in range(3):
         (state.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]).sum().backward()
     prompt_backward(state, model, grads)
-    assert_grads_close(_grads(model), ref)
+    assert_grads_close(param_grads(model), ref)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -149,7 +145,7 @@ def test_reverse_block_replay_equals_a_plain_replay(family):
     model.zero_grad()
     for i in range(3):
         loss(state.logprobs(model, comps[i : i + 1], grad=True)[0], None, weights[i]).backward()
-    ref = _grads(model)
+    ref = param_grads(model)
     plain = state.logprobs(model, comps)
     for block in (3, 4, 11, 16):
         model.zero_grad()
@@ -159,7 +155,7 @@ def test_reverse_block_replay_equals_a_plain_replay(family):
             )
             torch.testing.assert_close(logps, plain[i], atol=1e-5, rtol=0)
             torch.testing.assert_close(value, loss(plain[i], None, weights[i]), atol=1e-5, rtol=1e-5)
-        assert_grads_close(_grads(model), ref)
+        assert_grads_close(param_grads(model), ref)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -318,7 +314,7 @@ def _step(trl, ours, inputs, ours_inputs):
     ref_loss.backward()
     loss = ours._streamed_loss(ours.model, ours_inputs, backward=True)
     torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
-    assert_grads_close(_grads(ours.model), _grads(trl.model))
+    assert_grads_close(param_grads(ours.model), param_grads(trl.model))
 
 
 @pytest.mark.parametrize(
@@ -365,7 +361,7 @@ def test_trainer_reverse_block_replay_response_only_equals_whole_replays(extra):
     for t in (whole, blocks):
         t.model.train()
         t.model.zero_grad()
-        results.append((t._streamed_loss(t.model, ours_inputs, backward=True), _grads(t.model)))
+        results.append((t._streamed_loss(t.model, ours_inputs, backward=True), param_grads(t.model)))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
     assert_grads_close(results[1][1], results[0][1])
 

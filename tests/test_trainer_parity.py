@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from _reference import param_grads
 from _trl_helpers import (
     make_tiny_grpo_trainer,
     make_tiny_longstraw_trainer,
@@ -49,10 +50,6 @@ def _ours_inputs(inputs):
     return ours
 
 
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _loss_metrics(trainer):
     out = {}
     for name, values in trainer._metrics["train"].items():
@@ -69,7 +66,7 @@ def trl_loss_and_grads(trainer, inputs, response_only: bool):
     trainer._metrics["train"].clear()
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
-    return loss.detach(), _grads(trainer.model), _loss_metrics(trainer)
+    return loss.detach(), param_grads(trainer.model), _loss_metrics(trainer)
 
 
 def ours_loss_and_grads(trainer, inputs):
@@ -78,7 +75,7 @@ def ours_loss_and_grads(trainer, inputs):
     trainer._metrics["train"].clear()
     loss = trainer._streamed_loss(trainer.model, _ours_inputs(inputs), backward=True)
     assert not loss.requires_grad
-    return loss, _grads(trainer.model), _loss_metrics(trainer)
+    return loss, param_grads(trainer.model), _loss_metrics(trainer)
 
 
 def assert_grads_close(got, ref, tol=1e-4):
@@ -146,7 +143,7 @@ def test_micro_batches_holding_parts_of_groups_match_trl(loss_type):
         ref_loss.backward()
         loss = ours._streamed_loss(ours.model, chunk, backward=True)
         torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
-    assert_grads_close(_grads(ours.model), _grads(trl.model))
+    assert_grads_close(param_grads(ours.model), param_grads(trl.model))
 
 
 def test_hf_gradient_checkpointing_and_layer_checkpointing_keep_parity():
