@@ -127,14 +127,10 @@ def _fla_conv(x, weight, bias, conv_state, activation, hist):
 
     fla's state is ``[B, C, kernel_size]`` and reads its last ``kernel_size - 1`` columns, newest last: ours
     with one zero column in front. Returns the torch path's ``(y [B, C, T], state [B, C, kernel_size - 1])``."""
-    b, c, _ = x.shape
     initial = None
     if conv_state is not None:
-        prev = (
-            conv_state.detach().to(device=x.device, dtype=x.dtype)[..., -hist:]
-            if hist
-            else conv_state[..., :0]
-        )
+        prev = conv_state.detach().to(device=x.device, dtype=x.dtype)
+        prev = prev[..., prev.shape[-1] - min(hist, prev.shape[-1]) :]  # its last kernel_size - 1 columns
         initial = F.pad(prev, (1 + hist - prev.shape[-1], 0)).contiguous()
     act = None if _ACTIVATIONS[activation] is None else "silu"
     y, final = _fla_conv_fn()(
