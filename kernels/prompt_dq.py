@@ -156,7 +156,7 @@ def prompt_dq(
         v = v.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     bucket = 1 << max(m - 1, 1).bit_length()  # autotune once per power-of-two row count
-    tuned = (q.device, d, bucket)
+    tuned = (q.device, q.dtype, d, bucket)  # what Triton's autotuner keys on (its key, the argument dtypes)
     if tuned not in _TUNED:
         # Triton's autotuner times every config on the call it sees: on a replay's millions of prompt keys that is
         # seconds per config. Tune on the first TUNE_KEYS keys instead (same rows, same tile shapes) and keep it.
@@ -166,7 +166,7 @@ def prompt_dq(
     return _launch(q, k, v, dout, lse, delta, scale, bucket)
 
 
-# Keys the autotuner's timing runs see at most (see :func:`prompt_dq`); (device, head dim, row bucket) tuned so far.
+# Keys the autotuner's timing runs see at most (see :func:`prompt_dq`); (device, dtype, head dim, row bucket) tuned so far.
 TUNE_KEYS = 1 << 15
 _TUNED: set = set()
 
