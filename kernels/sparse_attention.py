@@ -135,12 +135,7 @@ def _rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ``b``. With a half ``b`` (bf16 latent rows), ``a`` is rounded to that dtype and the product is a tensor-core
     GEMM with fp32 accumulation and output (HF's attention rounds its probabilities to the activation dtype
     too); fp32 math otherwise (the CPU tests)."""
-    at = a.transpose(1, 2)  # [B, t, H, k]
-    if b.dtype in (torch.bfloat16, torch.float16):
-        out = matmul_fp32(at.to(b.dtype), b)
-    else:
-        out = torch.matmul(at.float(), b.float())
-    return out.transpose(1, 2)
+    return matmul_fp32(a.transpose(1, 2).to(b.dtype), b).transpose(1, 2)  # [B, t, H, k] @ [B, t, k, r]
 
 
 def selected_attention_block(
