@@ -21,13 +21,13 @@ decode (both return the LSE), the backward the flash backward.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from .prompt_dq import prompt_dq, prompt_dq_ok
+from .switches import switch
 
 # The plain-math path processes keys in blocks so that one fp32 score tile stays under this many
 # elements (1 GiB), whatever the number of query rows.
@@ -426,7 +426,7 @@ def pages_attention_dq(
 
 def _use_prompt_dq() -> bool:
     # LONGSTRAW_PROMPT_DQ=0 takes the flash backward instead (for comparison)
-    return os.environ.get("LONGSTRAW_PROMPT_DQ", "1") != "0"
+    return switch("LONGSTRAW_PROMPT_DQ")
 
 
 def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:

@@ -14,10 +14,11 @@ the whole Qwen3.6-27B it cost three passes over each chunk's conv input and abou
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
+
+from .switches import switch
 
 __all__ = ["causal_conv1d_with_state"]
 
@@ -117,7 +118,7 @@ def _use_fla(x, weight, conv_state, state_grad, state_len, hist) -> bool:
         and state_len == hist
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
-        and os.environ.get("LONGSTRAW_FLA_CONV", "1") != "0"
+        and switch("LONGSTRAW_FLA_CONV")
         and _fla_conv_fn() is not None
     )
 

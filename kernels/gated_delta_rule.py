@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .gated_delta_rule_naive import l2norm
+from .switches import switch
 
 __all__ = [
     "chunk_gated_delta_rule_torch",
@@ -276,7 +276,7 @@ def fla_backward_allowed(device: torch.device | None = None) -> bool:
     Even when opted in, it is refused on Hopper (sm_90) with ``3.4.0 <= Triton < 3.7.1``: fla raises there
     itself (a Triton miscompile gives wrong db/dg, fla issue #640, guard relaxed in fla PR #983).
     """
-    if os.environ.get(FLA_BACKWARD_ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
+    if not switch(FLA_BACKWARD_ENV, default=False):
         return False
     if not fla_available() or not torch.cuda.is_available():
         return False

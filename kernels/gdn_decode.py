@@ -25,9 +25,10 @@ its ``causal_conv1d_update`` keeps a ``kernel_size``-wide cache (ours is ``kerne
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from .switches import switch
 
 try:  # Triton's interpreter (the CPU tests) finds triton.language among the kernel's module globals
     import triton.language as tl
@@ -192,7 +193,7 @@ def _triton_importable() -> bool:
 def gdn_decode_ok(*tensors: torch.Tensor | None) -> bool:
     """Whether :func:`gdn_decode_step` serves a call on these tensors: all on CUDA, none needing a gradient
     (the kernels are forward only), Triton importable, and ``LONGSTRAW_GDN_DECODE`` not ``0``."""
-    if os.environ.get(GDN_DECODE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switch(GDN_DECODE_ENV):
         return False
     present = [t for t in tensors if t is not None]
     if not present or not all(t.is_cuda for t in present):

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from .switches import switch
+
 KERNEL_ENV = "LONGSTRAW_INDEXER_KERNEL"
 
 
@@ -152,7 +154,7 @@ def _interpreted() -> bool:
 
 
 def _use_kernel() -> bool:
-    return os.environ.get(KERNEL_ENV, "1") != "0"
+    return switch(KERNEL_ENV)
 
 
 def index_scores_kernel_ok(q: torch.Tensor, keys: torch.Tensor) -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +34,8 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from longstraw_trl.kernels.switches import switch
 
 from .engine import ReplayContext, _vocab_size, check_positions, forward_model
 from .errors import LongStrawError
@@ -335,7 +336,7 @@ class DecodeStep:
                 device.type == "cuda"
                 and state.cp_group is None  # collectives inside: keep them eager
                 and state.offload is None  # host-to-device page copies inside
-                and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
+                and switch(CUDA_GRAPHS_ENV)
             )
         if cuda_graphs and device.type != "cuda":
             raise LongStrawError("cuda_graphs=True needs the state on a CUDA device")

@@ -392,3 +392,26 @@ def test_prompt_dq_autotunes_on_a_key_slice_once_per_row_bucket(monkeypatch):
     assert calls[2:] == [(120, 5000)]
     run(300, 50)  # a new bucket with fewer keys than the slice: tuned on the call itself
     assert calls[3:] == [(300, 50)]
+
+
+def test_kernel_switches_read_one_way(monkeypatch):
+    """Every kernel switch reads its variable the same way (kernels/switches.py): off-words turn a default-on fast
+    path off, on-words an opt-in one on, anything else keeps the default."""
+    from longstraw_trl.kernels.switches import switch
+
+    for value, on_by_default, opt_in in [
+        (None, True, False),
+        ("0", False, False),
+        (" Off ", False, False),
+        ("false", False, False),
+        ("1", True, True),
+        ("yes", True, True),
+        ("maybe", True, False),
+    ]:
+        if value is None:
+            monkeypatch.delenv("LONGSTRAW_PROMPT_DQ", raising=False)
+        else:
+            monkeypatch.setenv("LONGSTRAW_PROMPT_DQ", value)
+        assert switch("LONGSTRAW_PROMPT_DQ") is on_by_default, value
+        assert switch("LONGSTRAW_PROMPT_DQ", default=False) is opt_in, value
+        assert attn._use_prompt_dq() is on_by_default, value  # a fast path reads it through the switch
