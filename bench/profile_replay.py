@@ -152,8 +152,12 @@ def main() -> None:
         print(f"first capture {t_cap.seconds:.1f} s; {phase} (warm): {[round(x, 3) for x in times]} s")
         print(f"profiled {phase}: {cuda_s:.3f} s of CUDA kernels, {calls} aten calls")
         print(table)
+        # host-side view too: a phase far above its floor with few kernel seconds waits on the host
+        cpu_table = averages.table(
+            sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60
+        )
         with open(os.path.join(out, f"profile_{phase}.txt"), "w") as f:
-            f.write(table)
+            f.write(table + "\n\nsorted by self CPU time:\n" + cpu_table)
         results[phase] = {"seconds": times, "profiled_cuda_kernel_s": cuda_s, "profiled_aten_calls": calls}
         if phase == "decode":
             # steady state: a call's first step runs eagerly and captures the graph, so per step is the

@@ -29,6 +29,10 @@ if [[ ! -f /tmp/site/.longstraw_wheels ]] || ! cmp -s <(ls .whl) /tmp/site/.long
   ls .whl > /tmp/site/.longstraw_wheels
 fi
 export TRITON_CACHE_DIR=$PWD/.triton_cache
+# v3 writes here which fast paths failed their GPU tests on this machine; its later commands keep them off
+switches=$TRITON_CACHE_DIR/switches.env
+FUSED_FLAG=""
+if [[ -f $switches ]]; then source "$switches"; cat "$switches"; fi
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -46,20 +50,24 @@ gpu-profile)  # the GPU tests, then a replay + backward and a capture of the who
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 330 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/profile.log" | grep -E "^first|^profiled|^\{"
   ;;
-v3)  # issue 11: GPU tests of the fused kernels (norms, GDN decode step, fla conv, dQ), then the whole 27B at 512K.
-      # If the kernel tests fail, the 512K step runs on the torch paths (tag _safe), so the slot still measures
-  PYTHONPATH=/tmp/site:/tmp/fla timeout 190 python3 -m pytest -q -s -m gpu tests/test_kernels_elementwise.py \
-    tests/test_kernels_gdn_decode.py tests/test_generation.py tests/test_engine_gqa.py tests/test_kernels_gdn.py \
-    tests/test_kernels_attention.py > "$OUT/pytest_gpu.log" 2>&1
+v3)  # issue 11: GPU tests of the fast paths (norms, GDN decode step, fla conv, dQ, indexer), then the whole 27B at
+      # 512K. A fast path whose tests fail is switched off for this and the machine's later commands (switches.env)
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 170 python3 -m pytest -q -s -rfE -m gpu tests/test_kernels_elementwise.py \
+    tests/test_kernels_gdn_decode.py tests/test_kernels_gdn.py::test_gpu_fla_conv_equals_torch_conv \
+    tests/test_kernels_attention.py tests/test_kernels_indexer.py tests/test_generation.py tests/test_engine_gqa.py \
+    > "$OUT/pytest_gpu.log" 2>&1
   rc=$?; echo "pytest -m gpu: rc=$rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -12
-  extra=(--tag _P512K_v3)
-  if [[ $rc -ne 0 && $rc -ne 124 ]]; then
-    export LONGSTRAW_GDN_DECODE=0 LONGSTRAW_FLA_CONV=0
-    extra=(--tag _P512K_v3_safe --no-fused-kernels)
-  fi
+  mkdir -p "$TRITON_CACHE_DIR"; : > "$switches"
+  failed() { grep -q -E "^(FAILED|ERROR) tests/$1" "$OUT/pytest_gpu.log"; }
+  failed test_kernels_elementwise && echo 'FUSED_FLAG=--no-fused-kernels' >> "$switches"
+  failed test_kernels_gdn_decode && echo 'export LONGSTRAW_GDN_DECODE=0' >> "$switches"
+  failed test_kernels_gdn.py::test_gpu_fla_conv && echo 'export LONGSTRAW_FLA_CONV=0' >> "$switches"
+  failed test_kernels_attention.py::test_prompt_dq && echo 'export LONGSTRAW_PROMPT_DQ=0' >> "$switches"
+  failed test_kernels_indexer && echo 'export LONGSTRAW_INDEXER_KERNEL=0' >> "$switches"
+  echo "switched off: $(tr '\n' ' ' < "$switches")"; source "$switches"
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 375 python3 -u full_model.py --skip-stock --prompts 524288 \
-    --response 256 --warmup-response 256 --budget-s 360 "${extra[@]}" 2>&1 | grep -v -i warn | tee "$OUT/full.log" \
-    | tail -8
+    --response 256 --warmup-response 256 --budget-s 360 --tag _P512K_v3 $FUSED_FLAG 2>&1 | grep -v -i warn \
+    | tee "$OUT/full.log" | tail -8
   ;;
 diag)  # where replay, decode and capture spend their time (16-layer slice, 512K), a GLM-5 smoke, the GPU tests
   cd bench
@@ -154,12 +162,14 @@ agents)  # issue 12: P = 512K, G = 8, three tool turns per rollout on the Qwen3.
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 500 python3 -u agent_turns.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/agents.log" | tail -12
   ;;
-glm)  # issue 13: GLM-5 slice (1 dense + 2 MoE, indexer full/shared/shared), G = 8, R = 2048. The indexer kernel's
-       # GPU tests first (a broken kernel costs no slice time), then the cases in order 1M GPU state, 1M host state,
+glm)  # issue 13: where a GLM-5 slice's replay spends its time (P = 64K; it was 175x its floor), then the slice
+       # (1 dense + 2 MoE, indexer full/shared/shared), G = 8, R = 2048, in order 1M GPU state, 1M host state,
        # 2M GPU, 2M host; one estimated past the budget is skipped (listed in the JSON and the table).
-  PYTHONPATH=/tmp/site timeout 130 python3 -m pytest -q -x -m gpu tests/test_kernels_indexer.py \
-    > "$OUT/pytest_indexer.log" 2>&1; echo "indexer gpu tests: rc=$?"; tail -3 "$OUT/pytest_indexer.log"
-  cd bench && timeout 440 python3 -u glm_slice.py --prompt 1048576 2097152 --gen-tokens 512 --budget-s 420 2>&1 \
+       # The indexer kernel's GPU tests run in v3 (switches.env)
+  cd bench
+  timeout 110 python3 -u profile_replay.py --glm-slice --prompt 65536 --phase replay --top 25 2>&1 \
+    | grep -v -i warn | tee "$OUT/glm_profile.log" | grep -E "^first|^profiled|^replay|Error"
+  timeout 440 python3 -u glm_slice.py --prompt 1048576 2097152 --gen-tokens 512 --budget-s 420 2>&1 \
     | grep -v -i warn | tee "$OUT/glm.log" | tail -8
   ;;
 glm-2m)  # the 2M points alone (when `glm` skipped them)
@@ -169,7 +179,7 @@ glm-2m)  # the 2M points alone (when `glm` skipped them)
 full-1m)  # issue 11's whole GRPO step at P = 1M, G = 8, R = 1024 in one command: no warm-up step (the first step
           # is timed cold, compilation included), the responses replayed 4 at a time (plan 123.8 GiB against 129.1 for 8)
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 592 python3 -u full_model.py --skip-stock --prompts 1048576 \
-    --response 1024 --warmup-prompt 0 --replay-batch-tokens 4100 --budget-s 580 --tag _P1M 2>&1 | grep -v -i warn \
+    --response 1024 --warmup-prompt 0 --replay-batch-tokens 4100 --budget-s 580 --tag _P1M $FUSED_FLAG 2>&1 | grep -v -i warn \
     | tee "$OUT/full.log" | tail -8
   ;;
 full)  # the whole Qwen3.6-27B with LoRA r=64: LongStraw steps vs floors, then stock TRL until OOM. Extra
