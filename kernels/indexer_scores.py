@@ -30,7 +30,9 @@ KERNEL_ENV = "LONGSTRAW_INDEXER_KERNEL"
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` in fp32 as HF's indexer computes it (``a.float() @ b.float()``). On CUDA with half inputs the
     half GEMM with an fp32 output gives the same products (exact in fp32) with fp32 accumulation."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
+    # out_dtype GEMMs have no derivative: under autograd the fp32 matmul (differentiable) serves
+    graph = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and not graph:
         try:
             shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
             a3 = a.expand(*shape, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
