@@ -28,6 +28,9 @@ SCORE_TILE_ELEMENTS = 1 << 28
 # Query rows (batch x queries) per block of the selected-keys attention; the gathered keys of a block are
 # ``rows x topk x D`` elements.
 ATTENTION_QUERY_ROWS = 256
+# A per-sequence table (a response's own keys) of at most this many rows per chosen key is attended densely
+# with a mask (:func:`masked_attention_block`): its scores cost at most twice the gathered ones'.
+DENSE_ROWS_PER_CHOICE = 2
 
 
 def _topk_of_buffer(
@@ -120,14 +123,21 @@ def indexer_topk(
 # Attention over chosen rows of a key table
 # ----------------------------------------------------------------------------------------------------
 def _gather(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``table [N, D]`` (shared) or ``[B, N, D]`` (per sequence), ``rows [B, t, k]`` -> ``[B, t, k, D]``."""
+    """``table [N, D]`` (shared) or ``[B, N, D]`` (per sequence), ``rows [B, t, k]`` -> ``[B, t, k, D]``.
+
+    ``index_select`` on the flattened table: its backward is one ``index_add_`` (advanced indexing's is a
+    sort-based ``index_put_``, 79% of a GLM-5 slice's replay on the H200 when every query chose the same
+    response keys). A table that needs a gradient is gathered from fp32, so the many contributions to one
+    row accumulate in fp32, not in its half dtype."""
     safe = rows.clamp_min(0)
-    if table.shape[-2] == 0:  # nothing stored here (a rank without pages yet): every row is -1
-        table = table.new_zeros((*table.shape[:-2], 1, table.shape[-1]))
-    if table.dim() == 2:
-        return table[safe]
-    b = torch.arange(rows.shape[0], device=rows.device).view(-1, 1, 1)
-    return table[b, safe]
+    n, d = table.shape[-2:]
+    if n == 0:  # nothing stored here (a rank without pages yet): every row is -1
+        table, n = table.new_zeros((*table.shape[:-2], 1, d)), 1
+    if table.dim() == 3:  # row b * N + j of the flattened per-sequence table
+        safe = safe + n * torch.arange(rows.shape[0], device=rows.device).view(-1, 1, 1)
+    if torch.is_grad_enabled() and table.requires_grad and table.dtype in (torch.float16, torch.bfloat16):
+        table = table.float()
+    return table.reshape(-1, d).index_select(0, safe.reshape(-1)).view(*rows.shape, d)
 
 
 def _rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -138,43 +148,61 @@ def _rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return matmul_fp32(a.transpose(1, 2).to(b.dtype), b).transpose(1, 2)  # [B, t, H, k] @ [B, t, k, r]
 
 
-def selected_attention_block(
-    q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, value_dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, H, t, D]`` over its chosen rows ``rows [B, t, k]`` of ``table``: ``(out [B, H, t, Dv], lse
-    [B, H, t])`` fp32. Scores in the inputs' dtype (as HF's eager attention), softmax in fp32. A query with
-    no chosen row gets ``out = 0, lse = -inf``. Differentiable (autograd) in ``q`` and ``table``."""
-    kg = _gather(table, rows)  # [B, t, k, D]
-    valid = (rows >= 0).unsqueeze(1)  # [B, 1, t, k]
-    s = torch.einsum("bhtd,btkd->bhtk", q, kg.to(q.dtype)).float() * scale
+def _masked_softmax(s: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalised probabilities ``p`` of fp32 scores ``s [B, H, t, n]`` over the ``valid`` keys, their sum
+    (1 where a query has none) and ``lse`` (``-inf`` there)."""
     s = s.masked_fill(~valid, float("-inf"))
     m = s.amax(-1)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()  # (lse does not depend on m)
     p = torch.exp(s - m.unsqueeze(-1))
     total = p.sum(-1)
     has = total > 0
-    lse = torch.where(has, m + torch.log(torch.where(has, total, torch.ones_like(total))), float("-inf"))
-    out = _rows_matmul(p, kg[..., :value_dim])
-    out = out / torch.where(has, total, torch.ones_like(total)).unsqueeze(-1)
-    return out, lse
+    total = torch.where(has, total, torch.ones_like(total))
+    return p, total, torch.where(has, m + torch.log(total), float("-inf"))
+
+
+def selected_attention_block(
+    q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, H, t, D]`` over its chosen rows ``rows [B, t, k]`` of ``table``: ``(out [B, H, t, Dv], lse
+    [B, H, t])`` fp32. Scores in the inputs' dtype (as HF's eager attention), softmax in fp32. A query with
+    no chosen row gets ``out = 0, lse = -inf``. Differentiable (autograd) in ``q`` and ``table``."""
+    kg = _gather(table, rows).to(table.dtype)  # [B, t, k, D]; fp32 gradient rows, the table's values
+    s = torch.einsum("bhtd,btkd->bhtk", q, kg.to(q.dtype)).float() * scale
+    p, total, lse = _masked_softmax(s, (rows >= 0).unsqueeze(1))
+    return _rows_matmul(p, kg[..., :value_dim]) / total.unsqueeze(-1), lse
+
+
+def masked_attention_block(
+    q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`selected_attention_block` for a per-sequence ``table [B, N, D]`` with few rows (a response's own
+    keys): dense scores over all ``N`` rows, the unchosen masked. Two GEMMs and no gather (nor its backward)."""
+    b, n = table.shape[0], table.shape[1]
+    chosen = torch.zeros(b, rows.shape[1], n + 1, dtype=torch.bool, device=rows.device)
+    chosen = chosen.scatter(-1, rows + 1, True)[..., 1:]  # row -1 (none) lands in the dropped column 0
+    keys = table.to(q.dtype).unsqueeze(1)  # [B, 1, N, D]
+    s = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    p, total, lse = _masked_softmax(s, chosen.unsqueeze(1))
+    return matmul_fp32(p.to(table.dtype), table[..., :value_dim].unsqueeze(1)) / total.unsqueeze(-1), lse
 
 
 def selected_attention(
     q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, value_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`selected_attention_block` in blocks of queries; under autograd each block is checkpointed
-    (its gathered keys are gathered again in backward instead of kept)."""
+    (its gathered keys are gathered again in backward instead of kept). A per-sequence table of at most
+    :data:`DENSE_ROWS_PER_CHOICE` times as many rows as each query chooses takes
+    :func:`masked_attention_block` (the same result; dense scores cost no more than gathered ones there)."""
     b, _, t, _ = q.shape
     tq = max(1, ATTENTION_QUERY_ROWS // b)
     grad = torch.is_grad_enabled() and (q.requires_grad or table.requires_grad)
+    dense = table.dim() == 3 and table.shape[1] <= DENSE_ROWS_PER_CHOICE * rows.shape[-1]
+    block = masked_attention_block if dense else selected_attention_block
     outs, lses = [], []
     for a in range(0, t, tq):
         args = (q[:, :, a : a + tq], table, rows[:, a : a + tq], scale, value_dim)
-        o, s = (
-            checkpoint(selected_attention_block, *args, use_reentrant=False)
-            if grad
-            else (selected_attention_block(*args))
-        )
+        o, s = checkpoint(block, *args, use_reentrant=False) if grad else block(*args)
         outs.append(o)
         lses.append(s)
     return torch.cat(outs, 2), torch.cat(lses, 2)

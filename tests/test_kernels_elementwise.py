@@ -57,15 +57,23 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
     return int((ordered(a) - ordered(b)).abs().max()), (a == b).float().mean().item()
 
 
-def _assert_matches(out: torch.Tensor, ref: torch.Tensor, min_exact: float = 0.99) -> None:
-    """fp32: within a few fp32 rounding errors; 16-bit: at most one unit in the last place, and almost all
-    bit-identical (a misplaced cast point rounds a large fraction differently)."""
+def _assert_matches(out: torch.Tensor, ref: torch.Tensor, min_exact: float = 0.99, max_ulp: int = 1) -> None:
+    """fp32: within a few fp32 rounding errors; 16-bit: at most ``max_ulp`` units in the last place, and almost
+    all bit-identical (a misplaced cast point rounds a large fraction differently)."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
         return
     worst, exact = _ulps(out, ref)
-    assert worst <= 1 and exact >= min_exact, f"max {worst} ulp, {exact:.5f} bit-identical"
+    assert worst <= max_ulp and exact >= min_exact, f"max {worst} ulp, {exact:.5f} bit-identical"
+
+
+# HF rounds the normalised row to the activation dtype before it multiplies by the weight (Llama, the gated
+# norms): where the mean's fp32 summation order flips that first rounding, the second one can turn the one-unit
+# flip into two units of the output. Measured in torch on the capture shape (16384 x 5120, bf16, the mean summed
+# in fp64 instead): at most 2 ulp, 99.9998% bit-identical; the zero-centered form rounds once: at most 1 ulp.
+# (On the H200 the 1-ulp bound failed for LlamaRMSNorm and both gated norms at the capture shape only.)
+TWO_ROUNDINGS_ULP = 2
 
 
 def _rand(*shape, dtype=torch.float32, scale=1.0, seed=0, device="cpu"):
@@ -348,13 +356,14 @@ def test_rms_norm_bf16_on_cuda(cls, phase):
     x = _rand(1, t, 5120, dtype=torch.bfloat16, scale=3.0, device="cuda")
     with torch.no_grad():
         ref = module(x)
-    _assert_matches(_fused_call(module, x), ref, min_exact=0.999)
+    max_ulp = TWO_ROUNDINGS_ULP if cls is LlamaRMSNorm else 1
+    _assert_matches(_fused_call(module, x), ref, min_exact=0.999, max_ulp=max_ulp)
     # q_norm of a gated attention layer: per head, on the query half of q_proj's output (row stride 512)
     head = _norm(cls, 256, torch.bfloat16, "cuda")
     q = _rand(1, t, 24, 512, dtype=torch.bfloat16, scale=3.0, device="cuda")[..., :256]
     with torch.no_grad():
         ref = head(q)
-    _assert_matches(_fused_call(head, q), ref, min_exact=0.999)
+    _assert_matches(_fused_call(head, q), ref, min_exact=0.999, max_ulp=max_ulp)
 
 
 @pytest.mark.gpu
@@ -368,7 +377,7 @@ def test_gated_rms_norm_bf16_on_cuda(cls, phase):
     gate = _rand(t, 128, dtype=torch.bfloat16, scale=2.0, seed=5, device="cuda")
     with torch.no_grad():
         ref = module(x, gate)
-    _assert_matches(_fused_call(module, x, gate), ref, min_exact=0.999)
+    _assert_matches(_fused_call(module, x, gate), ref, min_exact=0.999, max_ulp=TWO_ROUNDINGS_ULP)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,110 @@
+"""Attention over chosen rows of a key table (``kernels.sparse_attention``) against plain fp64 math.
+
+The reference (:func:`reference`) loops over queries: each one's softmax over exactly the rows it chose,
+in fp64, differentiable. Both block forms are checked against it, forward and gradients: the gathered one
+(:func:`selected_attention_block`, every table) and the masked dense one (:func:`masked_attention_block`,
+a per-sequence table of few rows, what a replay's own response keys take).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import longstraw_trl.kernels.sparse_attention as sparse
+
+SCALE = 0.3
+VALUE_DIM = 5
+
+
+def reference(q, table, rows, scale=SCALE, value_dim=VALUE_DIM):
+    """fp64 ``(out [B, H, t, Dv], lse [B, H, t])``; a query that chose nothing: 0 and -inf."""
+    b, h, t, _ = q.shape
+    outs, lses = [], []
+    for i in range(b):
+        for j in range(t):
+            chosen = [r for r in rows[i, j].tolist() if r >= 0]
+            if not chosen:
+                outs.append(q.new_zeros(h, value_dim, dtype=torch.float64))
+                lses.append(torch.full((h,), float("-inf"), dtype=torch.float64))
+                continue
+            keys = (table[i] if table.dim() == 3 else table)[chosen].double()
+            s = q[i, :, j].double() @ keys.T * scale  # [H, n]
+            outs.append(torch.softmax(s, -1) @ keys[:, :value_dim])
+            lses.append(torch.logsumexp(s, -1))
+    out = torch.stack(outs).view(b, t, h, value_dim).transpose(1, 2)
+    return out, torch.stack(lses).view(b, t, h).transpose(1, 2)
+
+
+def case(b=2, h=3, t=7, n=9, d=8, k=4, shared=False, seed=0):
+    """Queries, a table and each query's ``k`` distinct chosen rows (some slots -1; query 1 chose none)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64)
+    table = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    if not shared:
+        table = torch.randn(b, n, d, generator=gen, dtype=torch.float64)
+    rows = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(b * t)]).view(b, t, k)
+    rows[:, :, -1] = -1
+    rows[:, 1] = -1
+    return q, table, rows
+
+
+@pytest.fixture(params=["gathered", "dense"])
+def block_form(request, monkeypatch):
+    """Which block form a per-sequence table takes; query blocks of 2 rows, so a call has several blocks."""
+    monkeypatch.setattr(sparse, "DENSE_ROWS_PER_CHOICE", 0 if request.param == "gathered" else 1 << 20)
+    monkeypatch.setattr(sparse, "ATTENTION_QUERY_ROWS", 4)
+    return request.param
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_forward_and_gradients_equal_the_reference(block_form, shared):
+    q, table, rows = case(shared=shared)
+    (qr, tr), (qg, tg) = ([x.clone().requires_grad_() for x in (q, table)] for _ in range(2))
+    gen = torch.Generator().manual_seed(5)
+    d_out, d_lse = torch.randn(2, 3, 7, VALUE_DIM, generator=gen), torch.randn(2, 3, 7, generator=gen)
+
+    out_ref, lse_ref = reference(qr, tr, rows)
+    finite = torch.isfinite(lse_ref)
+    ((out_ref * d_out).sum() + (lse_ref[finite] * d_lse[finite]).sum()).backward()
+    out, lse = sparse.selected_attention(qg.float(), tg.float(), rows, SCALE, VALUE_DIM)
+    assert torch.equal(torch.isfinite(lse), finite)
+    ((out * d_out).sum() + (lse[finite] * d_lse[finite]).sum()).backward()
+
+    torch.testing.assert_close(out.double(), out_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse[finite].double(), lse_ref[finite], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(qg.grad, qr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tg.grad, tr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_form_is_taken_for_a_few_rows_only(monkeypatch):
+    """The default threshold: a per-sequence table of up to 2 rows per choice is attended densely; more rows,
+    or the shared prompt table, are gathered."""
+    calls = []
+    for name in ("masked_attention_block", "selected_attention_block"):
+        real = getattr(sparse, name)
+        monkeypatch.setattr(sparse, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    for n, shared, expected in [(8, False, "masked"), (9, False, "selected"), (8, True, "selected")]:
+        calls.clear()
+        q, table, rows = case(n=n, k=4, shared=shared)
+        sparse.selected_attention(q.float(), table.float(), rows, SCALE, VALUE_DIM)
+        assert calls and set(calls) == {f"{expected}_attention_block"}, (n, shared, calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_half_table_gradient_accumulates_in_fp32_on_cuda():
+    """Every query chose the same rows: each row's gradient sums 64 contributions. CUDA's ``index_add_`` on a
+    bf16 tensor rounds after every atomic add; gathered from the table in fp32, the sum is exact. (On the CPU
+    a bf16 ``index_add_`` sums exactly either way, so this runs on CUDA only.)"""
+    b, n, d, t = 1, 6, 8, 64
+    table = torch.randn(b, n, d, device="cuda").bfloat16()
+    rows = torch.arange(4, device="cuda").expand(b, t, 4).contiguous()
+    tg = table.clone().requires_grad_()
+    kg = sparse._gather(tg, rows)
+    x = 1 + 2**-7  # a bf16 number whose multiples 3x, 5x, ... are not: a bf16 running sum rounds
+    (kg.float() * x).sum().backward()
+    expected = torch.zeros(b, n, d, device="cuda")
+    expected[:, :4] = t * x  # 64.5: exact in bf16, reached exactly only by an fp32 sum
+    assert tg.grad.dtype == torch.bfloat16
+    assert torch.equal(tg.grad.float(), expected)
