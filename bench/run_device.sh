@@ -70,15 +70,15 @@ v3)  # issue 11: GPU tests of the fast paths (norms, GDN decode step, fla conv, 
     | tee "$OUT/full.log" | tail -8
   ;;
 last)  # session 7's last slot: GPU tests v3's timeout cut or that failed (norms at the capture shape, selected-keys
-       # attention and a negative control of its fp32 gradient sum, prompt dQ, indexer), then GLM-5 at 1M, GPU state
-  PYTHONPATH=/tmp/site timeout 75 python3 -m pytest -v -rfE -m gpu tests/test_kernels_sparse_attention.py \
+       # attention and a negative control of its fp32 gradient sum, prompt dQ), then GLM-5 at 1M, GPU state
+  PYTHONPATH=/tmp/site timeout 50 python3 -m pytest -v -rfE -m gpu tests/test_kernels_sparse_attention.py \
     tests/test_kernels_elementwise.py::test_rms_norm_bf16_on_cuda tests/test_kernels_elementwise.py::test_gated_rms_norm_bf16_on_cuda \
-    tests/test_kernels_attention.py::test_prompt_dq_kernel_is_the_softmax_gradient tests/test_kernels_indexer.py \
+    tests/test_kernels_attention.py::test_prompt_dq_kernel_is_the_softmax_gradient \
     > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest -m gpu: rc=$?"; grep -E "(PASSED|FAILED|ERROR)" "$OUT/pytest_gpu.log" | grep -v "^tests.*PASSED" | tail -12
   grep -c "PASSED" "$OUT/pytest_gpu.log"
   cp kernels/sparse_attention.py /tmp/sa.py; sed -i 's/        table = table.float()/        pass/' kernels/sparse_attention.py
-  PYTHONPATH=/tmp/site timeout 30 python3 -m pytest -q -m gpu tests/test_kernels_sparse_attention.py 2>&1 | tail -1 \
+  PYTHONPATH=/tmp/site timeout 25 python3 -m pytest -q -m gpu tests/test_kernels_sparse_attention.py 2>&1 | tail -1 \
     | sed 's/^/negative control (bf16 gradient sum), must fail: /'; cp /tmp/sa.py kernels/sparse_attention.py
   cd bench && timeout 150 python3 -u glm_slice.py --prompt 1048576 --storage gpu --gen-tokens 128 --budget-s 140 \
     --tag _P1M_gpu 2>&1 | grep -v -i warn | tee "$OUT/glm.log" | tail -4
