@@ -68,12 +68,15 @@ def _assert_matches(out: torch.Tensor, ref: torch.Tensor, min_exact: float = 0.9
     assert worst <= max_ulp and exact >= min_exact, f"max {worst} ulp, {exact:.5f} bit-identical"
 
 
-# HF rounds the normalised row to the activation dtype before it multiplies by the weight (Llama, the gated
-# norms): where the mean's fp32 summation order flips that first rounding, the second one can turn the one-unit
-# flip into two units of the output. Measured in torch on the capture shape (16384 x 5120, bf16, the mean summed
-# in fp64 instead): at most 2 ulp, 99.9998% bit-identical; the zero-centered form rounds once: at most 1 ulp.
-# (On the H200 the 1-ulp bound failed for LlamaRMSNorm and both gated norms at the capture shape only.)
-TWO_ROUNDINGS_ULP = 2
+# HF rounds the normalised row to the activation dtype before it multiplies by the weight (Llama), and the gated
+# norms round that product again before the gate: where the mean's fp32 summation order flips the first rounding,
+# the later ones can turn a one-unit flip into more. Measured in torch at the capture shapes below, bf16, with the
+# mean summed in fp64 instead of fp32: Llama at most 2 ulp (99.9998% bit-identical), gated at most 3 ulp
+# (3 of 100.7M outputs; 99.9997%); the zero-centered and gpt_oss forms round once: at most 1 ulp. On the H200 the
+# capture shape failed a 1-ulp bound for Llama and the gated norms, and a 2-ulp bound for the gated norms
+# (session 7); Llama passed at 2 ulp, the gated norms' 3-ulp bound has not run on a GPU yet.
+LLAMA_MAX_ULP = 2
+GATED_MAX_ULP = 3
 
 
 def _rand(*shape, dtype=torch.float32, scale=1.0, seed=0, device="cpu"):
@@ -356,7 +359,7 @@ def test_rms_norm_bf16_on_cuda(cls, phase):
     x = _rand(1, t, 5120, dtype=torch.bfloat16, scale=3.0, device="cuda")
     with torch.no_grad():
         ref = module(x)
-    max_ulp = TWO_ROUNDINGS_ULP if cls is LlamaRMSNorm else 1
+    max_ulp = LLAMA_MAX_ULP if cls is LlamaRMSNorm else 1
     _assert_matches(_fused_call(module, x), ref, min_exact=0.999, max_ulp=max_ulp)
     # q_norm of a gated attention layer: per head, on the query half of q_proj's output (row stride 512)
     head = _norm(cls, 256, torch.bfloat16, "cuda")
@@ -377,7 +380,7 @@ def test_gated_rms_norm_bf16_on_cuda(cls, phase):
     gate = _rand(t, 128, dtype=torch.bfloat16, scale=2.0, seed=5, device="cuda")
     with torch.no_grad():
         ref = module(x, gate)
-    _assert_matches(_fused_call(module, x, gate), ref, min_exact=0.999, max_ulp=TWO_ROUNDINGS_ULP)
+    _assert_matches(_fused_call(module, x, gate), ref, min_exact=0.999, max_ulp=GATED_MAX_ULP)
 
 
 @pytest.mark.gpu
