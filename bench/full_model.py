@@ -67,7 +67,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, PromptState
 from longstraw_trl.planner import plan_memory
 from longstraw_trl.planner import state_bytes as planned_state_bytes
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -245,6 +245,8 @@ def record_progress(trainer, entry: dict, save) -> None:
     def recording(stock):
         def wrapped(*a, **k):
             out = stock(*a, **k)
+            if isinstance(out, PromptState):  # where the capture's time went, chunk by chunk
+                entry["capture_chunk_s"] = [round(x, 4) for x in out.chunk_seconds]
             entry["partial"] = {key: list(v) for key, v in metrics.items() if key.endswith("_seconds")}
             entry["partial"]["peak_gib_so_far"] = peak_gib() if torch.cuda.is_available() else None
             save()
@@ -413,7 +415,8 @@ def run_longstraw(peft_model, tokenizer, floors, args, results: list, save, dead
         result = _guarded(longstraw_step, trainer, floors, args, p, args.response, dtype_bytes)
         del trainer
         gc.collect()
-        results[-1] = {"prompt_tokens": p, **result, "estimate_s": estimate}
+        chunks = {k: v for k, v in results[-1].items() if k == "capture_chunk_s"}  # (record_progress's)
+        results[-1] = {"prompt_tokens": p, **result, "estimate_s": estimate, **chunks}
         save()
         if result.get("oom"):
             break  # a larger P needs more memory

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -538,13 +540,41 @@ def _prefill(
         return
     device = state.device
     ctx = ReplayContext("capture", state, reserve_tokens=ids.numel())
+    clock = _ChunkClock(device)
     with _progress(ids.numel(), progress, "capture") as bar:
         for s in range(0, ids.numel(), chunk_size):
             if keep_boundaries and start + s > 0:
                 state.keep_boundary(start + s)
             chunk = ids[s : s + chunk_size].to(device)[None]
             forward_model(model, chunk, start + s, ctx, head=_skip_head, logits_to_keep=1)
+            clock.tick()
             bar.update(chunk.shape[1])
+    state.chunk_seconds = clock.seconds()
+
+
+class _ChunkClock:
+    """Seconds of each prefill chunk: CUDA events recorded on the stream between chunks (read once at the end,
+    so the loop never waits on the device), wall-clock time elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = [self._mark()]
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def tick(self) -> None:
+        self.marks.append(self._mark())
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return [b - a for a, b in itertools.pairwise(self.marks)]
+        self.marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)]
 
 
 def capture_prompt(

@@ -544,6 +544,7 @@ class PromptState:
         cp_group: the context-parallel process group the K/V pages are spread over (``None``: one rank).
         page_size: tokens per page (the unit of CP ownership and of offload streaming);
         chunk_size: prompt tokens per prefill step (``extend`` reuses it).
+        chunk_seconds: seconds of each prefill chunk of the call that built this state (capture or extend).
     """
 
     def __init__(
@@ -563,6 +564,7 @@ class PromptState:
         self.page_size = page_size
         self.num_tokens = 0
         self.last_token: torch.Tensor | None = None
+        self.chunk_seconds: list[float] = []
         # the full gradient (``capture_prompt(keep_boundaries=True)``): the resident tokens' ids, and at
         # every capture-chunk boundary (resident tokens before it) the fixed-size layers' states there
         self.token_ids: torch.Tensor | None = None

@@ -84,6 +84,9 @@ def test_full_model_dry_run(tmp_path):
             p = r["phases"][phase]
             assert p["seconds"] > 0 and p["floor_s"] > 0 and p["over_floor"] == p["seconds"] / p["floor_s"]
         assert r["planner"]["peak_gib"] > 0 and "peak_gib" in r
+        # the capture chunk by chunk (P - 1 resident tokens in chunks of 128), within the capture's seconds
+        assert len(r["capture_chunk_s"]) == -(-(r["prompt_tokens"] - 1) // 128)
+        assert 0 < sum(r["capture_chunk_s"]) <= r["phases"]["capture"]["seconds"]
     assert measured[1]["estimate_s"] > 0  # from the first measured step
     stock = data["stock"]
     assert stock["largest_fitting_prompt"] == 512 and stock["largest_fitting_step_s"] > 0
@@ -137,6 +140,10 @@ def test_glm_slice_smoke(tmp_path):
     for r in (gpu, host):
         assert r["capture_floor_s"] > 0 and r["replay_floor_s"] > 0 and r["generation_floor_s_R"] > 0
         assert r["replay_over_floor"] == r["replay_s_per_response"] / r["replay_floor_s"]
+        # decode seconds per token: the difference of a half call and a whole one (or, inverted, the whole's)
+        assert 0 < r["generation_s_per_token"] and r["generation_s_half_call"] > 0
+        if not r["generation_per_token_is_marginal"]:
+            assert r["generation_s_per_token"] == r["generation_s_per_token_whole_call"]
 
 
 def test_full_model_step_cut_short_leaves_its_finished_phases(tmp_path, monkeypatch):

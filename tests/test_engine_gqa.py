@@ -94,6 +94,9 @@ def test_nbytes_follows_the_formula():
     assert state.nbytes() == state.nbytes_by_kind()["kv"] == per_token * (p - 1)
     assert state.slack_bytes() == 0
     assert all(len(layer.segments) == 1 for layer in state.layers.values())
+    # the seconds of each of its prefill chunks: 36 resident tokens in chunks of 16
+    assert len(state.chunk_seconds) == 3 and all(x > 0 for x in state.chunk_seconds)
+    assert len(state.extend(model, torch.randint(0, VOCAB, (5,))).chunk_seconds) == 1
 
 
 def test_offload_cpu_streams_pages_and_gives_same_logprobs():
