@@ -94,8 +94,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--warmup-prompt",
         type=int,
-        default=16384,
-        help="P of the warm-up step (0: none, the first P runs cold)",
+        default=None,
+        help="P of the warm-up step (0: none, the first P runs cold; default 3 x --chunk: two whole chunks, the "
+        "second over a prefix page, then one a token short, the shapes every measured capture runs)",
     )
     ap.add_argument("--warmup-response", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=16384, help="capture_chunk_size")
@@ -129,6 +130,8 @@ def parse_args() -> argparse.Namespace:
     if args.tiny:
         ap.set_defaults(**TINY)
         args = ap.parse_args()
+    if args.warmup_prompt is None:
+        args.warmup_prompt = 3 * args.chunk
     return args
 
 

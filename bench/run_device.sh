@@ -12,6 +12,10 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m      # GLM-5 slice: 2M only, GPU then host state
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh v3          # GPU tests of the fused kernels, whole 27B at 512K
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full-1m     # the whole 27B's GRPO step at 1M, R = 1024
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh v4          # every fast path's GPU test (-v), 512K with chunk times
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-host    # GLM-5 slice: 1M host state, 2M GPU state
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-host # GLM-5 slice: 2M host state, a capture profile
+# LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
 # fla importable, the stock HF Qwen3.5 layers train through fla's backward, which refuses on Triton < 3.7.1
@@ -49,6 +53,33 @@ gpu-profile)  # the GPU tests, then a replay + backward and a capture of the who
   echo "pytest -m gpu: rc=$?"; grep -E "passed|failed|Error|error" "$OUT/pytest_gpu.log" | tail -8
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 330 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/profile.log" | grep -E "^first|^profiled|^\{"
+  ;;
+v4)  # next: every GPU test of the fast paths, named as it runs (-v), the slow flash/math comparison last; then the
+      # whole 27B at 512K again, each capture chunk's seconds recorded (the 1.49x of v3 was not attributable)
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 230 python3 -m pytest -v -rfE -m gpu tests/test_kernels_elementwise.py \
+    tests/test_kernels_sparse_attention.py tests/test_kernels_indexer.py tests/test_kernels_gdn_decode.py \
+    tests/test_kernels_gdn.py::test_gpu_fla_conv_equals_torch_conv \
+    tests/test_kernels_attention.py::test_prompt_dq_kernel_is_the_softmax_gradient tests/test_generation.py \
+    tests/test_engine_gqa.py tests/test_kernels_attention.py > "$OUT/pytest_gpu.log" 2>&1
+  rc=$?; echo "pytest -m gpu: rc=$rc, $(grep -c PASSED "$OUT/pytest_gpu.log") passed"
+  grep -E " (FAILED|ERROR)" "$OUT/pytest_gpu.log" | tail -12
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 340 python3 -u full_model.py --skip-stock --prompts 524288 \
+    --response 256 --warmup-response 256 --budget-s 330 --tag _P512K_v4 2>&1 | grep -v -i warn \
+    | tee "$OUT/full.log" | tail -4
+  ;;
+glm-host)  # issue 13's remaining cases, first of two: 1M with host state, then 2M with GPU state
+  cd bench
+  timeout 200 python3 -u glm_slice.py --prompt 1048576 --storage cpu --budget-s 190 --tag _P1M_host 2>&1 \
+    | grep -v -i warn | tee "$OUT/glm_1m_host.log" | tail -3
+  timeout 380 python3 -u glm_slice.py --prompt 2097152 --storage gpu --gen-tokens 256 --budget-s 370 \
+    --tag _P2M_gpu 2>&1 | grep -v -i warn | tee "$OUT/glm_2m_gpu.log" | tail -3
+  ;;
+glm-2m-host)  # second of two: 2M with host state; then where a 256K capture of the slice goes
+  cd bench
+  timeout 420 python3 -u glm_slice.py --prompt 2097152 --storage cpu --budget-s 410 --tag _P2M_host 2>&1 \
+    | grep -v -i warn | tee "$OUT/glm_2m_host.log" | tail -3
+  timeout 150 python3 -u profile_replay.py --glm-slice --prompt 262144 --phase capture --top 25 2>&1 \
+    | grep -v -i warn | tee "$OUT/glm_profile.log" | grep -E "^first|^profiled|Error"
   ;;
 v3)  # issue 11: GPU tests of the fast paths (norms, GDN decode step, fla conv, dQ, indexer), then the whole 27B at
       # 512K. A fast path whose tests fail is switched off for this and the machine's later commands (switches.env)
