@@ -35,7 +35,9 @@ row is printed when it ends (a run cut short keeps what it measured).
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 from common import (
@@ -55,6 +57,7 @@ from longstraw_trl import capture_prompt
 from longstraw_trl.kernels.indexer_scores import index_scores, index_scores_kernel_ok
 from longstraw_trl.kernels.sparse_attention import TOPK_BUFFER_ELEMENTS, indexer_topk
 from longstraw_trl.presets import preset_config
+from longstraw_trl.state import streamed_bytes
 
 
 def slice_config(layers: int, indexer_types: list[str], max_positions: int, smoke: bool):
@@ -239,11 +242,13 @@ def run_case(
     storage = "cpu" if offload else None
     prompt = torch.randint(0, config.vocab_size, (p,), device=dev)
     reset_peak()
+    streamed = streamed_bytes()
     with Timer() as t_cap:
         state = capture_prompt(
             model, prompt, chunk_size=args.chunk, page_size=args.page, offload=storage, progress=False
         )
     cap_peak = peak_gib()
+    cap_streamed, streamed = streamed_bytes() - streamed, streamed_bytes()
     fl = floors(config, counts, p, args, rates, offload)
     nbytes = state.nbytes()
     result.update(
@@ -260,6 +265,7 @@ def run_case(
             "capture_indexer_scores": fl["indexer_scores"],
             "capture_over_floor": t_cap.seconds / fl["capture"],
             "capture_peak_gib": cap_peak,
+            "h2d_bytes_capture": cap_streamed,  # offloaded state streamed back (earlier chunks' pages)
         }
     )
     save()
@@ -274,6 +280,7 @@ def run_case(
         ids = state.generate(model, args.groups, gen_tokens, eos_token_id=None)
     assert ids.shape == (args.groups, gen_tokens), ids.shape
     gen_peak = peak_gib()
+    gen_streamed, streamed = streamed_bytes() - streamed, streamed_bytes()
     per_token = (t_gen.seconds - t_half.seconds) / (gen_tokens - half)
     marginal_ok = per_token > 0  # (timing noise of a few-token CPU smoke can invert the two calls)
     if not marginal_ok:
@@ -290,6 +297,7 @@ def run_case(
             "generation_floor_s_R": fl["gen_step"] * args.response,
             "generation_over_floor": per_token / fl["gen_step"],
             "generation_peak_gib": gen_peak,
+            "h2d_bytes_per_token": gen_streamed / (half + gen_tokens),  # over both calls' steps
         }
     )
     save()
@@ -310,10 +318,31 @@ def run_case(
             "replay_floor_s": fl["replay"],
             "replay_over_floor": per / fl["replay"],
             "replay_peak_gib": peak_gib(),
+            "h2d_bytes_per_response": (streamed_bytes() - streamed) / args.groups,
         }
     )
     del state
     save()
+
+
+def copy_overlap(host: dict, gpu: dict, h2d_gbs: float) -> dict:
+    """How much of the host case's copying its compute hides, per phase, against the GPU-state case at the same
+    P: the copy alone (bytes streamed / the measured host-to-device rate), the host case's extra seconds over
+    the GPU case, and ``hidden = 1 - extra / copy`` clamped to [0, 1] (1: the copies cost nothing; 0: they
+    add at least their own time). Decode only when both cases timed it the same way (marginal per token)."""
+    phases = {
+        "capture": ("capture_s", "h2d_bytes_capture"),
+        "replay, per response": ("replay_s_per_response", "h2d_bytes_per_response"),
+    }
+    if host.get("generation_per_token_is_marginal") and gpu.get("generation_per_token_is_marginal"):
+        phases["decode, per token"] = ("generation_s_per_token", "h2d_bytes_per_token")
+    out = {}
+    for name, (seconds, nbytes) in phases.items():
+        copy_s = host[nbytes] / (h2d_gbs * 1e9)
+        extra_s = host[seconds] - gpu[seconds]
+        hidden = min(1.0, max(0.0, 1 - extra_s / copy_s)) if copy_s > 0 else None
+        out[name] = {"copy_s": copy_s, "extra_s": extra_s, "hidden": hidden}
+    return out
 
 
 def estimate_s(done: list[dict], config, counts, p: int, offload: bool, args, rates: dict) -> float:
@@ -375,6 +404,13 @@ def main() -> None:
         default=5.0,
         help="measured/floor assumed for the first case's estimate (the budget check); later cases use the "
         "ratios measured before them (a 1M case on the H200 ran at 4-5x its floors)",
+    )
+    ap.add_argument(
+        "--gpu-reference",
+        nargs="*",
+        default=[],
+        help="JSON files of earlier runs of this script whose GPU-state cases pair with this run's host-state "
+        "ones (same dimensions) for the copy overlap; a GPU case of this run at the same P is preferred",
     )
     ap.add_argument("--tag", default="")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run with tiny widths")
@@ -459,6 +495,28 @@ def main() -> None:
             results[-1]["case_s"] = time.perf_counter() - t0
             print(case_line(results[-1]), flush=True)
         path = write_result(name, payload)
+    references = [r for f in args.gpu_reference for r in json.loads(Path(f).read_text())["results"]]
+    for host in (r for r in results if r.get("state_bytes_host") and "replay_s_per_response" in r):
+        pair = [
+            r
+            for r in [*references, *results]  # this run's last: it wins
+            if not r.get("state_bytes_host")
+            and r.get("prompt_tokens") == host["prompt_tokens"]
+            and "replay_s_per_response" in r
+        ]
+        if pair:
+            host["copy_overlap"] = copy_overlap(host, pair[-1], rates["h2d_gbs"])
+            print(
+                f"P={host['prompt_tokens']} host state, copies hidden: "
+                + ", ".join(
+                    f"{k} {v['hidden']:.0%} of {v['copy_s']:.2f} s"
+                    if v["hidden"] is not None
+                    else f"{k} none"
+                    for k, v in host["copy_overlap"].items()
+                ),
+                flush=True,
+            )
+    path = write_result(name, payload)
     print(f"wrote {path}")
 
 

@@ -9,12 +9,11 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full [args] # whole 64-layer 27B + LoRA (full_model.py)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad         # issue 14: full gradient, reverse block replay
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm         # GLM-5 slice: 1M GPU/host state, then 2M
-#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m      # GLM-5 slice: 2M only, GPU then host state
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m      # GLM-5 slice: 2M, GPU then host state
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh v3          # GPU tests of the fused kernels, whole 27B at 512K
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full-1m     # the whole 27B's GRPO step at 1M, R = 1024
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh v4          # every fast path's GPU test (-v), 512K with chunk times
-#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-host    # GLM-5 slice: 1M host state, 2M GPU state
-#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-host # GLM-5 slice: 2M host state, a capture profile
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-host    # GLM-5 slice: 1M host state, a capture profile
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -67,17 +66,11 @@ v4)  # next: every GPU test of the fast paths, named as it runs (-v), the slow f
     --response 256 --warmup-response 256 --budget-s 330 --tag _P512K_v4 2>&1 | grep -v -i warn \
     | tee "$OUT/full.log" | tail -4
   ;;
-glm-host)  # issue 13's remaining cases, first of two: 1M with host state, then 2M with GPU state
+glm-host)  # issue 13's remaining cases, first: 1M with host state (copies hidden: against session 7's 1M GPU case),
+           # then where a 256K capture of the slice goes
   cd bench
-  timeout 200 python3 -u glm_slice.py --prompt 1048576 --storage cpu --budget-s 190 --tag _P1M_host 2>&1 \
-    | grep -v -i warn | tee "$OUT/glm_1m_host.log" | tail -3
-  timeout 380 python3 -u glm_slice.py --prompt 2097152 --storage gpu --gen-tokens 256 --budget-s 370 \
-    --tag _P2M_gpu 2>&1 | grep -v -i warn | tee "$OUT/glm_2m_gpu.log" | tail -3
-  ;;
-glm-2m-host)  # second of two: 2M with host state; then where a 256K capture of the slice goes
-  cd bench
-  timeout 420 python3 -u glm_slice.py --prompt 2097152 --storage cpu --budget-s 410 --tag _P2M_host 2>&1 \
-    | grep -v -i warn | tee "$OUT/glm_2m_host.log" | tail -3
+  timeout 230 python3 -u glm_slice.py --prompt 1048576 --storage cpu --budget-s 220 --tag _P1M_host \
+    --gpu-reference results/glm_slice_3L_P1M_gpu.json 2>&1 | grep -v -i warn | tee "$OUT/glm_1m_host.log" | tail -4
   timeout 150 python3 -u profile_replay.py --glm-slice --prompt 262144 --phase capture --top 25 2>&1 \
     | grep -v -i warn | tee "$OUT/glm_profile.log" | grep -E "^first|^profiled|Error"
   ;;
@@ -217,8 +210,8 @@ glm)  # issue 13: where a GLM-5 slice's replay spends its time (P = 64K; it was 
   timeout 440 python3 -u glm_slice.py --prompt 1048576 2097152 --gen-tokens 512 --budget-s 420 2>&1 \
     | grep -v -i warn | tee "$OUT/glm.log" | tail -8
   ;;
-glm-2m)  # the 2M points alone (when `glm` skipped them)
-  cd bench && timeout 590 python3 -u glm_slice.py --prompt 2097152 --budget-s 560 --tag _2M 2>&1 \
+glm-2m)  # issue 13's 2M cases, GPU then host state in one process (the copy overlap pairs them)
+  cd bench && timeout 590 python3 -u glm_slice.py --prompt 2097152 --gen-tokens 256 --budget-s 570 --tag _P2M 2>&1 \
     | grep -v -i warn | tee "$OUT/glm_2m.log" | tail -10
   ;;
 full-1m)  # issue 11's whole GRPO step at P = 1M, G = 8, R = 1024 in one command: no warm-up step (the first step

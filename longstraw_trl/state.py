@@ -35,6 +35,27 @@ def _storage_device(device: torch.device, offload: str | None) -> torch.device:
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STREAMED_BYTES = [0]
+
+
+def streamed_bytes() -> int:
+    """Bytes of offloaded prompt state copied from host memory to a device so far, by this process: a running
+    total (read it before and after a phase). Every copy of a host-resident state goes through
+    :func:`prefetch_to_device` or :func:`host_rows_to_device`, which count it."""
+    return _STREAMED_BYTES[0]
+
+
+def _count_streamed(t: torch.Tensor | None) -> None:
+    if t is not None:
+        _STREAMED_BYTES[0] += t.numel() * t.element_size()
+
+
+def host_rows_to_device(host: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host[rows]`` (rows of a pinned host table, ``rows`` a 1-D index on the host) copied to ``device``
+    asynchronously, counted in :func:`streamed_bytes`: a decode step's chosen rows of an offloaded table."""
+    picked = host.index_select(0, rows)
+    _count_streamed(picked)
+    return picked.to(device, non_blocking=True)
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -61,6 +82,8 @@ def prefetch_to_device(
     """
     if device.type != "cuda":
         for block in blocks:
+            for t in block:
+                _count_streamed(t)
             yield tuple(None if t is None else t.to(device) for t in block)
         return
     compute = torch.cuda.current_stream(device)
@@ -69,6 +92,8 @@ def prefetch_to_device(
         copy.wait_event(after)
 
     def issue(block):
+        for t in block:
+            _count_streamed(t)
         with torch.cuda.stream(copy):
             moved = tuple(None if t is None else _host_to_device(t, device) for t in block)
         return moved, copy.record_event()

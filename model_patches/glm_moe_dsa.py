@@ -46,7 +46,7 @@ from longstraw_trl.kernels.sparse_attention import (
     selected_attention,
     topk_merge,
 )
-from longstraw_trl.state import KVPages, LayerState
+from longstraw_trl.state import KVPages, LayerState, host_rows_to_device
 
 from .base import CALL_DEPENDENT_ROPE, FamilyPatch, apply_family_patch
 
@@ -132,7 +132,7 @@ def _prompt_table(layer: DSAPages, rows: torch.Tensor, device: torch.device):
         flat = rows.reshape(-1).clamp_min(0).cpu()
 
         def table():
-            return host.index_select(0, flat).to(device, non_blocking=True)
+            return host_rows_to_device(host, flat, device)
 
         slots = torch.arange(rows.numel(), device=rows.device).view_as(rows)
         return table(), torch.where(rows >= 0, slots, rows), table

@@ -144,6 +144,31 @@ def test_glm_slice_smoke(tmp_path):
         assert 0 < r["generation_s_per_token"] and r["generation_s_half_call"] > 0
         if not r["generation_per_token_is_marginal"]:
             assert r["generation_s_per_token"] == r["generation_s_per_token_whole_call"]
+    # bytes of offloaded state streamed back to the device, per phase: none with the state on the device
+    assert gpu["h2d_bytes_capture"] == gpu["h2d_bytes_per_response"] == gpu["h2d_bytes_per_token"] == 0
+    assert (
+        host["h2d_bytes_capture"] > 0
+        and host["h2d_bytes_per_response"] > 0
+        and host["h2d_bytes_per_token"] > 0
+    )
+    overlap = host["copy_overlap"]  # paired with this run's GPU case at the same P
+    assert {"capture", "replay, per response"} <= set(overlap)
+    assert all(v["copy_s"] > 0 and 0 <= v["hidden"] <= 1 for v in overlap.values())
+
+
+def test_glm_copy_overlap_formula(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    from glm_slice import copy_overlap
+
+    gpu = {"capture_s": 10.0, "replay_s_per_response": 1.0, "generation_s_per_token": 0.01}
+    host = {"capture_s": 12.0, "h2d_bytes_capture": 4e9, "replay_s_per_response": 0.9,
+            "h2d_bytes_per_response": 1e9, "generation_s_per_token": 0.05, "h2d_bytes_per_token": 1e7}  # fmt: skip
+    got = copy_overlap(host, gpu, h2d_gbs=1.0)
+    assert got["capture"] == {"copy_s": 4.0, "extra_s": 2.0, "hidden": 0.5}
+    assert got["replay, per response"]["hidden"] == 1.0  # faster than the GPU case: all hidden (clamped)
+    assert "decode, per token" not in got  # neither case timed decode as a marginal cost
+    host["generation_per_token_is_marginal"] = gpu["generation_per_token_is_marginal"] = True
+    assert copy_overlap(host, gpu, h2d_gbs=1.0)["decode, per token"]["hidden"] == 0.0  # 40 ms extra for 10 ms
 
 
 def test_full_model_step_cut_short_leaves_its_finished_phases(tmp_path, monkeypatch):

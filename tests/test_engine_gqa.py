@@ -22,6 +22,7 @@ from longstraw_trl import (
     capture_prompt,
     patch_model,
 )
+from longstraw_trl.state import streamed_bytes
 
 FAMILIES = list(GQA_CONFIGS)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -114,7 +115,11 @@ def test_offload_cpu_streams_pages_and_gives_same_logprobs():
     n = len(a.layers)
     assert [k.shape[1] for k, _ in resident] == [18] * n  # one segment a layer: one kernel call
     assert [k.shape[1] for k, _ in streamed] == [8, 8, 2] * n  # pages of 8 of the 18 resident tokens
+    before = streamed_bytes()
     assert (a.logprobs(model, comps) - b.logprobs(model, comps)).abs().max() <= 1e-5
+    assert (
+        streamed_bytes() - before == b.nbytes()
+    )  # one pass over every offloaded page, counted; none resident
     with pytest.raises(ValueError, match="offload"):
         capture_prompt(model, prompt, offload="disk")
 
