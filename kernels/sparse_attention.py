@@ -178,13 +178,16 @@ def masked_attention_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`selected_attention_block` for a per-sequence ``table [B, N, D]`` with few rows (a response's own
     keys): dense scores over all ``N`` rows, the unchosen masked. Two GEMMs and no gather (nor its backward)."""
-    b, n = table.shape[0], table.shape[1]
-    chosen = torch.zeros(b, rows.shape[1], n + 1, dtype=torch.bool, device=rows.device)
+    b, h, t, _ = q.shape
+    n = table.shape[1]
+    chosen = torch.zeros(b, t, n + 1, dtype=torch.bool, device=rows.device)
     chosen = chosen.scatter(-1, rows + 1, True)[..., 1:]  # row -1 (none) lands in the dropped column 0
-    keys = table.to(q.dtype).unsqueeze(1)  # [B, 1, N, D]
-    s = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    # heads folded into the GEMM rows ([B, H t, .] against the table's [B, N, .]): a matmul broadcasting the
+    # table over the heads would first copy it once a head
+    s = torch.bmm(q.reshape(b, h * t, -1), table.to(q.dtype).transpose(1, 2)).view(b, h, t, n).float() * scale
     p, total, lse = _masked_softmax(s, chosen.unsqueeze(1))
-    return matmul_fp32(p.to(table.dtype), table[..., :value_dim].unsqueeze(1)) / total.unsqueeze(-1), lse
+    out = matmul_fp32(p.to(table.dtype).view(b, h * t, n), table[..., :value_dim]).view(b, h, t, value_dim)
+    return out / total.unsqueeze(-1), lse
 
 
 def selected_attention(
