@@ -266,6 +266,7 @@ def run_case(
             "capture_over_floor": t_cap.seconds / fl["capture"],
             "capture_peak_gib": cap_peak,
             "h2d_bytes_capture": cap_streamed,  # offloaded state streamed back (earlier chunks' pages)
+            "capture_chunk_s": [round(x, 4) for x in state.chunk_seconds],  # grows with the indexer's prefix
         }
     )
     save()
