@@ -203,7 +203,24 @@ def _select(indexer, iq, w, prompt_keys, prompt_pos, resident, self_keys, q_pos,
         in_prompt, _local_rows(p, page_size, ctx.cp.rank, ctx.cp.size), torch.full_like(p, -1)
     )
     self_rows = torch.where(valid & ~in_prompt, p - resident, torch.full_like(p, -1))
+    if ctx.mode == "capture":  # a chunk's many queries: worth a host sync to drop the empty slots
+        return DSASelection(_compact_rows(prompt_rows), _compact_rows(self_rows))
     return DSASelection(prompt_rows, self_rows)
+
+
+def _compact_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows [B, T, k]`` with each query's chosen rows first, trimmed to the widest query's count (at least 1).
+
+    A capture chunk's top-k falls mostly in the prompt before it: its own keys fill a few slots a query, yet the
+    attention over them would gather and score all ``k`` (and the prompt part likewise in the first chunks).
+    The chosen set is unchanged (attention over a set does not depend on its order). One host sync: capture
+    only, never inside a decode step's CUDA graph or a replay."""
+    valid = rows >= 0
+    width = max(int(valid.sum(-1).max()), 1) if rows.numel() else rows.shape[-1]
+    if width == rows.shape[-1]:
+        return rows
+    order = valid.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :width]
+    return rows.gather(-1, order)
 
 
 def dsa_forward(

@@ -151,7 +151,9 @@ def test_glm_slice_smoke(tmp_path):
         and host["h2d_bytes_per_response"] > 0
         and host["h2d_bytes_per_token"] > 0
     )
-    assert len(gpu["capture_chunk_s"]) == len(host["capture_chunk_s"]) == 3  # 299 resident tokens, chunks of 128
+    assert (
+        len(gpu["capture_chunk_s"]) == len(host["capture_chunk_s"]) == 3
+    )  # 299 resident tokens, chunks of 128
     overlap = host["copy_overlap"]  # paired with this run's GPU case at the same P
     assert {"capture", "replay, per response"} <= set(overlap)
     assert all(v["copy_s"] > 0 and 0 <= v["hidden"] <= 1 for v in overlap.values())

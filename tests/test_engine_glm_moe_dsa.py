@@ -475,3 +475,34 @@ def test_full_gradient_and_block_replay_are_refused():
         state.logprobs(model, completion[None], grad=True, grads=StateGrads(state))
     with pytest.raises(LongStrawError, match="no full gradient"):
         replay_blocks_backward(state, model, completion, 3, lambda lp, h: lp.sum())
+
+
+def test_capture_compacts_the_chosen_rows_and_nothing_else_does(monkeypatch):
+    """A capture chunk's selection keeps each query's chosen rows first, trimmed to the widest count (the same
+    sets); generation and replays keep the full width (the compaction syncs with the host)."""
+    rows = torch.tensor([[[3, -1, 5, -1], [-1, -1, -1, -1], [-1, 7, -1, -1]]])
+    got = glm._compact_rows(rows)
+    assert got.shape == (1, 3, 2)
+    assert [set(r.tolist()) - {-1} for r in got[0]] == [{3, 5}, set(), {7}]
+    assert glm._compact_rows(torch.full((1, 2, 3), -1)).shape == (1, 2, 1)  # nothing chosen: one empty slot
+    full = torch.arange(6).view(1, 2, 3)
+    assert glm._compact_rows(full) is full
+
+    calls = []
+    real = glm._compact_rows
+
+    def recording(r):
+        out = real(r)
+        calls.append(out.shape)
+        return out
+
+    monkeypatch.setattr(glm, "_compact_rows", recording)
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(4))
+    state = capture_prompt(model, prompt, chunk_size=8, page_size=8)
+    assert calls and all(s[-1] <= SMALL_TOPK for s in calls)
+    assert any(s[-1] < SMALL_TOPK for s in calls)  # the self rows of a chunk past the first: trimmed
+    calls.clear()
+    state.logprobs(model, torch.randint(0, VOCAB, (1, 5)), grad=True).sum().backward()
+    state.generate(model, 2, 3, do_sample=False)
+    assert calls == []
