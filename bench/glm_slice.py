@@ -53,6 +53,7 @@ from common import (
 )
 from transformers import AutoModelForCausalLM
 
+import longstraw_trl.kernels.sparse_attention as sparse
 from longstraw_trl import capture_prompt
 from longstraw_trl.kernels.indexer_scores import index_scores, index_scores_kernel_ok
 from longstraw_trl.kernels.sparse_attention import TOPK_BUFFER_ELEMENTS, indexer_topk
@@ -173,10 +174,33 @@ def indexer_probe(config, dev: str, smoke: bool) -> dict:
     indexer_topk(q, w, keys, pos, None, scale, k)
     with Timer() as t_flow:
         indexer_topk(q, w, keys, pos, None, scale, k)
+    # the same flow with other top-k buffer sizes (fewer, wider merges or more, narrower ones), and a top-k of
+    # one buffer alone: where the flow's time goes, and which size the next run should take
+    by_buffer, topk_alone = {}, {}
+    for elements in (1 << 26, 1 << 27, 1 << 28, 1 << 29) if not smoke else (1 << 14, 1 << 15):
+        width = elements // tq
+        with torch.no_grad():
+            sparse.TOPK_BUFFER_ELEMENTS, default = elements, sparse.TOPK_BUFFER_ELEMENTS
+            try:
+                indexer_topk(q, w, keys, pos, None, scale, k)
+                with Timer() as t:
+                    indexer_topk(q, w, keys, pos, None, scale, k)
+            finally:
+                sparse.TOPK_BUFFER_ELEMENTS = default
+            wide = torch.randn(1, tq, k + width, device=dev, generator=g)
+            wide.topk(k, dim=-1, sorted=False)
+            with Timer() as t_topk:
+                wide.topk(k, dim=-1, sorted=False)
+            del wide
+        by_buffer[elements] = t.seconds / (tq * n) * 1e9
+        topk_alone[elements] = t_topk.seconds / (tq * (k + width)) * 1e9
     return {
         "indexer_kernel": index_scores_kernel_ok(q, keys),
         "indexer_tflops": kernel_tflops,
         "indexer_topk_ns_per_score": t_flow.seconds / (tq * n) * 1e9,
+        "indexer_topk_buffer_elements": TOPK_BUFFER_ELEMENTS,
+        "indexer_topk_ns_per_score_by_buffer_elements": by_buffer,
+        "topk_alone_ns_per_element_by_buffer_elements": topk_alone,
     }
 
 
@@ -449,6 +473,14 @@ def main() -> None:
         f"{rates['indexer_topk_ns_per_score']:.4f} ns/score; small bf16 check |dlogp| max/mean: all keys "
         f"{small_diff['all_keys_max']:.3g}/{small_diff['all_keys_mean']:.3g}, index_topk "
         f"{small_diff['index_topk_max']:.3g}/{small_diff['index_topk_mean']:.3g}",
+        flush=True,
+    )
+    print(
+        "top-k flow ns/score (top-k alone ns/element) by buffer elements: "
+        + ", ".join(
+            f"2^{e.bit_length() - 1} {v:.4f} ({rates['topk_alone_ns_per_element_by_buffer_elements'][e]:.4f})"
+            for e, v in rates["indexer_topk_ns_per_score_by_buffer_elements"].items()
+        ),
         flush=True,
     )
     cases = [(p, s == "cpu") for p in sorted(args.prompt) for s in args.storage]
