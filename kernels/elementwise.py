@@ -98,7 +98,9 @@ def _kernels() -> types.SimpleNamespace:
     is not."""
     interpret = bool(triton.knobs.runtime.interpret)
 
-    @triton.jit
+    # the row count varies (a capture chunk, its short last chunk, a decode step): not specialised on, so a new
+    # count compiles nothing (Triton would otherwise compile again for M % 16 == 0 and for M == 1)
+    @triton.jit(do_not_specialize=["M"])
     def rms_norm_kernel(
         X,
         G,
@@ -145,7 +147,7 @@ def _kernels() -> types.SimpleNamespace:
             out = w * n
         tl.store(Y + rows * D + cols[None, :], out.to(Y.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def silu_mul_kernel(
         G,
         U,
