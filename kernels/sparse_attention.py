@@ -127,16 +127,14 @@ def _gather(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
     ``index_select`` on the flattened table: its backward is one ``index_add_`` (advanced indexing's is a
     sort-based ``index_put_``, 79% of a GLM-5 slice's replay on the H200 when every query chose the same
-    response keys). A table that needs a gradient is gathered from fp32, so the many contributions to one
-    row accumulate in fp32, not in its half dtype."""
+    response keys), in the table's dtype: :func:`selected_attention` passes a half table that needs a
+    gradient as one fp32 copy, so the many contributions to one row sum in fp32."""
     safe = rows.clamp_min(0)
     n, d = table.shape[-2:]
     if n == 0:  # nothing stored here (a rank without pages yet): every row is -1
         table, n = table.new_zeros((*table.shape[:-2], 1, d)), 1
     if table.dim() == 3:  # row b * N + j of the flattened per-sequence table
         safe = safe + n * torch.arange(rows.shape[0], device=rows.device).view(-1, 1, 1)
-    if torch.is_grad_enabled() and table.requires_grad and table.dtype in (torch.float16, torch.bfloat16):
-        table = table.float()
     return table.reshape(-1, d).index_select(0, safe.reshape(-1)).view(*rows.shape, d)
 
 
@@ -162,12 +160,19 @@ def _masked_softmax(s: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def selected_attention_block(
-    q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, value_dim: int
+    q: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    value_dim: int,
+    row_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, H, t, D]`` over its chosen rows ``rows [B, t, k]`` of ``table``: ``(out [B, H, t, Dv], lse
     [B, H, t])`` fp32. Scores in the inputs' dtype (as HF's eager attention), softmax in fp32. A query with
-    no chosen row gets ``out = 0, lse = -inf``. Differentiable (autograd) in ``q`` and ``table``."""
-    kg = _gather(table, rows).to(table.dtype)  # [B, t, k, D]; fp32 gradient rows, the table's values
+    no chosen row gets ``out = 0, lse = -inf``. Differentiable (autograd) in ``q`` and ``table``.
+    ``row_dtype``: the dtype the gathered rows are computed in (default the table's; an fp32 copy of a half
+    table, made once by :func:`selected_attention` so its gradient sums in fp32, passes the half dtype)."""
+    kg = _gather(table, rows).to(row_dtype or table.dtype)  # [B, t, k, D]: fp32 gradient rows, half values
     s = torch.einsum("bhtd,btkd->bhtk", q, kg.to(q.dtype)).float() * scale
     p, total, lse = _masked_softmax(s, (rows >= 0).unsqueeze(1))
     return _rows_matmul(p, kg[..., :value_dim]) / total.unsqueeze(-1), lse
@@ -202,9 +207,12 @@ def selected_attention(
     grad = torch.is_grad_enabled() and (q.requires_grad or table.requires_grad)
     dense = table.dim() == 3 and table.shape[1] <= DENSE_ROWS_PER_CHOICE * rows.shape[-1]
     block = masked_attention_block if dense else selected_attention_block
+    extra = ()
+    if not dense and grad and table.requires_grad and table.dtype in (torch.float16, torch.bfloat16):
+        extra, table = (table.dtype,), table.float()  # once for all blocks (each would copy it otherwise)
     outs, lses = [], []
     for a in range(0, t, tq):
-        args = (q[:, :, a : a + tq], table, rows[:, a : a + tq], scale, value_dim)
+        args = (q[:, :, a : a + tq], table, rows[:, a : a + tq], scale, value_dim, *extra)
         o, s = checkpoint(block, *args, use_reentrant=False) if grad else block(*args)
         outs.append(o)
         lses.append(s)

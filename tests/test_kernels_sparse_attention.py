@@ -77,6 +77,27 @@ def test_forward_and_gradients_equal_the_reference(block_form, shared):
     torch.testing.assert_close(tg.grad, tr.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_half_table_gathered_under_autograd_rounds_as_without(monkeypatch):
+    """A bf16 response table under autograd is gathered from one fp32 copy (its gradient sums in fp32), its rows
+    rounded back to bf16: the output is bit-identical to the graph-free call's, the gradients near fp64's."""
+    monkeypatch.setattr(sparse, "DENSE_ROWS_PER_CHOICE", 0)
+    monkeypatch.setattr(sparse, "ATTENTION_QUERY_ROWS", 4)
+    q, table, rows = case(n=12, k=6)
+    qh, th = (x.bfloat16().requires_grad_() for x in (q, table))
+    with torch.no_grad():
+        out_free, lse_free = sparse.selected_attention(qh, th, rows, SCALE, VALUE_DIM)
+    out, lse = sparse.selected_attention(qh, th, rows, SCALE, VALUE_DIM)
+    assert torch.equal(out, out_free) and torch.equal(lse, lse_free)
+    finite = torch.isfinite(lse)
+    (out.sum() + lse[finite].sum()).backward()
+    qr, tr = (x.bfloat16().double().requires_grad_() for x in (q, table))
+    out_ref, lse_ref = reference(qr, tr, rows)
+    (out_ref.sum() + lse_ref[finite].sum()).backward()
+    assert th.grad.dtype == torch.bfloat16
+    for got, ref in ((qh.grad, qr.grad), (th.grad, tr.grad)):
+        assert (got.double() - ref).norm() <= 2e-2 * ref.norm()
+
+
 def test_dense_form_is_taken_for_a_few_rows_only(monkeypatch):
     """The default threshold: a per-sequence table of up to 2 rows per choice is attended densely; more rows,
     or the shared prompt table, are gathered."""
@@ -93,20 +114,22 @@ def test_dense_form_is_taken_for_a_few_rows_only(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_half_table_gradient_accumulates_in_fp32_on_cuda():
-    """Every query chose the same 4 rows: each row's gradient sums 64 contributions in [1, 2). Their fp32 sum is
-    exact (8-bit mantissas, 6 bits of growth), so gathered from the table in fp32 the bf16 gradient is that
-    sum rounded once. CUDA's ``index_add_`` on a bf16 tensor rounds after every atomic add instead. (The CPU's
-    bf16 ``index_add_`` sums in fp32 either way, so this runs on CUDA only. Not yet run on a GPU: an earlier
-    form, 64 equal contributions, passed without the fp32 gather too: round-half-even cancelled its errors.)"""
+def test_half_table_gradient_accumulates_in_fp32_on_cuda(monkeypatch):
+    """64 queries chose the same 4 rows of a bf16 table, with zero queries: each attends uniformly (weight
+    0.25), so a row's gradient is 0.25 x the sum of 64 output gradients in [1, 2), exact in fp32 (8-bit
+    mantissas, 6 bits of growth): the bf16 gradient is that sum rounded once. CUDA's ``index_add_`` on a bf16
+    tensor rounds after every atomic add instead (an emulated bf16 running sum is off by 2.0 here). (The
+    CPU's bf16 ``index_add_`` sums in fp32 either way, so this runs on CUDA only. Not yet run on a GPU: an
+    earlier form, 64 equal contributions, passed without the fp32 copy too: round-half-even cancelled.)"""
+    monkeypatch.setattr(sparse, "DENSE_ROWS_PER_CHOICE", 0)  # the gathered form
     b, n, d, t = 1, 6, 8, 64
-    table = torch.randn(b, n, d, device="cuda").bfloat16()
+    table = torch.randn(b, n, d, device="cuda").bfloat16().requires_grad_()
+    q = torch.zeros(b, 1, t, d, device="cuda", dtype=torch.bfloat16)
     rows = torch.arange(4, device="cuda").expand(b, t, 4).contiguous()
-    tg = table.clone().requires_grad_()
-    kg = sparse._gather(tg, rows)
-    grad = (1 + torch.rand(b, t, 4, d, generator=torch.Generator().manual_seed(0))).bfloat16().cuda()
-    kg.backward(grad.to(kg.dtype))
+    out, _ = sparse.selected_attention(q, table, rows, SCALE, d)
+    d_out = (1 + torch.rand(b, 1, t, d, generator=torch.Generator().manual_seed(0))).bfloat16().cuda()
+    out.backward(d_out.float())
     expected = torch.zeros(b, n, d, dtype=torch.float64, device="cuda")
-    expected[:, :4] = grad.double().sum(1)
-    assert tg.grad.dtype == torch.bfloat16
-    assert torch.equal(tg.grad, expected.bfloat16())
+    expected[:, :4] = 0.25 * d_out.double().sum(2)
+    assert table.grad.dtype == torch.bfloat16
+    assert torch.equal(table.grad, expected.bfloat16())
