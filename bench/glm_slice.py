@@ -528,7 +528,14 @@ def main() -> None:
             results[-1]["case_s"] = time.perf_counter() - t0
             print(case_line(results[-1]), flush=True)
         path = write_result(name, payload)
-    references = [r for f in args.gpu_reference for r in json.loads(Path(f).read_text())["results"]]
+    references = []
+    for (
+        f
+    ) in args.gpu_reference:  # (a reference left by an earlier command on a machine since given back: none)
+        if Path(f).is_file():
+            references += json.loads(Path(f).read_text())["results"]
+        else:
+            print(f"no GPU-state reference at {f}: host cases pair only with this run's", flush=True)
     for host in (r for r in results if r.get("state_bytes_host") and "replay_s_per_response" in r):
         pair = [
             r

@@ -14,6 +14,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full-1m     # the whole 27B's GRPO step at 1M, R = 1024
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh v4          # every fast path's GPU test (-v), 512K with chunk times
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-host    # GLM-5 slice: 1M host state, a capture profile
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-gpu  # then glm-2m-host: glm-2m's cases one a command
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -209,6 +210,17 @@ glm)  # issue 13: where a GLM-5 slice's replay spends its time (P = 64K; it was 
     | grep -v -i warn | tee "$OUT/glm_profile.log" | grep -E "^first|^profiled|^replay|Error"
   timeout 440 python3 -u glm_slice.py --prompt 1048576 2097152 --gen-tokens 512 --budget-s 420 2>&1 \
     | grep -v -i warn | tee "$OUT/glm.log" | tail -8
+  ;;
+glm-2m-gpu)  # the 2M cases one a command (if glm-2m's budget skips the host case): GPU state; its JSON stays on
+             # the warm machine (.triton_cache/) for glm-2m-host's copy overlap
+  cd bench && timeout 420 python3 -u glm_slice.py --prompt 2097152 --storage gpu --gen-tokens 256 --budget-s 410 \
+    --tag _P2M_gpu 2>&1 | grep -v -i warn | tee "$OUT/glm_2m_gpu.log" | tail -3
+  cp "$OUT/glm_slice_3L_P2M_gpu.json" "$TRITON_CACHE_DIR/" 2>/dev/null
+  ;;
+glm-2m-host)
+  cd bench && timeout 480 python3 -u glm_slice.py --prompt 2097152 --storage cpu --budget-s 470 --tag _P2M_host \
+    --gpu-reference "$TRITON_CACHE_DIR/glm_slice_3L_P2M_gpu.json" 2>&1 | grep -v -i warn | tee "$OUT/glm_2m_host.log" \
+    | tail -4
   ;;
 glm-2m)  # issue 13's 2M cases, GPU then host state in one process (the copy overlap pairs them)
   cd bench && timeout 590 python3 -u glm_slice.py --prompt 2097152 --gen-tokens 256 --budget-s 570 --tag _P2M 2>&1 \

@@ -159,6 +159,31 @@ def test_glm_slice_smoke(tmp_path):
     assert all(v["copy_s"] > 0 and 0 <= v["hidden"] <= 1 for v in overlap.values())
 
 
+def test_glm_host_case_pairs_with_a_reference_file(tmp_path):
+    """A host-state run alone takes its GPU-state pair from an earlier run's JSON (a missing file: no pair)."""
+    args = ("--smoke", "--prompt", "300", "--response", "12", "--groups", "2", "--chunk", "128", "--page", "128",
+            "--offload-gen-tokens", "3")  # fmt: skip
+    _run(tmp_path, "glm_slice.py", *args, "--storage", "gpu", "--tag", "_gpu")
+    reference = tmp_path / "glm_slice_3L_gpu.json"
+    _run(
+        tmp_path,
+        "glm_slice.py",
+        *args,
+        "--storage",
+        "cpu",
+        "--tag",
+        "_host",
+        "--gpu-reference",
+        str(reference),
+    )
+    (host,) = json.loads((tmp_path / "glm_slice_3L_host.json").read_text())["results"]
+    assert host["state_bytes_host"] > 0 and {"capture", "replay, per response"} <= set(host["copy_overlap"])
+    _run(tmp_path, "glm_slice.py", *args, "--storage", "cpu", "--tag", "_alone", "--gpu-reference",
+         str(tmp_path / "missing.json"))  # fmt: skip
+    (alone,) = json.loads((tmp_path / "glm_slice_3L_alone.json").read_text())["results"]
+    assert "copy_overlap" not in alone
+
+
 def test_glm_copy_overlap_formula(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     from glm_slice import copy_overlap
