@@ -171,13 +171,11 @@ def indexer_probe(config, dev: str, smoke: bool) -> dict:
             scores()
     kernel_tflops = 2 * hi * di * tq * per_buffer * 5 / t.seconds / 1e12
     pos = torch.arange(n, device=dev)
-    indexer_topk(q, w, keys, pos, None, scale, k)
-    with Timer() as t_flow:
-        indexer_topk(q, w, keys, pos, None, scale, k)
-    # the same flow with other top-k buffer sizes (fewer, wider merges or more, narrower ones), and a top-k of
-    # one buffer alone: where the flow's time goes, and which size the next run should take
+    # the whole flow at the default top-k buffer size and at others (fewer, wider merges or more, narrower
+    # ones), and a top-k of one buffer alone: where the flow's time goes, and which size the next run should take
     by_buffer, topk_alone = {}, {}
-    for elements in (1 << 26, 1 << 27, 1 << 28, 1 << 29) if not smoke else (1 << 14, 1 << 15):
+    sizes = (1 << 26, 1 << 27, 1 << 28, 1 << 29) if not smoke else (1 << 14, 1 << 15)
+    for elements in sorted({tq * per_buffer, *sizes}):  # (tq * per_buffer: the default, 2^27, off the smoke)
         width = elements // tq
         with torch.no_grad():
             sparse.TOPK_BUFFER_ELEMENTS, default = elements, sparse.TOPK_BUFFER_ELEMENTS
@@ -197,7 +195,7 @@ def indexer_probe(config, dev: str, smoke: bool) -> dict:
     return {
         "indexer_kernel": index_scores_kernel_ok(q, keys),
         "indexer_tflops": kernel_tflops,
-        "indexer_topk_ns_per_score": t_flow.seconds / (tq * n) * 1e9,
+        "indexer_topk_ns_per_score": by_buffer[tq * per_buffer],  # at the default buffer size
         "indexer_topk_buffer_elements": TOPK_BUFFER_ELEMENTS,
         "indexer_topk_ns_per_score_by_buffer_elements": by_buffer,
         "topk_alone_ns_per_element_by_buffer_elements": topk_alone,

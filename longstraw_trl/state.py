@@ -45,9 +45,8 @@ def streamed_bytes() -> int:
     return _STREAMED_BYTES[0]
 
 
-def _count_streamed(t: torch.Tensor | None) -> None:
-    if t is not None:
-        _STREAMED_BYTES[0] += t.numel() * t.element_size()
+def _count_streamed(*tensors: torch.Tensor | None) -> None:
+    _STREAMED_BYTES[0] += sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def host_rows_to_device(host: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -82,8 +81,7 @@ def prefetch_to_device(
     """
     if device.type != "cuda":
         for block in blocks:
-            for t in block:
-                _count_streamed(t)
+            _count_streamed(*block)
             yield tuple(None if t is None else t.to(device) for t in block)
         return
     compute = torch.cuda.current_stream(device)
@@ -92,8 +90,7 @@ def prefetch_to_device(
         copy.wait_event(after)
 
     def issue(block):
-        for t in block:
-            _count_streamed(t)
+        _count_streamed(*block)
         with torch.cuda.stream(copy):
             moved = tuple(None if t is None else _host_to_device(t, device) for t in block)
         return moved, copy.record_event()
