@@ -51,8 +51,12 @@ def _count_streamed(*tensors: torch.Tensor | None) -> None:
 
 def host_rows_to_device(host: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host[rows]`` (rows of a pinned host table, ``rows`` a 1-D index on the host) copied to ``device``
-    asynchronously, counted in :func:`streamed_bytes`: a decode step's chosen rows of an offloaded table."""
-    picked = host.index_select(0, rows)
+    asynchronously, counted in :func:`streamed_bytes`: a decode step's chosen rows of an offloaded table.
+    The rows are gathered into pinned memory when ``host`` is pinned: from pageable memory the copy would be
+    a synchronous staged one (the caching host allocator keeps the buffer until the copy has read it)."""
+    pinned = host.is_pinned()
+    picked = torch.empty((rows.numel(), *host.shape[1:]), dtype=host.dtype, pin_memory=pinned)
+    torch.index_select(host, 0, rows, out=picked)
     _count_streamed(picked)
     return picked.to(device, non_blocking=True)
 
@@ -290,11 +294,20 @@ class KVPages(LayerState):
 
     def _new_segment(self, at_least: int) -> None:
         capacity = max(at_least, self._reserved, 1) if self._reserved else max(at_least, self.page_size)
+        # pinned from the start: pinning a pageable buffer copies it, first touching every page. Likely most of
+        # what the first capture chunk with host state cost more on the GLM-5 slice (2.4 s at 1M, 6.3 s at 2M)
         pin = self.storage.type == "cpu" and torch.cuda.is_available()
-        k = torch.empty(self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.storage)
-        v = torch.empty(self.num_kv_heads, capacity, self.v_head_dim, dtype=self.dtype, device=self.storage)
-        if pin:
-            k, v = k.pin_memory(), v.pin_memory()
+        k = torch.empty(
+            self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.storage, pin_memory=pin
+        )
+        v = torch.empty(
+            self.num_kv_heads,
+            capacity,
+            self.v_head_dim,
+            dtype=self.dtype,
+            device=self.storage,
+            pin_memory=pin,
+        )
         self.segments.append((k, v, 0))
         self._writable_tail = True
 

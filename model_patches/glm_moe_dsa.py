@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -109,6 +109,17 @@ class DSASelection:
 
     prompt_rows: torch.Tensor
     self_rows: torch.Tensor
+    _host_rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def host_prompt_rows(self) -> torch.Tensor:
+        """``prompt_rows`` flattened on the host (-1 as 0), for gathering chosen rows of offloaded pages.
+
+        Copied once (one host sync) and kept: the ``"shared"`` layers after a ``"full"`` one reuse its
+        selection, so they gather their own latent rows without another sync, while the device still runs
+        the layers queued before them (GLM-5.2: 21 syncs a decode step instead of 78)."""
+        if self._host_rows is None:
+            self._host_rows = self.prompt_rows.reshape(-1).clamp_min(0).cpu()
+        return self._host_rows
 
 
 def _materialize(layer: DSAPages, device: torch.device, part: int) -> torch.Tensor:
@@ -121,15 +132,17 @@ def _materialize(layer: DSAPages, device: torch.device, part: int) -> torch.Tens
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1))[0]
 
 
-def _prompt_table(layer: DSAPages, rows: torch.Tensor, device: torch.device):
+def _prompt_table(layer: DSAPages, sel: DSASelection, device: torch.device):
     """The prompt part's key table, the rows of it each query chose, and how to get the table again.
 
     Offloaded with fewer chosen slots than stored tokens (decoding: G queries x top-k): only the chosen rows
-    are gathered in host memory and copied (one host sync); otherwise this rank's pages (:func:`_materialize`).
+    are gathered in host memory and copied (the selection's rows reach the host once for all layers sharing
+    it: :meth:`DSASelection.host_prompt_rows`); otherwise this rank's pages (:func:`_materialize`).
     """
+    rows = sel.prompt_rows
     if layer.offloaded and len(layer.segments) == 1 and rows.numel() < layer.stored_tokens():
         host = layer.segments[0][0][0]
-        flat = rows.reshape(-1).clamp_min(0).cpu()
+        flat = sel.host_prompt_rows()
 
         def table():
             return host_rows_to_device(host, flat, device)
@@ -314,7 +327,7 @@ def dsa_forward(
     scale = module.scaling
     out_p = lse_p = None
     if resident:  # (every rank, pages or not: the merge over ranks is a collective)
-        table, rows, table_fn = _prompt_table(layer, sel.prompt_rows, device)
+        table, rows, table_fn = _prompt_table(layer, sel, device)
         out_p, lse_p = prompt_selected_attention(
             query,
             rows,

@@ -288,7 +288,7 @@ def test_nbytes_by_kind_has_mla_and_indexer_as_the_formula(prompt_len):
     assert state.nbytes() == sum(expected.values())
 
 
-def test_offloaded_state_of_three_pages_equals_resident():
+def test_offloaded_state_of_three_pages_equals_resident(monkeypatch):
     model = build_glm_dsa(index_topk=SMALL_TOPK)
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, VOCAB, (25,), generator=gen)  # 24 resident tokens: 3 pages of 8
@@ -303,6 +303,11 @@ def test_offloaded_state_of_three_pages_equals_resident():
     assert_grads_close(g[1], g[0], tol=1e-6)
     # decoding reads only the chosen latent rows of an offloaded layer (2 x top-6 < 24 stored tokens)
     tokens = torch.randint(0, VOCAB, (2, 4), generator=gen)
+    gathers = []  # the host rows of every gather: one host copy a selection, shared layers reuse it
+    gather = glm.host_rows_to_device
+    monkeypatch.setattr(
+        glm, "host_rows_to_device", lambda h, rows, d: gathers.append(rows) or gather(h, rows, d)
+    )
     logits = []
     with torch.no_grad():
         for state in (resident, offloaded):
@@ -310,6 +315,9 @@ def test_offloaded_state_of_three_pages_equals_resident():
             steps = [forward_model(model, tokens[:, i : i + 1], 24 + i, ctx) for i in range(4)]
             logits.append(torch.cat(steps, 1))
     assert (logits[0] - logits[1]).abs().max() <= 1e-6
+    layers = model.config.num_hidden_layers
+    full = glm._indexer_types(model.config).count(glm.FULL_INDEXER)
+    assert len(gathers) == 4 * layers and len({id(r) for r in gathers}) == 4 * full < len(gathers)
     torch.manual_seed(0)
     a = resident.generate(model, 2, 5, do_sample=True, pad_token_id=0)
     torch.manual_seed(0)
