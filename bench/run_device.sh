@@ -15,6 +15,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh v4          # every fast path's GPU test (-v), 512K with chunk times
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-host    # GLM-5 slice: 1M host state, a capture profile
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-gpu  # then glm-2m-host: glm-2m's cases one a command
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh sa-probe    # GLM-5's fused selected-keys attention: tests, timing
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -97,6 +98,16 @@ v4-rest)  # the GPU tests v4's timeout did not reach (the masked own-keys indexe
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$OUT/pytest_gpu_rest.log" | tail -12
   cd bench && timeout 200 python3 -u profile_replay.py --glm-slice --prompt 65536 --phase capture --top 25 2>&1 \
     | grep -v -i warn | tee "$OUT/glm_profile.log" | grep -E "^first|^profiled|Error"
+  ;;
+sa-probe)  # the fused selected-keys attention (GLM-5): its GPU tests, the GLM-5 GPU test through it, then it
+           # against the torch path at a capture chunk's and a replay batch's shapes
+  PYTHONPATH=/tmp/site timeout 90 python3 -m pytest -v -rfE -m gpu tests/test_kernels_selected_keys_attention.py \
+    tests/test_kernels_indexer.py::test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode \
+    tests/test_kernels_sparse_attention.py > "$OUT/pytest_gpu_sa.log" 2>&1
+  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_sa.log") passed"
+  grep -E " (FAILED|ERROR)|^FAILED|^ERROR|Error" "$OUT/pytest_gpu_sa.log" | tail -8
+  cd bench && timeout 60 python3 -u selected_attention_probe.py --keys 1048576 2>&1 | grep -v -i warn \
+    | tee "$OUT/sa_probe.log" | tail -4
   ;;
 glm-host)  # issue 13's remaining cases, first: 1M with host state (copies hidden: against session 7's 1M GPU case),
            # then where a 256K capture of the slice goes

@@ -22,6 +22,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .indexer_scores import index_scores, index_scores_kernel_ok, matmul_fp32
+from .selected_keys_attention import selected_attention_kernel, selected_attention_kernel_ok
 
 # One fp32 score tile (queries x heads x keys) stays under this many elements (1 GiB).
 SCORE_TILE_ELEMENTS = 1 << 28
@@ -201,11 +202,15 @@ def selected_attention(
     """:func:`selected_attention_block` in blocks of queries; under autograd each block is checkpointed
     (its gathered keys are gathered again in backward instead of kept). A per-sequence table of at most
     :data:`DENSE_ROWS_PER_CHOICE` times as many rows as each query chooses takes
-    :func:`masked_attention_block` (the same result; dense scores cost no more than gathered ones there)."""
+    :func:`masked_attention_block` (the same result; dense scores cost no more than gathered ones there).
+    Without a graph on CUDA the gathered form is the fused kernel (:mod:`kernels.selected_keys_attention`),
+    which reads the chosen rows in place instead of gathering them."""
     b, _, t, _ = q.shape
     tq = max(1, ATTENTION_QUERY_ROWS // b)
     grad = torch.is_grad_enabled() and (q.requires_grad or table.requires_grad)
     dense = table.dim() == 3 and table.shape[1] <= DENSE_ROWS_PER_CHOICE * rows.shape[-1]
+    if not dense and selected_attention_kernel_ok(q, table, rows):
+        return selected_attention_kernel(q, table, rows, scale, value_dim)
     block = masked_attention_block if dense else selected_attention_block
     extra = ()
     if not dense and grad and table.requires_grad and table.dtype in (torch.float16, torch.bfloat16):
