@@ -128,6 +128,9 @@ class ReplayContext:
     Attributes:
         running: decode only: layer index -> that layer's state for the G sequences (:class:`ResponseKV`
             for attention, the family's state type for other layers, e.g. a batched ``GDNState``).
+        prompt_copies: decode only: layer index -> a device copy of an offloaded layer's prompt tensor that
+            every step reads whole (GLM-5's indexer keys), made by the call's first step and kept for the call
+            (the state itself stays on the host).
     """
 
     def __init__(
@@ -157,6 +160,7 @@ class ReplayContext:
         self.reserve_tokens = reserve_tokens
         self.step = step
         self.running: dict[int, object] = {}
+        self.prompt_copies: dict[int, torch.Tensor] = {}
         # replay: whether the current decoder layer is recomputed in backward, and the page attention its first
         # forward computed, by layer (see `_prompt_part`)
         self.layer_recomputed = False

@@ -132,6 +132,20 @@ def _materialize(layer: DSAPages, device: torch.device, part: int) -> torch.Tens
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1))[0]
 
 
+def _prompt_indexer_keys(layer: DSAPages, ctx, idx: int, device: torch.device) -> torch.Tensor:
+    """This rank's prompt indexer keys of layer ``idx`` on ``device``. A decode step scores all of them, so an
+    offloaded layer's are copied by a decode call's first step and kept for its later ones
+    (``ctx.prompt_copies``): streamed every step they were 268 MB a step at 1M tokens on the GLM-5 slice, none of
+    it hidden; kept, they cost the indexer's bytes on the device while the call runs (256 B a token a full
+    layer, against the latent's 1,152 B a token every layer, which stays on the host)."""
+    if ctx.mode != "decode" or not layer.offloaded:
+        return _materialize(layer, device, 1)
+    keys = ctx.prompt_copies.get(idx)
+    if keys is None:
+        keys = ctx.prompt_copies[idx] = _materialize(layer, device, 1)
+    return keys
+
+
 def _prompt_table(layer: DSAPages, sel: DSASelection, device: torch.device):
     """The prompt part's key table, the rows of it each query chose, and how to get the table again.
 
@@ -305,7 +319,7 @@ def dsa_forward(
     device = hidden_states.device
     prompt_ik = None
     if indexer is not None and layer is not None:
-        prompt_ik = _materialize(layer, device, 1)
+        prompt_ik = _prompt_indexer_keys(layer, ctx, idx, device)
     if indexer is not None:
         q_pos = position_ids[0] if position_ids.dim() == 2 else position_ids
         prompt_pos = None

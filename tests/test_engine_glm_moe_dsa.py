@@ -43,6 +43,7 @@ from longstraw_trl.model_patches import (
 )
 from longstraw_trl.model_patches.glm_moe_dsa import DSAPages
 from longstraw_trl.planner import state_bytes
+from longstraw_trl.state import streamed_bytes
 
 LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj"]
 SMALL_TOPK = 6
@@ -308,13 +309,24 @@ def test_offloaded_state_of_three_pages_equals_resident(monkeypatch):
     monkeypatch.setattr(
         glm, "host_rows_to_device", lambda h, rows, d: gathers.append(rows) or gather(h, rows, d)
     )
-    logits = []
+    logits, streamed = [], []  # bytes copied from the host before each step and after the last
     with torch.no_grad():
         for state in (resident, offloaded):
             ctx = ReplayContext("decode", state, capacity=4)
-            steps = [forward_model(model, tokens[:, i : i + 1], 24 + i, ctx) for i in range(4)]
+            steps = []
+            for i in range(4):
+                streamed.append(streamed_bytes())
+                steps.append(forward_model(model, tokens[:, i : i + 1], 24 + i, ctx))
+            streamed.append(streamed_bytes())
             logits.append(torch.cat(steps, 1))
     assert (logits[0] - logits[1]).abs().max() <= 1e-6
+    # the offloaded decode copies the indexer keys once (the first step), then only each step's chosen rows
+    row_bytes = [r.numel() * layer.head_dim * layer.dtype.itemsize for r in gathers]
+    per_step = len(gathers) // 4
+    steps = [sum(row_bytes[j * per_step : (j + 1) * per_step]) for j in range(4)]
+    copied = [b - a for a, b in zip(streamed[5:9], streamed[6:10], strict=True)]
+    assert streamed[5] == streamed[0]  # (nothing streamed from the resident state)
+    assert copied == [steps[0] + offloaded.nbytes_by_kind()["indexer"], *steps[1:]]
     layers = model.config.num_hidden_layers
     full = glm._indexer_types(model.config).count(glm.FULL_INDEXER)
     assert len(gathers) == 4 * layers and len({id(r) for r in gathers}) == 4 * full < len(gathers)
