@@ -16,6 +16,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-host    # GLM-5 slice: 1M host state, a capture profile
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-gpu  # then glm-2m-host: glm-2m's cases one a command
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh sa-probe    # GLM-5's fused selected-keys attention: tests, timing
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v2      # sa-probe, then the GLM-5 slice at 1M after it
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -106,8 +107,15 @@ sa-probe)  # the fused selected-keys attention (GLM-5): its GPU tests, the GLM-5
     tests/test_kernels_sparse_attention.py > "$OUT/pytest_gpu_sa.log" 2>&1
   echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_sa.log") passed"
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR|Error" "$OUT/pytest_gpu_sa.log" | tail -8
-  cd bench && timeout 60 python3 -u selected_attention_probe.py --keys 1048576 2>&1 | grep -v -i warn \
-    | tee "$OUT/sa_probe.log" | tail -4
+  cd bench && timeout 120 python3 -u selected_attention_probe.py --keys 1048576 --tiles 2>&1 | grep -v -i warn \
+    | tee "$OUT/sa_probe.log" | grep -v "^  tile"
+  ;;
+glm-v2)  # next: sa-probe (every tile), then the GLM-5 slice at 1M with GPU and host state in one process, as
+         # glm_slice_3L_P1M.json (rev 7c18596) ran it: the fused attention in capture and replay, and the host
+         # decode that syncs once a full layer, gathers into pinned memory and keeps the indexer keys on the device
+  bash bench/run_device.sh sa-probe
+  cd bench && timeout 300 python3 -u glm_slice.py --prompt 1048576 --gen-tokens 256 --budget-s 290 --tag _P1M_v2 \
+    2>&1 | grep -v -i warn | tee "$OUT/glm_1m_v2.log" | tail -4
   ;;
 glm-host)  # issue 13's remaining cases, first: 1M with host state (copies hidden: against session 7's 1M GPU case),
            # then where a 256K capture of the slice goes

@@ -3,7 +3,9 @@
 graph-free, at GLM-5's sizes (64 heads, latent keys of 576 with values of 512, bf16), at the shapes a capture
 chunk's prompt part, its own keys and a replay batch's prompt part take.
 
-    python bench/selected_attention_probe.py --keys 1048576
+    python bench/selected_attention_probe.py --keys 1048576 [--tiles]
+
+``--tiles``: every tile of ``kernels.selected_keys_attention.TILES`` at each case (the default is the first).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keys", type=int, default=1 << 20, help="prompt rows of the shared table")
     ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument(
+        "--tiles", action="store_true", help="time every tile of the kernel, not only the default"
+    )
     args = ap.parse_args()
     dev, scale = torch.device("cuda"), 256**-0.5
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -68,6 +73,20 @@ def main() -> None:
             got, got_lse = selected_attention(q, tab, rows, scale, VALUE_DIM)
             flops = 2 * b * t * HEADS * k * (DIM + VALUE_DIM)
             gathered = b * t * k * DIM * 2  # bytes of the chosen rows, as the torch path materialises them
+            by_tile = {}
+            for tile in ska.TILES if args.tiles else ():
+                got_t, _ = ska.selected_attention_kernel(q, tab, rows, scale, VALUE_DIM, tile=tile)
+                seconds = best_of(
+                    functools.partial(
+                        ska.selected_attention_kernel, q, tab, rows, scale, VALUE_DIM, tile=tile
+                    )
+                )
+                by_tile["x".join(map(str, tile))] = {
+                    "kernel_s": seconds,
+                    "speedup": t_torch / seconds,
+                    "relative_difference": ((got_t - ref).norm() / ref.norm()).item(),
+                }
+                print(f"  tile {tile}: {seconds * 1e3:8.2f} ms ({t_torch / seconds:.2f}x)")
             row = {
                 "case": name,
                 "batch": b,
@@ -81,6 +100,8 @@ def main() -> None:
                 "kernel_rows_gb_per_s": gathered / t_kernel / 1e9,
                 "relative_difference": ((got - ref).norm() / ref.norm()).item(),
                 "lse_max_abs_difference": (got_lse - ref_lse).abs().max().item(),
+                "default_tile": "x".join(map(str, ska.TILES[0])),
+                "by_tile": by_tile,
             }
             out_rows.append(row)
             print(

@@ -30,10 +30,11 @@ import torch
 from .switches import switch
 
 KERNEL_ENV = "LONGSTRAW_SELECTED_ATTENTION_KERNEL"
-# Chosen rows loaded per iteration, and the most heads a program holds (its fp32 output, heads x value dim, sits
-# in registers: 32 x 512 is 64 a thread at 8 warps).
-BLOCK_N = 32
-MAX_BLOCK_H = 32
+# (heads a program holds at most, chosen rows loaded an iteration, warps, stages). The program's fp32 output,
+# heads x value dim, sits in registers (32 x 512 is 64 a thread at 8 warps). The first is the default (measured
+# once on the H200: 72 TFLOP/s); the others are what `bench/selected_attention_probe.py --tiles` compares:
+# all 64 heads of a query in one program (its rows read once, M = 64 for wgmma), and wider row blocks.
+TILES = ((32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 16, 2), (64, 64, 8, 2), (32, 64, 8, 3), (16, 64, 4, 2))
 # The loop over a query's chosen rows runs to the row count rounded up to this (a compile-time bound: a new
 # compile per 128 rows of width at most, where a capture compacts every chunk's rows to a new width; Triton's
 # CPU interpreter cannot loop to a run-time bound under NumPy 2.4); the slots past the count are masked.
@@ -152,10 +153,19 @@ def selected_attention_kernel_ok(q: torch.Tensor, table: torch.Tensor, rows: tor
 
 
 def selected_attention_kernel(
-    q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, value_dim: int
+    q: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    value_dim: int,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, H, T, value_dim], lse [B, H, T])``, fp32, of ``q [B, H, T, D]`` over its chosen rows
-    ``rows [B, T, k]`` of ``table [N, D]`` or ``[B, N, D]`` (see the module docstring)."""
+    ``rows [B, T, k]`` of ``table [N, D]`` or ``[B, N, D]`` (see the module docstring). ``tile``: one of
+    :data:`TILES` instead of the default (tests and the probe)."""
+    if tile is not None and tuple(tile) not in TILES:
+        raise ValueError(f"tile {tile} is none of the kernel's tiles {TILES}")
+    max_h, block_n, warps, stages = tile or TILES[0]
     b, h, t, d = q.shape
     if table.dim() not in (2, 3) or table.shape[-1] != d or (table.dim() == 3 and table.shape[0] != b):
         raise ValueError(
@@ -174,7 +184,7 @@ def selected_attention_kernel(
     q = q if q.stride(-1) == 1 else q.contiguous()
     table = table if table.stride(-1) == 1 else table.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    block_h = min(MAX_BLOCK_H, _pow2(h))
+    block_h = min(max_h, _pow2(h))
     block_dv = _pow2(value_dim)
     grid = (b * t, triton.cdiv(h, block_h))
     kernel[grid](
@@ -204,10 +214,10 @@ def selected_attention_kernel(
         DR=d - value_dim,
         ROUND_SCORES=q.dtype in (torch.float16, torch.bfloat16),
         BLOCK_H=block_h,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_DV=block_dv,
         BLOCK_DR=_pow2(d - value_dim),
-        num_warps=8 if block_dv >= 256 else 4,
-        num_stages=2,
+        num_warps=warps if block_dv >= 256 else min(warps, 4),
+        num_stages=stages,
     )
     return out, lse

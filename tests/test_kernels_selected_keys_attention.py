@@ -66,6 +66,19 @@ def test_kernel_under_the_interpreter(interpreter, b, h, t, n, d, dv, k, shared)
     assert rel(torch_out, out_ref) < 1e-6  # (the fp32 torch path is the same math as the fp64 reference)
 
 
+@pytest.mark.parametrize("tile", ska.TILES, ids=[f"{h}x{n}w{w}s{st}" for h, n, w, st in ska.TILES])
+def test_every_tile_under_the_interpreter(interpreter, tile):
+    """Every tile the probe compares: 70 heads (a partial last head block at every width), 70 rows a query (a
+    partial last row block at every width), value and rope parts of widths that are not powers of two."""
+    q, table, rows = half_case(1, 70, 3, 90, 40, 70, True, seed=3)
+    out, lse = ska.selected_attention_kernel(q, table, rows, 0.2, 24, tile=tile)
+    out_ref, lse_ref = reference(q.double(), table.double(), rows, 0.2, 24)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(out.double(), out_ref, rtol=0, atol=4e-3)
+    torch.testing.assert_close(lse[finite].double(), lse_ref[finite], rtol=0, atol=4e-3)
+
+
 def test_kernel_rejects_mismatched_inputs(interpreter):
     q, table, rows = half_case(1, 2, 3, 10, 16, 4, True)
     with pytest.raises(ValueError, match="table"):
@@ -74,6 +87,8 @@ def test_kernel_rejects_mismatched_inputs(interpreter):
         ska.selected_attention_kernel(q, table, rows[:, :2], 0.3, 8)
     with pytest.raises(ValueError, match="value_dim"):
         ska.selected_attention_kernel(q, table, rows, 0.3, 17)
+    with pytest.raises(ValueError, match="tile"):
+        ska.selected_attention_kernel(q, table, rows, 0.3, 8, tile=(8, 8, 1, 1))
     out, lse = ska.selected_attention_kernel(q, table[:0], rows.clamp_max(-1), 0.3, 8)  # no table rows
     assert (out == 0).all() and torch.isinf(lse).all()
 
@@ -133,3 +148,17 @@ def test_kernel_on_cuda_at_glm_sizes(b, t, n, k, shared):
     assert rel(out, torch_out) <= 1e-2, rel(out, torch_out)
     assert (lse[finite] - torch_lse[finite]).abs().max() <= 2e-2
     assert rel(out[:, :, sub], out_ref) <= 1.5 * rel(torch_out[:, :, sub], out_ref) + 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tile", ska.TILES, ids=[f"{h}x{n}w{w}s{st}" for h, n, w, st in ska.TILES])
+def test_every_tile_on_cuda(tile):
+    """Each tile the probe compares, at GLM-5's sizes against the torch path on the same bf16 inputs."""
+    q, table, rows = half_case(1, 64, 100, 9000, 576, 700, True, dtype=torch.bfloat16, device="cuda", seed=1)
+    out, lse = ska.selected_attention_kernel(q, table, rows, 256**-0.5, 512, tile=tile)
+    torch_out, torch_lse = sparse.selected_attention_block(q, table, rows, 256**-0.5, 512)
+    finite = torch.isfinite(torch_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert rel(out, torch_out) <= 1e-2, rel(out, torch_out)
+    assert (lse[finite] - torch_lse[finite]).abs().max() <= 2e-2
