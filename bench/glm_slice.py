@@ -61,6 +61,16 @@ from longstraw_trl.presets import preset_config
 from longstraw_trl.state import streamed_bytes
 
 
+def pinned_host_bytes() -> int | None:
+    """Bytes of pinned blocks the caching host allocator owns now (``None`` without CUDA or the statistic)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return int(torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0))
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def slice_config(layers: int, indexer_types: list[str], max_positions: int, smoke: bool):
     dense = 1
     if smoke:  # same layer pattern, tiny widths
@@ -289,6 +299,8 @@ def run_case(
             "capture_peak_gib": cap_peak,
             "h2d_bytes_capture": cap_streamed,  # offloaded state streamed back (earlier chunks' pages)
             "capture_chunk_s": [round(x, 4) for x in state.chunk_seconds],  # grows with the indexer's prefix
+            # pinned bytes PyTorch's caching host allocator holds (it rounds each block up to a power of two)
+            "pinned_host_bytes": pinned_host_bytes(),
         }
     )
     save()
