@@ -49,6 +49,17 @@ class Timer:
         self.seconds = time.perf_counter() - self.t0
 
 
+def best_of(fn, n: int = 3) -> float:
+    """The fastest of ``n`` timed calls of ``fn`` after one untimed (warm-up) call, in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(n):
+        with Timer() as t:
+            fn()
+        best = min(best, t.seconds)
+    return best
+
+
 def reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

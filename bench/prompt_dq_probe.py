@@ -10,20 +10,10 @@ import argparse
 import functools
 
 import torch
-from common import Timer, write_result
+from common import best_of, write_result
 
 from longstraw_trl.kernels.attention import _flash_grads
 from longstraw_trl.kernels.prompt_dq import prompt_dq
-
-
-def best_of(fn, n: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(n):
-        with Timer() as t:
-            fn()
-        best = min(best, t.seconds)
-    return best
 
 
 def main() -> None:

@@ -15,23 +15,12 @@ import functools
 import os
 
 import torch
-from common import Timer, write_result
+from common import best_of, write_result
 
 import longstraw_trl.kernels.selected_keys_attention as ska
 from longstraw_trl.kernels.sparse_attention import selected_attention
 
 HEADS, DIM, VALUE_DIM = 64, 576, 512
-
-
-def best_of(fn, n: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(n):
-        with Timer() as t:
-            fn()
-        best = min(best, t.seconds)
-    return best
 
 
 def torch_path(q, table, rows, scale):

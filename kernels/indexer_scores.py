@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from .switches import switch
+from .switches import kernel_builds, switch
 
 KERNEL_ENV = "LONGSTRAW_INDEXER_KERNEL"
 
@@ -166,11 +166,7 @@ def index_scores_kernel_ok(q: torch.Tensor, keys: torch.Tensor) -> bool:
         return False
     if not _use_kernel() or q.shape[-1] not in (16, 32, 64, 128, 256) or keys.shape[-1] != q.shape[-1]:
         return False
-    try:
-        _kernel()
-    except Exception:  # noqa: BLE001 - no triton: the caller takes the torch path
-        return False
-    return True
+    return kernel_builds(_kernel)
 
 
 def _check(q, weights, keys, scale, out, q_pos, key_pos) -> None:

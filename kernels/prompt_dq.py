@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from .switches import kernel_builds
+
 
 def prompt_dq_reference(
     q: torch.Tensor,
@@ -131,11 +133,7 @@ def prompt_dq_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     d = q.shape[-1]
     if d not in (16, 32, 64, 128, 256) or k.shape[-1] != d:
         return False
-    try:
-        _kernel()
-    except Exception:  # noqa: BLE001 - no triton: the caller takes another path
-        return False
-    return True
+    return kernel_builds(_kernel)
 
 
 def prompt_dq(

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from .switches import switch
+from .switches import kernel_builds, switch
 
 KERNEL_ENV = "LONGSTRAW_SELECTED_ATTENTION_KERNEL"
 # (heads a program holds at most, chosen rows loaded an iteration, warps, stages). The program's fp32 output,
@@ -145,11 +145,7 @@ def selected_attention_kernel_ok(q: torch.Tensor, table: torch.Tensor, rows: tor
         return False
     if rows.shape[0] * rows.shape[1] < MIN_QUERY_ROWS:
         return False
-    try:
-        _kernel()
-    except Exception:  # noqa: BLE001 - no triton: the caller takes the torch path
-        return False
-    return True
+    return kernel_builds(_kernel)
 
 
 def selected_attention_kernel(
