@@ -267,9 +267,21 @@ def floors(config, counts, p: int, args, rates: dict, offload: bool) -> dict[str
 
 
 def run_case(
-    model, config, counts, args, p: int, offload: bool, dev: str, rates: dict, result: dict, save
+    model,
+    config,
+    counts,
+    args,
+    p: int,
+    offload: bool,
+    dev: str,
+    rates: dict,
+    result: dict,
+    save,
+    gen_tokens: int | None = None,
+    replays: int | None = None,
 ) -> None:
-    """Fill ``result`` phase by phase (``save()`` after each: a run cut short keeps what it measured)."""
+    """Fill ``result`` phase by phase (``save()`` after each: a run cut short keeps what it measured).
+    ``gen_tokens`` / ``replays``: fewer than the arguments say (the warm-up)."""
     model.zero_grad(set_to_none=True)
     storage = "cpu" if offload else None
     prompt = torch.randint(0, config.vocab_size, (p,), device=dev)
@@ -304,7 +316,12 @@ def run_case(
         }
     )
     save()
-    gen_tokens = args.offload_gen_tokens if offload else args.gen_tokens
+    gen_tokens = gen_tokens or (args.offload_gen_tokens if offload else args.gen_tokens)
+    # whether generate() replays each decode step as one CUDA graph (its default): not when a step streams
+    # offloaded pages; an offloaded GLM-5 state streams none (the GPU reads the chosen rows from host memory)
+    graphed = dev == "cuda" and not any(
+        layer.decode_streams(torch.device(dev)) for layer in state.layers.values()
+    )
     reset_peak()
     # a call of half the tokens first: the difference of the two calls is the cost of the extra decode steps,
     # without what every call pays once (CUDA-graph capture, the first token's prefill of the last prompt token)
@@ -323,6 +340,7 @@ def run_case(
     result.update(
         {
             "generation_tokens": gen_tokens,
+            "generation_cuda_graph": graphed,
             "generation_s": t_gen.seconds,
             "generation_s_half_call": t_half.seconds,
             "generation_s_per_token": per_token,
@@ -339,7 +357,7 @@ def run_case(
     replay_ids = torch.randint(0, config.vocab_size, (args.groups, args.response), device=dev)
     reset_peak()
     times = []
-    for i in range(args.groups):
+    for i in range(replays or args.groups):
         with Timer() as t:
             logp = state.logprobs(model, replay_ids[i][None], grad=True)
             (-logp.mean()).backward()
@@ -447,12 +465,21 @@ def main() -> None:
         help="JSON files of earlier runs of this script whose GPU-state cases pair with this run's host-state "
         "ones (same dimensions) for the copy overlap; a GPU case of this run at the same P is preferred",
     )
+    ap.add_argument(
+        "--warmup-prompt",
+        type=int,
+        default=None,
+        help="P of an unmeasured case per storage run first (0: none; default 3 chunks, none with --smoke): "
+        "whole chunks and the last one a row short, as every measured P has them",
+    )
     ap.add_argument("--tag", default="")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run with tiny widths")
     args = ap.parse_args()
     start = time.perf_counter()
     dev = "cpu" if args.smoke else "cuda"
     args.gen_tokens = args.gen_tokens or args.response
+    if args.warmup_prompt is None:
+        args.warmup_prompt = 0 if args.smoke else 3 * args.chunk
     types = args.indexer_types.split(",")
     if len(types) != args.layers:
         raise SystemExit(f"--indexer-types has {len(types)} entries for {args.layers} layers")
@@ -514,6 +541,16 @@ def main() -> None:
     }
     name = f"glm_slice_{args.layers}L{args.tag}"
     path = write_result(name, payload)
+    if args.warmup_prompt:  # Triton compiles (and autotunes) here, not inside the first measured case
+        for offload in dict.fromkeys(s == "cpu" for s in args.storage):
+            t0, warm = time.perf_counter(), {}
+            run_case(
+                model, config, counts, args, args.warmup_prompt, offload, dev, rates, warm, lambda: None, 8, 2
+            )
+            payload.setdefault("warmup_s", []).append(time.perf_counter() - t0)
+            print(
+                f"warm-up P={args.warmup_prompt} {'host' if offload else 'gpu'} state: {payload['warmup_s'][-1]:.1f} s"
+            )
     for p, offload in cases:  # written after each case, so a run cut short keeps what it measured
         t0 = time.perf_counter()
         left = args.budget_s - (t0 - start)

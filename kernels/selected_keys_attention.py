@@ -24,6 +24,7 @@ only). ``LONGSTRAW_SELECTED_ATTENTION_KERNEL=0`` takes the torch path (for compa
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -31,13 +32,14 @@ from .switches import kernel_builds, switch
 
 KERNEL_ENV = "LONGSTRAW_SELECTED_ATTENTION_KERNEL"
 # (heads a program holds at most, chosen rows loaded an iteration, warps, stages). The program's fp32 output,
-# heads x value dim, sits in registers (32 x 512 is 64 a thread at 8 warps). The first is the default (measured
-# once on the H200: 72 TFLOP/s); the others are what `bench/selected_attention_probe.py --tiles` compares:
-# all 64 heads of a query in one program (its rows read once, M = 64 for wgmma), and wider row blocks.
-TILES = ((32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 16, 2), (64, 64, 8, 2), (32, 64, 8, 3), (16, 64, 4, 2))
-# The loop over a query's chosen rows runs to the row count rounded up to this (a compile-time bound: a new
-# compile per 128 rows of width at most, where a capture compacts every chunk's rows to a new width; Triton's
-# CPU interpreter cannot loop to a run-time bound under NumPy 2.4); the slots past the count are masked.
+# heads x value dim, sits in registers. The first is the default: on the H200 at GLM-5's sizes (1M keys,
+# top-2,048; `bench/selected_attention_probe.py --tiles`, bench/results/selected_attention_probe_tiles.json) it
+# took 1.9-2.3x less time than the default before it, (32, 32, 8, 2), and least of all six: all 64 heads of a
+# query in one program, so its rows are read once and the dots have M = 64 for wgmma. The others are what the probe compares.
+TILES = ((64, 64, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 16, 2), (32, 64, 8, 3), (16, 64, 4, 2))
+# Under Triton's CPU interpreter (which cannot loop to a run-time bound under NumPy 2.4) the loop over a query's
+# chosen rows runs to the row count rounded up to this, a compile-time bound; compiled, it runs to the row
+# count itself, so a capture, which compacts every chunk's rows to a new width, compiles the kernel once.
 K_ROUND = 128
 # Fewer (batch x query) rows than this take the torch path: one program per query and head block would leave
 # most of the GPU idle (a decode step's G queries); the reference batches them into GEMMs instead.
@@ -53,8 +55,21 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    # sizes are not specialised: every capture chunk's compacted width k and every prompt length is new
-    @triton.jit(do_not_specialize=["T", "H", "K"])
+    # sizes, and the strides that follow them, are not specialised (divisible by 16 or not): every capture
+    # chunk's compacted width k and every prompt length is new (a capture's last chunk has one row less)
+    @triton.jit(
+        do_not_specialize=[
+            "T",
+            "H",
+            "K",
+            "stride_qb",
+            "stride_rb",
+            "stride_rt",
+            "stride_ob",
+            "stride_lb",
+            "stride_lh",
+        ]
+    )
     def selected_attention_kernel(
         Q,
         TAB,
@@ -104,7 +119,7 @@ def _kernel():
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         total = tl.full([BLOCK_H], 0.0, tl.float32)
         acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, tl.float32)
-        for n0 in range(0, K_PAD, BLOCK_N):
+        for n0 in range(0, K_PAD if K_PAD > 0 else K, BLOCK_N):  # (K_PAD: the interpreter's bound)
             offs_n = n0 + tl.arange(0, BLOCK_N)
             r = tl.load(row_ptr + offs_n, mask=offs_n < K, other=-1)
             valid = r >= 0
@@ -205,7 +220,7 @@ def selected_attention_kernel(
         h,
         k,
         float(scale),
-        K_PAD=triton.cdiv(k, K_ROUND) * K_ROUND,
+        K_PAD=triton.cdiv(k, K_ROUND) * K_ROUND if os.environ.get("TRITON_INTERPRET") == "1" else 0,
         DV=value_dim,
         DR=d - value_dim,
         ROUND_SCORES=q.dtype in (torch.float16, torch.bfloat16),

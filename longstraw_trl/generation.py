@@ -39,7 +39,7 @@ from longstraw_trl.kernels.switches import switch
 
 from .engine import ReplayContext, _vocab_size, check_positions, forward_model
 from .errors import LongStrawError
-from .state import PromptState
+from .state import PromptState, count_streamed_bytes, streamed_bytes
 
 # Decoding checks whether every row has finished (a host synchronisation) once per this many steps; the
 # output is trimmed to what stopping at once would have given.
@@ -237,7 +237,8 @@ def generate_from_state(
     decoding stops once every row has finished (checked every ``DONE_CHECK_INTERVAL`` steps, so the
     generator may have drawn a few more tokens than ``model.generate`` would; the output is the same).
     ``do_sample=False`` is greedy. ``cuda_graphs``: replay each decode step as one CUDA graph (default:
-    on CUDA, unless the state is offloaded or spread over context-parallel ranks; see :class:`DecodeStep`).
+    on CUDA, unless a step streams offloaded state (:meth:`LayerState.decode_streams`) or the state is spread
+    over context-parallel ranks; see :class:`DecodeStep`).
 
     ``repetition_penalty``, ``no_repeat_ngram_size``, ``sequence_bias``, ``bad_words_ids``, ``min_length``,
     ``min_new_tokens``, ``suppress_tokens`` and ``begin_suppress_tokens`` mean what they mean to
@@ -335,7 +336,9 @@ class DecodeStep:
             cuda_graphs = (
                 device.type == "cuda"
                 and state.cp_group is None  # collectives inside: keep them eager
-                and state.offload is None  # host-to-device page copies inside
+                # host-to-device page copies inside (an offloaded GLM-5 state copies none: its rows are read
+                # by the GPU from mapped host memory, LayerState.decode_streams)
+                and not any(layer.decode_streams(device) for layer in state.layers.values())
                 and switch(CUDA_GRAPHS_ENV)
             )
         if cuda_graphs and device.type != "cuda":
@@ -346,6 +349,7 @@ class DecodeStep:
         self.tokens = torch.zeros(num_sequences, 1, dtype=torch.long, device=device)
         self.graph = None
         self.logits: torch.Tensor | None = None
+        self.replay_streamed = 0  # host bytes a replay copies (the capture counted them once, moving none)
 
     def _run(self) -> torch.Tensor:
         position = self.step + self.state.resident_tokens
@@ -361,6 +365,7 @@ class DecodeStep:
             enabled=torch.is_autocast_enabled("cuda"),
             cache_enabled=False,  # cached casts would not outlive the capture
         )
+        streamed = streamed_bytes()
         try:
             with torch.cuda.graph(graph), torch.autocast(**autocast):
                 logits = self._run()  # recorded, not run: nothing changes until a replay
@@ -368,12 +373,16 @@ class DecodeStep:
             logger.warning("decode steps run eagerly: CUDA graph capture failed (%s)", err)
             self.use_graphs = False
             return
+        finally:
+            self.replay_streamed = streamed_bytes() - streamed
+            count_streamed_bytes(-self.replay_streamed)
         self.graph, self.logits = graph, logits
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)
         if self.graph is not None:
             self.graph.replay()
+            count_streamed_bytes(self.replay_streamed)
             return self.logits
         logits = self._run()
         if self.use_graphs:  # the first eager step allocated every buffer the graph reuses

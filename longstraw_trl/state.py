@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from .errors import LongStrawError
+from .kernels.host_gather import gather_rows_kernel, gather_rows_kernel_ok, gather_rows_reference
 
 
 def _storage_device(device: torch.device, offload: str | None) -> torch.device:
@@ -46,19 +47,28 @@ def streamed_bytes() -> int:
 
 
 def _count_streamed(*tensors: torch.Tensor | None) -> None:
-    _STREAMED_BYTES[0] += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    count_streamed_bytes(sum(t.numel() * t.element_size() for t in tensors if t is not None))
+
+
+def count_streamed_bytes(nbytes: int) -> None:
+    """Add ``nbytes`` to :func:`streamed_bytes` (a CUDA graph's replay copies what its capture counted once)."""
+    _STREAMED_BYTES[0] += nbytes
 
 
 def host_rows_to_device(host: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host[rows]`` (rows of a pinned host table, ``rows`` a 1-D index on the host) copied to ``device``
-    asynchronously, counted in :func:`streamed_bytes`: a decode step's chosen rows of an offloaded table.
-    The rows are gathered into pinned memory when ``host`` is pinned: from pageable memory the copy would be
-    a synchronous staged one (the caching host allocator keeps the buffer until the copy has read it)."""
-    pinned = host.is_pinned()
-    picked = torch.empty((rows.numel(), *host.shape[1:]), dtype=host.dtype, pin_memory=pinned)
-    torch.index_select(host, 0, rows, out=picked)
-    _count_streamed(picked)
-    return picked.to(device, non_blocking=True)
+    """``host[rows]`` (rows of a pinned host table, ``rows`` a 1-D index, ``-1``: a zero row) on ``device``,
+    counted in :func:`streamed_bytes`: a decode step's chosen rows of an offloaded table.
+
+    With ``rows`` on a CUDA device the GPU reads the rows from the mapped host memory itself
+    (:func:`kernels.host_gather.gather_rows_kernel`): no host sync, so it can run inside a CUDA graph.
+    Otherwise (or with ``LONGSTRAW_HOST_GATHER_KERNEL=0``) the rows are gathered on the host, into pinned memory
+    when ``host`` is pinned (from pageable memory the copy would be a synchronous staged one), and copied."""
+    if gather_rows_kernel_ok(host, rows, device):
+        out = gather_rows_kernel(host, rows, device)
+    else:
+        out = gather_rows_reference(host, rows, device)
+    _count_streamed(out)
+    return out
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -167,6 +177,12 @@ class LayerState(ABC):
     def slack_bytes(self) -> int:
         """Allocated but unused bytes on this rank."""
         return 0
+
+    def decode_streams(self, device: torch.device) -> bool:
+        """Whether a decode step on ``device`` copies part of this state from host memory with the host's help
+        (offloaded pages streamed through side streams, or indices brought to the host): such a step is not
+        captured as a CUDA graph. The default: states held on the device stream nothing."""
+        return False
 
     def nbytes_by_kind(self) -> dict[str, int]:
         """:meth:`nbytes` split by kind of state; a layer that holds several kinds (an MLA latent and
@@ -393,6 +409,10 @@ class KVPages(LayerState):
     def token_bytes(self) -> int:
         """Bytes of one token's K and V in this layer."""
         return self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
+
+    def decode_streams(self, device: torch.device) -> bool:
+        """Offloaded pages are streamed to the device through side streams at every step."""
+        return self.offloaded
 
     def stored_tokens(self) -> int:
         return sum(filled for _, _, filled in self.segments)

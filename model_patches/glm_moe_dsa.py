@@ -40,6 +40,7 @@ from torch import nn
 
 from longstraw_trl.errors import LongStrawError
 from longstraw_trl.kernels.attention import merge_partials
+from longstraw_trl.kernels.host_gather import gather_rows_kernel_ok
 from longstraw_trl.kernels.sparse_attention import (
     indexer_topk,
     prompt_selected_attention,
@@ -81,6 +82,18 @@ class DSAPages(KVPages):
             out["indexer"] = n * self.v_head_dim
         return out
 
+    def decode_streams(self, device: torch.device) -> bool:
+        """Offloaded, a decode step reads only the latent rows its queries chose, which the GPU gathers from the
+        mapped host memory itself (:func:`_prompt_table`), and indexer keys its call copied before its first
+        step (:func:`_prompt_indexer_keys`): nothing to stream, unless the pages span several segments (an
+        extended state) or the gather kernel does not serve."""
+        if not self.offloaded:
+            return False
+        if len(self.segments) != 1:
+            return True
+        rows = torch.empty(0, dtype=torch.long, device=device)
+        return not gather_rows_kernel_ok(self.segments[0][0][0], rows, device)
+
     @classmethod
     def planned_bytes_by_kind(
         cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2
@@ -111,14 +124,19 @@ class DSASelection:
     self_rows: torch.Tensor
     _host_rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
-    def host_prompt_rows(self) -> torch.Tensor:
-        """``prompt_rows`` flattened on the host (-1 as 0), for gathering chosen rows of offloaded pages.
+    def gather_index(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``prompt_rows`` flattened, where the gather of chosen rows of the offloaded table ``host`` reads it
+        (:func:`~longstraw_trl.state.host_rows_to_device`).
 
-        Copied once (one host sync) and kept: the ``"shared"`` layers after a ``"full"`` one reuse its
-        selection, so they gather their own latent rows without another sync, while the device still runs
-        the layers queued before them (GLM-5.2: 21 syncs a decode step instead of 78)."""
+        On the device when the GPU gathers from the mapped host memory itself: no host sync. Otherwise on the
+        host, copied once (one host sync) and kept: the ``"shared"`` layers after a ``"full"`` one reuse its
+        selection, so they gather their own latent rows without another sync, while the device still runs the
+        layers queued before them (GLM-5.2: 21 syncs a decode step instead of 78)."""
+        flat = self.prompt_rows.reshape(-1)
+        if gather_rows_kernel_ok(host, flat, device):
+            return flat
         if self._host_rows is None:
-            self._host_rows = self.prompt_rows.reshape(-1).clamp_min(0).cpu()
+            self._host_rows = flat.cpu()
         return self._host_rows
 
 
@@ -146,17 +164,19 @@ def _prompt_indexer_keys(layer: DSAPages, ctx, idx: int, device: torch.device) -
     return keys
 
 
-def _prompt_table(layer: DSAPages, sel: DSASelection, device: torch.device):
+def _prompt_table(layer: DSAPages, sel: DSASelection, device: torch.device, decoding: bool):
     """The prompt part's key table, the rows of it each query chose, and how to get the table again.
 
-    Offloaded with fewer chosen slots than stored tokens (decoding: G queries x top-k): only the chosen rows
-    are gathered in host memory and copied (the selection's rows reach the host once for all layers sharing
-    it: :meth:`DSASelection.host_prompt_rows`); otherwise this rank's pages (:func:`_materialize`).
+    Offloaded, when decoding (G queries x top-k slots; a decode step streams no pages, so that it can be one
+    CUDA graph: :meth:`DSAPages.decode_streams`) or with fewer chosen slots than stored tokens: only the chosen
+    rows reach the device (:meth:`DSASelection.gather_index`); otherwise this rank's pages
+    (:func:`_materialize`).
     """
     rows = sel.prompt_rows
-    if layer.offloaded and len(layer.segments) == 1 and rows.numel() < layer.stored_tokens():
+    few = decoding or rows.numel() < layer.stored_tokens()
+    if layer.offloaded and len(layer.segments) == 1 and few:
         host = layer.segments[0][0][0]
-        flat = sel.host_prompt_rows()
+        flat = sel.gather_index(host, device)
 
         def table():
             return host_rows_to_device(host, flat, device)
@@ -341,7 +361,7 @@ def dsa_forward(
     scale = module.scaling
     out_p = lse_p = None
     if resident:  # (every rank, pages or not: the merge over ranks is a collective)
-        table, rows, table_fn = _prompt_table(layer, sel, device)
+        table, rows, table_fn = _prompt_table(layer, sel, device, ctx.mode == "decode")
         out_p, lse_p = prompt_selected_attention(
             query,
             rows,

@@ -127,8 +127,10 @@ def test_full_gradient_smoke(tmp_path):
 
 def test_glm_slice_smoke(tmp_path):
     _run(tmp_path, "glm_slice.py", "--smoke", "--prompt", "300", "--response", "12", "--groups", "2",
-         "--chunk", "128", "--page", "128", "--offload-gen-tokens", "3", "--tag", "_t")  # fmt: skip
+         "--chunk", "128", "--page", "128", "--offload-gen-tokens", "3", "--warmup-prompt", "200",
+         "--tag", "_t")  # fmt: skip
     data = json.loads((tmp_path / "glm_slice_3L_t.json").read_text())
+    assert len(data["warmup_s"]) == 2  # one unmeasured case a storage
     assert data["command"] and data["git_revision"] and data["device"].startswith("cpu")
     assert data["indexer_types"] == ["full", "shared", "shared"] and data["skipped"] == []
     small = data["small_check_abs_logprob_diff_bf16"]  # bf16: all keys kept, then index_topk below the length
@@ -137,6 +139,7 @@ def test_glm_slice_smoke(tmp_path):
     assert gpu["state_bytes_gpu"] == host["state_bytes_host"] == sum(gpu["state_bytes_by_kind"].values()) > 0
     assert set(gpu["state_bytes_by_kind"]) == {"mla", "indexer"} and host["state_bytes_gpu"] == 0
     assert gpu["generation_tokens"] == 12 and host["generation_tokens"] == 3
+    assert gpu["generation_cuda_graph"] is host["generation_cuda_graph"] is False  # (CPU: no graphs)
     for r in (gpu, host):
         assert r["capture_floor_s"] > 0 and r["replay_floor_s"] > 0 and r["generation_floor_s_R"] > 0
         assert r["replay_over_floor"] == r["replay_s_per_response"] / r["replay_floor_s"]

@@ -336,6 +336,61 @@ def test_offloaded_state_of_three_pages_equals_resident(monkeypatch):
     assert torch.equal(offloaded.generate(model, 2, 5, do_sample=True, pad_token_id=0), a)
 
 
+def test_offloaded_decode_gathers_on_the_device_without_a_host_sync(monkeypatch):
+    """With the GPU's gather of mapped host memory (here its kernel under Triton's interpreter, the CUDA check
+    faked), an offloaded decode step brings no index to the host and streams no page: it decodes the resident
+    state's tokens, also with more chosen slots (5 x top-6) than stored tokens (24), and is graphable
+    (``decode_streams`` False). Without the kernel it streams (eager)."""
+    pytest.importorskip("triton")
+    import longstraw_trl.kernels.host_gather as hg
+    from longstraw_trl import state as state_mod
+
+    model = build_glm_dsa(index_topk=SMALL_TOPK)
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, VOCAB, (25,), generator=gen)
+    resident = capture_prompt(model, prompt, chunk_size=16, page_size=8)
+    offloaded = capture_prompt(model, prompt, chunk_size=16, page_size=8, offload="cpu")
+    cpu = torch.device("cpu")
+    assert all(layer.decode_streams(cpu) for layer in offloaded.layers.values())  # no kernel on the CPU
+    assert not any(layer.decode_streams(cpu) for layer in resident.layers.values())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    hg._kernel.cache_clear()
+    faked = lambda table, rows, device: table.dim() == 2  # noqa: E731
+    monkeypatch.setattr(glm, "gather_rows_kernel_ok", faked)
+    monkeypatch.setattr(state_mod, "gather_rows_kernel_ok", faked)
+    kernel_calls, host_rows = [], []
+    kernel = state_mod.gather_rows_kernel
+    monkeypatch.setattr(state_mod, "gather_rows_kernel", lambda *a: kernel_calls.append(1) or kernel(*a))
+    index = glm.DSASelection.gather_index
+
+    def gather_index(self, host, device):
+        out = index(self, host, device)
+        host_rows.append(self._host_rows is not None)  # (set when the rows were copied to the host)
+        return out
+
+    monkeypatch.setattr(glm.DSASelection, "gather_index", gather_index)
+    pages = []  # latent pages streamed whole (a graph could not hold their copies)
+    materialize = glm._materialize
+    monkeypatch.setattr(
+        glm, "_materialize", lambda layer, d, part: pages.append(part) or materialize(layer, d, part)
+    )
+    try:
+        assert not any(layer.decode_streams(cpu) for layer in offloaded.layers.values())
+        for g in (2, 5):
+            torch.manual_seed(0)
+            a = resident.generate(model, g, 5, do_sample=True, pad_token_id=0)
+            pages.clear()
+            torch.manual_seed(0)
+            assert torch.equal(offloaded.generate(model, g, 5, do_sample=True, pad_token_id=0), a), g
+            assert 0 not in pages and pages, (
+                g,
+                pages,
+            )  # the indexer keys (part 1) once a call, no latent page
+        assert kernel_calls and host_rows and not any(host_rows)
+    finally:
+        hg._kernel.cache_clear()
+
+
 def test_extend_equals_capturing_concatenation():
     model = build_glm_dsa(index_topk=SMALL_TOPK)
     gen = torch.Generator().manual_seed(8)

@@ -293,12 +293,14 @@ def test_indexer_topk_kernel_equals_torch_path(monkeypatch, b, t, n, key_batch, 
 def test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode(monkeypatch):
     """The tiny GLM-5 in bf16 on CUDA (a small top-k, so the indexer decides): the log-probs through the kernel
     and through the torch path agree; an offloaded state gives the resident one's log-probs, gradients and
-    tokens (its decode gathers the chosen latent rows in pinned host memory); decoding as one CUDA graph gives
-    the eager tokens, and the graph really is captured (no eager fallback)."""
+    tokens (its decode step reads the chosen latent rows from mapped host memory, as one CUDA graph by
+    default); decoding as one CUDA graph gives the eager tokens, and the graph really is captured (no eager
+    fallback), resident or offloaded."""
     from _models import build_glm_dsa
 
     from longstraw_trl import capture_prompt
     from longstraw_trl.generation import DecodeStep
+    from longstraw_trl.state import streamed_bytes
 
     model = build_glm_dsa(index_topk=6).cuda().to(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
@@ -327,6 +329,15 @@ def test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode(monkeypatch
     graphed = state.generate(model, 4, 16, do_sample=False, cuda_graphs=True)
     assert torch.equal(eager, graphed)
     assert torch.equal(offloaded.generate(model, 4, 16, do_sample=False), eager)
+    assert torch.equal(offloaded.generate(model, 4, 16, do_sample=False, cuda_graphs=False), eager)
     step = DecodeStep(model, state, 4, 8, cuda_graphs=True)
     step(state.last_token.view(1, 1).expand(4, 1))
     assert step.graph is not None, "the decode step's CUDA graph capture failed (eager fallback)"
+    step = DecodeStep(model, offloaded, 4, 8, cuda_graphs=None)  # the default
+    assert step.use_graphs, "an offloaded GLM-5 decode step streams nothing: it should be one CUDA graph"
+    before = streamed_bytes()
+    step(offloaded.last_token.view(1, 1).expand(4, 1))
+    assert step.graph is not None, "the offloaded decode step's CUDA graph capture failed (eager fallback)"
+    eager_step = streamed_bytes() - before
+    step(eager[:, :1])  # a replay copies what the eager step copied, less its indexer keys (kept by the call)
+    assert 0 < step.replay_streamed == streamed_bytes() - before - eager_step < eager_step

@@ -162,3 +162,24 @@ def test_every_tile_on_cuda(tile):
     assert torch.equal(torch.isfinite(lse), finite)
     assert rel(out, torch_out) <= 1e-2, rel(out, torch_out)
     assert (lse[finite] - torch_lse[finite]).abs().max() <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_compiles_once_for_every_width_and_length():
+    """A capture compacts each chunk's chosen rows to a new width, and its last chunk has one row less: compiled,
+    the kernel loops to the width at run time and does not specialise the sizes or the strides that follow
+    them, so none of these calls compiles it again (a compile was a 1 s stall in a capture chunk)."""
+    _, kernel = ska._kernel()
+    dev = torch.cuda.current_device()
+    seen = None
+    for t, k in ((64, 37), (63, 200), (65, 333), (64, 2048), (100, 129)):
+        q, table, rows = half_case(1, 64, t, 4000, 576, k, True, dtype=torch.bfloat16, device="cuda", seed=k)
+        out, _ = ska.selected_attention_kernel(q, table, rows, 256**-0.5, 512)
+        torch_out, _ = sparse.selected_attention_block(q, table, rows, 256**-0.5, 512)
+        assert rel(out, torch_out) <= 1e-2, (t, k, rel(out, torch_out))
+        compiled = (
+            len(kernel.device_caches[dev][0]) if hasattr(kernel, "device_caches") else len(kernel.cache[dev])
+        )
+        seen = compiled if seen is None else seen
+        assert compiled == seen, f"t={t}, k={k} compiled the kernel again ({compiled} variants)"

@@ -1,0 +1,92 @@
+"""Chosen rows of a pinned host table gathered by the GPU itself: a Triton kernel, and its torch reference.
+
+    out[i, :] = table[rows[i], :]        (table in pinned host memory, rows and out on the GPU)
+
+A decode step of an offloaded GLM-5 state needs, per layer, the latent rows its G queries chose (G x top-k of
+them, 1,152 B each), out of a table of a million rows that stays in host memory. The torch path
+(:func:`gather_rows_reference`) must bring the indices to the host first (a host sync every full indexer
+layer), gather there with the CPU and copy the result over. On CUDA, pinned host memory is mapped into the
+device's address space (unified virtual addressing), so a kernel can read the rows where they are: each
+program loads one index and copies its row over PCIe into device memory, ordered on the compute stream like
+any kernel. No host sync and no staging buffer, so a decode step can stay one CUDA graph.
+
+Layouts: ``table [N, D]`` with a contiguous last dim (pinned host memory, or any memory the GPU can address),
+``rows [M]`` integer on the GPU (``-1``: a zero row). ``LONGSTRAW_HOST_GATHER_KERNEL=0`` takes the torch path
+(for comparison).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .switches import kernel_builds, switch
+
+KERNEL_ENV = "LONGSTRAW_HOST_GATHER_KERNEL"
+# a row's columns a program copies at once (GLM-5's latent row, 576 wide, is one block of 1,024, masked)
+MAX_BLOCK_D = 1024
+
+
+def gather_rows_reference(table: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table[rows]`` on ``device`` (``-1``: a zero row), gathered where ``table`` lives: the indices are
+    copied to the table's device first (from a GPU, a host sync), the rows gathered there (into pinned memory
+    when ``table`` is pinned, so the copy out is asynchronous) and copied to ``device``."""
+    idx = rows.to(table.device)
+    pinned = table.device.type == "cpu" and table.is_pinned()
+    out = torch.empty(
+        (idx.numel(), *table.shape[1:]), dtype=table.dtype, device=table.device, pin_memory=pinned
+    )
+    torch.index_select(table, 0, idx.clamp_min(0), out=out)
+    out[idx < 0] = 0
+    return out.to(device, non_blocking=True)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["D", "stride_t", "stride_o"])
+    def gather_rows_kernel(TAB, ROWS, OUT, D, stride_t, stride_o, BLOCK_D: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        r = tl.load(ROWS + i).to(tl.int64)
+        keep = r >= 0
+        vals = tl.load(TAB + tl.where(keep, r, 0) * stride_t + offs, mask=(offs < D) & keep, other=0.0)
+        tl.store(OUT + i * stride_o + offs, vals, mask=offs < D)
+
+    return triton, gather_rows_kernel
+
+
+def gather_rows_kernel_ok(table: torch.Tensor, rows: torch.Tensor, device: torch.device) -> bool:
+    """Whether :func:`gather_rows_kernel` serves: ``rows`` and ``device`` CUDA, ``table`` pinned host memory
+    (or on that device) with a contiguous last dim, Triton importable, ``LONGSTRAW_HOST_GATHER_KERNEL`` not
+    ``0``."""
+    if device.type != "cuda" or not rows.is_cuda or table.dim() != 2 or table.stride(-1) != 1:
+        return False
+    if not (table.is_cuda or table.is_pinned()):  # pageable host memory is not mapped into the GPU
+        return False
+    return switch(KERNEL_ENV) and kernel_builds(_kernel)
+
+
+def gather_rows_kernel(
+    table: torch.Tensor, rows: torch.Tensor, device: torch.device | None = None
+) -> torch.Tensor:
+    """``table[rows]`` (``-1``: a zero row) written on ``device`` (default: ``rows``' device) by a kernel that
+    reads ``table`` where it lives (see the module docstring)."""
+    if table.dim() != 2 or table.stride(-1) != 1:
+        raise ValueError(f"table {tuple(table.shape)} must be 2-D with a contiguous last dim")
+    if rows.dim() != 1:
+        raise ValueError(f"rows {tuple(rows.shape)} must be 1-D")
+    device = rows.device if device is None else torch.device(device)
+    n, d = rows.numel(), table.shape[1]
+    out = torch.empty(n, d, dtype=table.dtype, device=device)
+    if n == 0 or d == 0:
+        return out
+    triton, kernel = _kernel()
+    block_d = min(MAX_BLOCK_D, triton.next_power_of_2(d))
+    kernel[(n, triton.cdiv(d, block_d))](
+        table, rows, out, d, table.stride(0), out.stride(0), BLOCK_D=block_d, num_warps=4
+    )
+    return out

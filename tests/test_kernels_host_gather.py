@@ -1,0 +1,88 @@
+"""The GPU-side gather of a pinned host table's rows (``kernels.host_gather``) against plain indexing.
+
+The reference is ``table[rows]`` itself (with ``-1`` as a zero row), not the module's torch path. The kernel
+runs on the CPU under Triton's interpreter where Triton is installed, and on CUDA (``gpu``) reading a pinned
+host table through the mapped address space, as an offloaded GLM-5 decode step does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import longstraw_trl.kernels.host_gather as hg
+from longstraw_trl import state as state_mod
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    hg._kernel.cache_clear()
+    yield
+    hg._kernel.cache_clear()
+
+
+def indexed(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``table[rows]`` with ``-1`` a zero row: the plain meaning of the gather."""
+    out = table[rows.clamp_min(0).cpu()].clone()
+    out[(rows < 0).cpu()] = 0
+    return out
+
+
+def case(n=50, d=37, m=23, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(n, d, generator=gen).to(dtype)
+    rows = torch.randint(0, n, (m,), generator=gen)
+    rows[::4] = -1
+    return table, rows
+
+
+@pytest.mark.parametrize("d", [37, 576, 1500], ids=["narrow", "glm-latent", "two-column-blocks"])
+def test_kernel_under_the_interpreter(interpreter, d):
+    table, rows = case(d=d, dtype=torch.float16, seed=d)
+    out = hg.gather_rows_kernel(table, rows, torch.device("cpu"))
+    assert torch.equal(out, indexed(table, rows))
+
+
+def test_reference_is_plain_indexing():
+    table, rows = case()
+    assert torch.equal(hg.gather_rows_reference(table, rows, torch.device("cpu")), indexed(table, rows))
+
+
+def test_kernel_serves_only_mapped_tables_and_device_rows():
+    table, rows = case()
+    assert not hg.gather_rows_kernel_ok(table, rows, torch.device("cpu"))  # rows on the host: torch path
+    if torch.cuda.is_available():
+        assert not hg.gather_rows_kernel_ok(table, rows.cuda(), torch.device("cuda"))  # pageable table
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_kernel_reads_a_pinned_host_table(monkeypatch):
+    """The offloaded decode's case: latent table pinned on the host, rows chosen on the GPU, no host sync."""
+    table, rows = case(n=100_000, d=576, m=8 * 2048)
+    table = table.pin_memory()
+    rows = rows.cuda()
+    assert hg.gather_rows_kernel_ok(table, rows, rows.device)
+    out = hg.gather_rows_kernel(table, rows)
+    assert out.is_cuda and torch.equal(out.cpu(), indexed(table, rows))
+    # host_rows_to_device takes it, and counts the bytes it brought over
+    before = state_mod.streamed_bytes()
+    via = state_mod.host_rows_to_device(table, rows, rows.device)
+    assert torch.equal(via, out) and state_mod.streamed_bytes() - before == out.numel() * out.element_size()
+    # and it can be captured in a CUDA graph (what the offloaded decode step needs): a replay reads the table anew
+    static = torch.empty_like(out)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static.copy_(hg.gather_rows_kernel(table, rows))
+    table.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static.cpu(), indexed(table, rows))
+    monkeypatch.setenv(hg.KERNEL_ENV, "0")
+    assert not hg.gather_rows_kernel_ok(table, rows, rows.device)
+    assert torch.equal(state_mod.host_rows_to_device(table, rows, rows.device), out * 2)
