@@ -17,6 +17,8 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-gpu  # then glm-2m-host: glm-2m's cases one a command
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh sa-probe    # GLM-5's fused selected-keys attention: tests, timing
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v2      # sa-probe, then the GLM-5 slice at 1M after it
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v3      # GLM-5 GPU tests, negative controls, slice at 1M
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-v3   # the GLM-5 slice at 2M
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -109,6 +111,33 @@ sa-probe)  # the fused selected-keys attention (GLM-5): its GPU tests, the GLM-5
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR|Error" "$OUT/pytest_gpu_sa.log" | tail -8
   cd bench && timeout 120 python3 -u selected_attention_probe.py --keys 1048576 --tiles 2>&1 | grep -v -i warn \
     | tee "$OUT/sa_probe.log" | grep -v "^  tile"
+  ;;
+glm-v3)  # session 9: GPU tests of the host gather, the selected-keys kernel (compiled once for every width) and
+         # GLM-5 (offloaded decode as one CUDA graph); two negative controls that must fail; then GLM-5 at 1M, GPU
+         # and host state in one process, after a warm-up case per storage
+  PYTHONPATH=/tmp/site timeout 150 python3 -m pytest -v -rfE -m gpu tests/test_kernels_host_gather.py \
+    tests/test_kernels_selected_keys_attention.py tests/test_kernels_sparse_attention.py \
+    tests/test_kernels_indexer.py::test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode \
+    > "$OUT/pytest_gpu_glm_v3.log" 2>&1
+  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_glm_v3.log") passed"
+  grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$OUT/pytest_gpu_glm_v3.log" | tail -8
+  cp kernels/selected_keys_attention.py /tmp/ska.py  # (the device's copy of the checkout: restored below)
+  sed -i 's/ if os.environ.get("TRITON_INTERPRET") == "1" else 0,/,/' kernels/selected_keys_attention.py
+  PYTHONPATH=/tmp/site timeout 60 python3 -m pytest -q -m gpu \
+    tests/test_kernels_selected_keys_attention.py::test_kernel_compiles_once_for_every_width_and_length \
+    > "$OUT/negative_compile_once.log" 2>&1
+  echo "negative control, the row bound a compile-time constant again: rc=$? (1: the test failed, as it must)"
+  cp /tmp/ska.py kernels/selected_keys_attention.py
+  LONGSTRAW_HOST_GATHER_KERNEL=0 PYTHONPATH=/tmp/site timeout 60 python3 -m pytest -q -m gpu \
+    tests/test_kernels_indexer.py::test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode \
+    > "$OUT/negative_gather_off.log" 2>&1
+  echo "negative control, the host gather kernel off: rc=$? (1: the test failed, as it must)"
+  cd bench && timeout 330 python3 -u glm_slice.py --prompt 1048576 --gen-tokens 256 --budget-s 320 --tag _P1M_v3 \
+    2>&1 | grep -v -i warn | tee "$OUT/glm_1m_v3.log" | tail -5
+  ;;
+glm-2m-v3)  # then GLM-5 at 2M, GPU and host state in one process, after a warm-up case per storage
+  cd bench && timeout 560 python3 -u glm_slice.py --prompt 2097152 --gen-tokens 256 --budget-s 550 --tag _P2M_v3 \
+    2>&1 | grep -v -i warn | tee "$OUT/glm_2m_v3.log" | tail -5
   ;;
 glm-v2)  # next: sa-probe (every tile), then the GLM-5 slice at 1M with GPU and host state in one process, as
          # glm_slice_3L_P1M.json (rev 7c18596) ran it: the fused attention in capture and replay, and the host
