@@ -19,6 +19,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v2      # sa-probe, then the GLM-5 slice at 1M after it
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v3      # GLM-5 GPU tests, negative controls, slice at 1M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-v3   # the GLM-5 slice at 2M
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v4      # offload GPU tests, the GLM-5 slice at 1M
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -111,6 +112,18 @@ sa-probe)  # the fused selected-keys attention (GLM-5): its GPU tests, the GLM-5
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR|Error" "$OUT/pytest_gpu_sa.log" | tail -8
   cd bench && timeout 120 python3 -u selected_attention_probe.py --keys 1048576 --tiles 2>&1 | grep -v -i warn \
     | tee "$OUT/sa_probe.log" | grep -v "^  tile"
+  ;;
+glm-v4)  # session 9, after glm-v3: offloaded segments registered at their exact size (pinned_empty). GPU tests of
+         # every offload path (GQA streaming, GLM-5, the full gradient with offload, not run in session 8), then
+         # GLM-5 at 1M, GPU and host state, after a warm-up case per storage
+  PYTHONPATH=/tmp/site timeout 200 python3 -m pytest -v -rfE -m gpu tests/test_kernels_host_gather.py \
+    tests/test_engine_gqa.py tests/test_full_gradient.py \
+    tests/test_kernels_indexer.py::test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode \
+    > "$OUT/pytest_gpu_glm_v4.log" 2>&1
+  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_glm_v4.log") passed"
+  grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$OUT/pytest_gpu_glm_v4.log" | tail -8
+  cd bench && timeout 300 python3 -u glm_slice.py --prompt 1048576 --gen-tokens 256 --budget-s 290 --tag _P1M_v4 \
+    2>&1 | grep -v -i warn | tee "$OUT/glm_1m_v4.log" | tail -5
   ;;
 glm-v3)  # session 9: GPU tests of the host gather, the selected-keys kernel (compiled once for every width) and
          # GLM-5 (offloaded decode as one CUDA graph); two negative controls that must fail; then GLM-5 at 1M, GPU

@@ -17,6 +17,8 @@ family adds a layer kind by subclassing it, without touching the engine. Replays
 
 from __future__ import annotations
 
+import functools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import ClassVar
@@ -53,6 +55,57 @@ def _count_streamed(*tensors: torch.Tensor | None) -> None:
 def count_streamed_bytes(nbytes: int) -> None:
     """Add ``nbytes`` to :func:`streamed_bytes` (a CUDA graph's replay copies what its capture counted once)."""
     _STREAMED_BYTES[0] += nbytes
+
+
+# cudaHostRegisterPortable | cudaHostRegisterMapped: every device may copy from the pages and read them in a kernel
+_HOST_REGISTER_FLAGS = 3
+_REGISTERED = {"bytes": 0, "buffers": 0}  # page-locked by pinned_empty and not yet released
+
+
+def registered_host_bytes() -> int:
+    """Bytes of host memory :func:`pinned_empty` holds page-locked now (released with their last view)."""
+    return _REGISTERED["bytes"]
+
+
+@functools.cache
+def _registered_buffer_type() -> type:
+    import numpy as np
+
+    class RegisteredBuffer(np.ndarray):
+        """A byte array page-locked with CUDA for its lifetime: the owner (not its views) unregisters its pages
+        when it is freed, which a tensor made from it by ``torch.frombuffer`` delays until the tensor's storage
+        is freed (the storage holds the array)."""
+
+        def __del__(self):
+            if self.base is None and getattr(self, "registered", 0):
+                torch.cuda.cudart().cudaHostUnregister(self.ctypes.data)
+                _REGISTERED["bytes"] -= self.registered
+                _REGISTERED["buffers"] -= 1
+                self.registered = 0
+
+    return RegisteredBuffer
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor of ``shape`` in page-locked memory of exactly its size.
+
+    ``torch.empty(..., pin_memory=True)`` takes its pages from PyTorch's caching host allocator, which rounds
+    every block up to a power of two: the GLM-5 slice's 3.9 GB of offloaded state held 6.7 GB pinned at 1M
+    tokens (``bench/results/glm_slice_3L_P1M_v3.json``), and a 1.2 GB page segment of GLM-5 took 2 GiB. Here
+    the bytes are allocated pageable (numpy, untouched) and registered with CUDA (``cudaHostRegister``,
+    portable and mapped, so kernels can read them: :mod:`kernels.host_gather`); the registration is released
+    with the tensor's storage. Falls back to the caching allocator if the registration fails."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    buffer = _registered_buffer_type()(nbytes, dtype="uint8")
+    status = int(torch.cuda.cudart().cudaHostRegister(buffer.ctypes.data, nbytes, _HOST_REGISTER_FLAGS))
+    if status != 0:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    buffer.registered = nbytes
+    _REGISTERED["bytes"] += nbytes
+    _REGISTERED["buffers"] += 1
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def host_rows_to_device(host: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -310,20 +363,14 @@ class KVPages(LayerState):
 
     def _new_segment(self, at_least: int) -> None:
         capacity = max(at_least, self._reserved, 1) if self._reserved else max(at_least, self.page_size)
-        # pinned from the start: pinning a pageable buffer copies it, first touching every page. Likely most of
-        # what the first capture chunk with host state cost more on the GLM-5 slice (2.4 s at 1M, 6.3 s at 2M)
-        pin = self.storage.type == "cpu" and torch.cuda.is_available()
-        k = torch.empty(
-            self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.storage, pin_memory=pin
-        )
-        v = torch.empty(
-            self.num_kv_heads,
-            capacity,
-            self.v_head_dim,
-            dtype=self.dtype,
-            device=self.storage,
-            pin_memory=pin,
-        )
+        # pinned from the start (pinning a pageable buffer copies it) and of exactly its size (pinned_empty)
+        k_shape = (self.num_kv_heads, capacity, self.head_dim)
+        v_shape = (self.num_kv_heads, capacity, self.v_head_dim)
+        if self.storage.type == "cpu" and torch.cuda.is_available():
+            k, v = pinned_empty(k_shape, self.dtype), pinned_empty(v_shape, self.dtype)
+        else:
+            k = torch.empty(k_shape, dtype=self.dtype, device=self.storage)
+            v = torch.empty(v_shape, dtype=self.dtype, device=self.storage)
         self.segments.append((k, v, 0))
         self._writable_tail = True
 
