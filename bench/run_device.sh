@@ -20,6 +20,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v3      # GLM-5 GPU tests, negative controls, slice at 1M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-v3   # the GLM-5 slice at 2M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v4      # offload GPU tests, the GLM-5 slice at 1M
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gather-probe # the host gather's tiles and row orders
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -112,6 +113,13 @@ sa-probe)  # the fused selected-keys attention (GLM-5): its GPU tests, the GLM-5
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR|Error" "$OUT/pytest_gpu_sa.log" | tail -8
   cd bench && timeout 120 python3 -u selected_attention_probe.py --keys 1048576 --tiles 2>&1 | grep -v -i warn \
     | tee "$OUT/sa_probe.log" | grep -v "^  tile"
+  ;;
+gather-probe)  # the offloaded decode's gather of chosen rows from host memory: every tile, row order, the torch
+               # path and a bulk copy; then the host gather's GPU tests (every tile)
+  PYTHONPATH=/tmp/site timeout 60 python3 -m pytest -q -rfE -m gpu tests/test_kernels_host_gather.py \
+    > "$OUT/pytest_gpu_gather.log" 2>&1
+  echo "pytest -m gpu: rc=$?"; tail -n 2 "$OUT/pytest_gpu_gather.log"
+  cd bench && timeout 120 python3 -u host_gather_probe.py 2>&1 | grep -v -i warn | tee "$OUT/host_gather_probe.log"
   ;;
 glm-v4)  # session 9, after glm-v3: offloaded segments registered at their exact size (pinned_empty). GPU tests of
          # every offload path (GQA streaming, GLM-5, the full gradient with offload, not run in session 8), then

@@ -26,6 +26,9 @@ from .switches import kernel_builds, switch
 KERNEL_ENV = "LONGSTRAW_HOST_GATHER_KERNEL"
 # a row's columns a program copies at once (GLM-5's latent row, 576 wide, is one block of 1,024, masked)
 MAX_BLOCK_D = 1024
+# (rows a program copies, warps): the first is the default; `bench/host_gather_probe.py` compares them all
+# (more rows a program: more reads over PCIe in flight per program)
+TILES = ((1, 4), (4, 4), (8, 8), (16, 8), (32, 8))
 
 
 def gather_rows_reference(table: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -47,14 +50,21 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["D", "stride_t", "stride_o"])
-    def gather_rows_kernel(TAB, ROWS, OUT, D, stride_t, stride_o, BLOCK_D: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64)
+    @triton.jit(do_not_specialize=["M", "D", "stride_t", "stride_o"])
+    def gather_rows_kernel(
+        TAB, ROWS, OUT, M, D, stride_t, stride_o, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
+        offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        r = tl.load(ROWS + i).to(tl.int64)
+        in_r = offs_r < M
+        r = tl.load(ROWS + offs_r, mask=in_r, other=-1).to(tl.int64)
         keep = r >= 0
-        vals = tl.load(TAB + tl.where(keep, r, 0) * stride_t + offs, mask=(offs < D) & keep, other=0.0)
-        tl.store(OUT + i * stride_o + offs, vals, mask=offs < D)
+        cols = offs[None, :] < D
+        src = TAB + tl.where(keep, r, 0)[:, None] * stride_t + offs[None, :]
+        vals = tl.load(src, mask=keep[:, None] & cols, other=0.0)
+        tl.store(
+            OUT + offs_r.to(tl.int64)[:, None] * stride_o + offs[None, :], vals, mask=in_r[:, None] & cols
+        )
 
     return triton, gather_rows_kernel
 
@@ -71,14 +81,21 @@ def gather_rows_kernel_ok(table: torch.Tensor, rows: torch.Tensor, device: torch
 
 
 def gather_rows_kernel(
-    table: torch.Tensor, rows: torch.Tensor, device: torch.device | None = None
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    device: torch.device | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``table[rows]`` (``-1``: a zero row) written on ``device`` (default: ``rows``' device) by a kernel that
-    reads ``table`` where it lives (see the module docstring)."""
+    reads ``table`` where it lives (see the module docstring). ``tile``: one of :data:`TILES` instead of the
+    default (tests and the probe)."""
     if table.dim() != 2 or table.stride(-1) != 1:
         raise ValueError(f"table {tuple(table.shape)} must be 2-D with a contiguous last dim")
     if rows.dim() != 1:
         raise ValueError(f"rows {tuple(rows.shape)} must be 1-D")
+    if tile is not None and tuple(tile) not in TILES:
+        raise ValueError(f"tile {tile} is none of the kernel's tiles {TILES}")
+    block_r, warps = tile or TILES[0]
     device = rows.device if device is None else torch.device(device)
     n, d = rows.numel(), table.shape[1]
     out = torch.empty(n, d, dtype=table.dtype, device=device)
@@ -86,7 +103,17 @@ def gather_rows_kernel(
         return out
     triton, kernel = _kernel()
     block_d = min(MAX_BLOCK_D, triton.next_power_of_2(d))
-    kernel[(n, triton.cdiv(d, block_d))](
-        table, rows, out, d, table.stride(0), out.stride(0), BLOCK_D=block_d, num_warps=4
+    grid = (triton.cdiv(n, block_r), triton.cdiv(d, block_d))
+    kernel[grid](
+        table,
+        rows,
+        out,
+        n,
+        d,
+        table.stride(0),
+        out.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=warps,
     )
     return out

@@ -47,6 +47,14 @@ def test_kernel_under_the_interpreter(interpreter, d):
     assert torch.equal(out, indexed(table, rows))
 
 
+@pytest.mark.parametrize("tile", hg.TILES, ids=[f"{r}rows-w{w}" for r, w in hg.TILES])
+def test_every_tile_under_the_interpreter(interpreter, tile):
+    table, rows = case(n=60, d=100, m=37, dtype=torch.float16, seed=1)  # 37 rows: a partial last row block
+    assert torch.equal(
+        hg.gather_rows_kernel(table, rows, torch.device("cpu"), tile=tile), indexed(table, rows)
+    )
+
+
 def test_reference_is_plain_indexing():
     table, rows = case()
     assert torch.equal(hg.gather_rows_reference(table, rows, torch.device("cpu")), indexed(table, rows))
@@ -69,6 +77,8 @@ def test_gpu_kernel_reads_a_pinned_host_table(monkeypatch):
     assert hg.gather_rows_kernel_ok(table, rows, rows.device)
     out = hg.gather_rows_kernel(table, rows)
     assert out.is_cuda and torch.equal(out.cpu(), indexed(table, rows))
+    for tile in hg.TILES:
+        assert torch.equal(hg.gather_rows_kernel(table, rows, tile=tile), out), tile
     # host_rows_to_device takes it, and counts the bytes it brought over
     before = state_mod.streamed_bytes()
     via = state_mod.host_rows_to_device(table, rows, rows.device)
