@@ -59,6 +59,7 @@ def main() -> None:
         default=[1],
         help="responses replayed together under autograd (one backward for all); the first is profiled",
     )
+    ap.add_argument("--offload", action="store_true", help='the prompt state in host memory (offload="cpu")')
     ap.add_argument(
         "--glm-slice",
         action="store_true",
@@ -98,13 +99,14 @@ def main() -> None:
         with torch.no_grad(), autocast(), adapters_in_model_dtype(model), fused_elementwise_forwards(model):
             yield
 
+    offload = "cpu" if args.offload else None
     with Timer() as t_cap, graph_free():
-        state = capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
+        state = capture_prompt(model, prompt, chunk_size=args.chunk, progress=False, offload=offload)
 
     def run(phase: str) -> None:
         if phase == "capture":
             with graph_free():
-                capture_prompt(model, prompt, chunk_size=args.chunk, progress=False)
+                capture_prompt(model, prompt, chunk_size=args.chunk, progress=False, offload=offload)
             return
         if phase == "decode":
             with graph_free():
@@ -156,7 +158,7 @@ def main() -> None:
         cpu_table = averages.table(
             sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60
         )
-        with open(os.path.join(out, f"profile_{phase}.txt"), "w") as f:
+        with open(os.path.join(out, f"profile_{phase}{'_offload' if args.offload else ''}.txt"), "w") as f:
             f.write(table + "\n\nsorted by self CPU time:\n" + cpu_table)
         results[phase] = {"seconds": times, "profiled_cuda_kernel_s": cuda_s, "profiled_aten_calls": calls}
         if phase == "decode":
@@ -172,7 +174,8 @@ def main() -> None:
         if phase == "replay":
             results["replay_seconds_per_response"] = replay_batches(completions)
     write_result(
-        f"profile_{'_'.join(args.phase)}_{'glm-5_slice' if args.glm_slice else args.preset}",
+        f"profile_{'_'.join(args.phase)}_{'glm-5_slice' if args.glm_slice else args.preset}"
+        + ("_offload" if args.offload else ""),
         {
             "prompt_tokens": args.prompt,
             "response_tokens": args.response,

@@ -114,6 +114,16 @@ sa-probe)  # the fused selected-keys attention (GLM-5): its GPU tests, the GLM-5
   cd bench && timeout 120 python3 -u selected_attention_probe.py --keys 1048576 --tiles 2>&1 | grep -v -i warn \
     | tee "$OUT/sa_probe.log" | grep -v "^  tile"
   ;;
+decode-profile)  # where the offloaded GLM-5 decode step's extra time goes: the slice at 1M, GPU then host state,
+                 # each decode profiled (kernels of the replayed CUDA graphs included)
+  cd bench
+  for flag in "" --offload; do
+    timeout 200 python3 -u profile_replay.py --glm-slice --prompt 1048576 --phase decode $flag --top 14 2>&1 \
+      | grep -v -i warn > "$OUT/decode_profile${flag/--/_}.log"
+    grep -E "^decode:|^profiled|^first" "$OUT/decode_profile${flag/--/_}.log"
+    sed -n '/Name/,/Self CPU time total/p' "$OUT/decode_profile${flag/--/_}.log" | cut -c1-62,100-175 | head -20
+  done
+  ;;
 gather-probe)  # the offloaded decode's gather of chosen rows from host memory: every tile, row order, the torch
                # path and a bulk copy; then the host gather's GPU tests (every tile)
   PYTHONPATH=/tmp/site timeout 60 python3 -m pytest -q -rfE -m gpu tests/test_kernels_host_gather.py \
