@@ -320,7 +320,24 @@ def _check_model(model) -> None:
                     f"PEFT adapter {name!r} ({type(cfg).__name__}) is a prompt-learning method (virtual tokens or "
                     "prefix K/V), which the prompt state does not carry. Use LoRA-style adapters."
                 )
+    _warn_parameter_adapters(model)
     patch_model(model)
+
+
+def _warn_parameter_adapters(model) -> None:
+    """Warn about LoRA on fused parameters (peft's ``ParamWrapper``, e.g. a MoE block's 3-D expert weights):
+    each forward forms every expert's merged weight, which on the GLM-5 slice made a decode step 50x slower
+    (README, Limitations). peft's "all-linear" maps onto them for MoE models converted from transformers v4."""
+    wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper"]
+    if wrapped:
+        logger.warning(
+            "LoRA wraps %d fused parameter module(s) (peft ParamWrapper, e.g. %s): every forward rebuilds their "
+            "merged weights, which made the GLM-5 slice's decode step 50x slower. Name the projections to adapt "
+            "(e.g. target_modules=['q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj']) to leave "
+            "the experts out.",
+            len(wrapped),
+            wrapped[0],
+        )
 
 
 @contextlib.contextmanager

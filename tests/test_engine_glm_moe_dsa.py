@@ -581,3 +581,22 @@ def test_capture_compacts_the_chosen_rows_and_nothing_else_does(monkeypatch):
     state.logprobs(model, torch.randint(0, VOCAB, (1, 5)), grad=True).sum().backward()
     state.generate(model, 2, 3, do_sample=False)
     assert calls == []
+
+
+def test_lora_on_the_experts_is_warned_about(caplog):
+    """peft's "all-linear" on a MoE model converted from transformers v4 wraps the fused expert weights in a
+    ``ParamWrapper`` (every forward rebuilds them: 50x slower decoding measured); the trainer's model check warns
+    and names the fix, which leaves them out."""
+    from peft import LoraConfig, get_peft_model
+
+    from longstraw_trl.trainer import _warn_parameter_adapters
+
+    attention = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    for targets, warned in (("all-linear", True), (attention, False)):
+        model = get_peft_model(build_glm_dsa(index_topk=SMALL_TOPK), LoraConfig(r=2, target_modules=targets))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="longstraw_trl.trainer"):
+            _warn_parameter_adapters(model)
+        assert ("ParamWrapper" in caplog.text) is warned, targets
+        if warned:
+            assert "target_modules=" in caplog.text
