@@ -152,6 +152,12 @@ def plan_main(argv: list[str]) -> int:
         default=8192,
         help="responses replayed together while responses x R stays within this (the trainer's option; 0: one)",
     )
+    ap.add_argument(
+        "--offload",
+        choices=["cpu"],
+        default=None,
+        help="keep the prompt state in pinned host memory (the trainer's offload_prompt_state='cpu')",
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
     try:
@@ -192,6 +198,7 @@ def _plan(a: argparse.Namespace) -> int:
         checkpoint_layers=a.checkpoint_layers,
         replay_batch_tokens=a.replay_batch_tokens,
         gradient_mode=a.gradient_mode,
+        offload=a.offload,
     )
     prompt = a.prompt
     if a.max_prompt:
@@ -219,7 +226,7 @@ def _plan(a: argparse.Namespace) -> int:
     else:
         print(format_plan(plan))
         if not plan.fits:
-            print(format_suggestions(suggestions, plan.gpu_bytes, plan.state))
+            print(format_suggestions(suggestions, plan.gpu_bytes))
     return 0 if plan.fits else 1
 
 

@@ -49,17 +49,33 @@ class MemoryPlan:
     kept_boundaries: int = 0
     #: ``gradient_mode="full"``: one layer's pages' dK/dV in fp32 while a replay's backward computes them
     page_grad_workspace: int = 0
+    #: ``offload="cpu"``: the part of the state kept in pinned host memory (the rest stays on the device)
+    host_state: int = 0
+    #: ``offload="cpu"``: device bytes the running layer holds of its streamed-back state (the largest layer's)
+    offload_workspace: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
     def state(self) -> int:
+        """The whole prompt state on this rank, on the device or in host memory."""
         return sum(self.state_by_kind.values())
+
+    @property
+    def device_state(self) -> int:
+        """The prompt state the device holds: all of it, less what ``offload="cpu"`` keeps on the host."""
+        return self.state - self.host_state
 
     @property
     def capture_peak(self) -> int:
         """Peak while capturing: weights, optimizer states, the state, one chunk's activations (gradients
         are freed by ``zero_grad(set_to_none=True)`` before the next step's capture)."""
-        return self.weights + self.optimizer + self.state + self.capture_workspace
+        return (
+            self.weights
+            + self.optimizer
+            + self.device_state
+            + self.offload_workspace
+            + self.capture_workspace
+        )
 
     @property
     def replay_peak(self) -> int:
@@ -68,7 +84,8 @@ class MemoryPlan:
             self.weights
             + self.gradients
             + self.optimizer
-            + self.state
+            + self.device_state
+            + self.offload_workspace
             + self.response_graph
             + self.logits
             + self.gradient_buffers
@@ -87,7 +104,11 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         d = asdict(self)
         d.update(
-            state=self.state, capture_peak=self.capture_peak, replay_peak=self.replay_peak, fits=self.fits
+            state=self.state,
+            device_state=self.device_state,
+            capture_peak=self.capture_peak,
+            replay_peak=self.replay_peak,
+            fits=self.fits,
         )
         return d
 
@@ -176,6 +197,31 @@ def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 1
     return out
 
 
+def offload_bytes(
+    config, prompt_tokens: int, cp_size: int = 1, page_size: int = 16384, dtype_bytes: int = 2
+) -> tuple[int, int]:
+    """``(host bytes, device workspace)`` per rank with ``offload="cpu"``: the state of every offloadable layer
+    kind (``LayerState.offloadable``: K/V pages, MLA latent and indexer keys; GDN and window states stay on the
+    device) in host memory, and the most that one running layer streams back
+    (``LayerState.planned_offload_workspace``)."""
+    from longstraw_trl.model_patches import patch_for_model_type
+    from longstraw_trl.state import owned_tokens
+
+    resident = max(prompt_tokens - 1, 0)
+    on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
+    patch = patch_for_model_type(config.model_type)
+    host = workspace = 0
+    for i in range(len(_layer_types(config))):
+        cls = patch.layer_state_type(config, i)
+        if cls.offloadable:
+            tokens = on_rank if cls.sharded else resident
+            host += cls.planned_bytes(config, i, tokens, dtype_bytes)
+            workspace = max(
+                workspace, cls.planned_offload_workspace(config, i, tokens, page_size, dtype_bytes)
+            )
+    return host, workspace
+
+
 def full_gradient_bytes(
     config,
     prompt_tokens: int,
@@ -254,13 +300,16 @@ def plan_memory(
     checkpoint_layers: bool = False,
     replay_batch_tokens: int = 8192,
     gradient_mode: str = "response_only",
+    offload: str | None = None,
 ) -> MemoryPlan:
     """Per-rank memory of a LongStraw GRPO step on ``config`` (bf16 weights by default).
 
     The responses of a group are replayed together while responses x ``response_tokens`` stays within
     ``replay_batch_tokens`` (the trainer's option; 0: one at a time), so the autograd graph spans that many
     responses. ``gradient_mode="full"`` adds :func:`full_gradient_bytes` to the replay peak. ``optimizer``: ``"adamw"`` (two states per trainable parameter, in the parameter dtype) or
-    ``"none"`` (e.g. a benchmark that only runs backward). Raises
+    ``"none"`` (e.g. a benchmark that only runs backward). ``offload="cpu"`` (the trainer's
+    ``offload_prompt_state``) moves the offloadable state to :attr:`MemoryPlan.host_state` and adds the running
+    layer's streamed-back bytes (:func:`offload_bytes`) to both peaks. Raises
     :class:`~longstraw_trl.errors.UnsupportedModelError` for a model type it does not model.
     """
     check_plannable(getattr(config, "model_type", None))
@@ -310,6 +359,16 @@ def plan_memory(
         plan.notes.append("gradient_mode='full': dK/dV buffers, kept GDN boundary states, one layer's dK/dV")
     elif gradient_mode != "response_only":
         raise LongStrawError(f"gradient_mode must be 'response_only' or 'full', got {gradient_mode!r}")
+    if offload == "cpu":
+        plan.host_state, plan.offload_workspace = offload_bytes(
+            config, prompt_tokens, cp_size, page_size, dtype_bytes
+        )
+        plan.notes.append(
+            f"offload='cpu': {plan.host_state / GiB:.2f} GiB of prompt state in pinned host memory on this rank, "
+            "streamed back a layer at a time"
+        )
+    elif offload is not None:
+        raise LongStrawError(f"offload must be None or 'cpu', got {offload!r}")
     if experts and ep_size > 1:
         plan.notes.append(f"experts sharded over {ep_size} EP ranks")
     plan.notes.append(
@@ -350,12 +409,15 @@ class Suggestion:
         options: the :func:`plan_memory` keywords it changes (``--prompt`` is ``prompt_tokens`` instead).
         prompt_tokens: the prompt length of the re-plan (smaller than asked only for a ``--prompt`` change).
         peak: per-rank peak bytes of the re-plan, at most the GPU's memory.
+        host_bytes: pinned host memory per rank the change needs (``--offload cpu``), 0 otherwise.
     """
 
     args: list[str]
     options: dict[str, Any]
     prompt_tokens: int
     peak: int
+    #: pinned host memory the change needs (``--offload cpu``: the offloaded state), 0 otherwise
+    host_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -398,11 +460,11 @@ def suggest_changes(
 
     The levers are ``--checkpoint-layers`` (when off), ``--lora-rank 64`` (when fully fine-tuning), for MoE
     models ``--ep`` (the smallest power of two at which a rank's experts take at most a quarter of the GPU),
-    the smallest power-of-two ``--cp`` that fits, and the largest ``--prompt`` that fits
-    (:func:`largest_prompt`, left out with ``vary_prompt=False``). They are tried alone, then together: a combination is kept only
-    when no part of it already fits, and with ``--cp`` or ``--prompt`` only when it needs fewer ranks or
-    allows a longer prompt than its parts do. The planner does not model ``offload_prompt_state="cpu"``,
-    so offloading is not suggested.
+    ``--offload cpu`` (the prompt state in pinned host memory: the suggestion says how much), the smallest
+    power-of-two ``--cp`` that fits, and the largest ``--prompt`` that fits (:func:`largest_prompt`, left out
+    with ``vary_prompt=False``). They are tried alone, then together: a combination is kept only when no part
+    of it already fits, and with ``--cp`` or ``--prompt`` only when it needs fewer ranks or allows a longer
+    prompt than its parts do.
 
     Args:
         config: the model config, as for :func:`plan_memory`.
@@ -424,6 +486,8 @@ def suggest_changes(
     ep = _suggested_ep(config, plan_kwargs)
     if ep:
         levers.append((["--ep", str(ep)], {"ep_size": ep}))
+    if plan_kwargs.get("offload") is None:
+        levers.append((["--offload", "cpu"], {"offload": "cpu"}))
     out: list[Suggestion] = []
     fits_alone: list[frozenset[int]] = []
     best: dict[frozenset[int], tuple[int | None, int]] = {}  # lever set -> (smallest cp, largest prompt)
@@ -438,44 +502,38 @@ def suggest_changes(
             if combo:
                 plan = plan_memory(config, prompt_tokens, page_size=page_size, **kwargs)
                 if plan.fits:
-                    out.append(Suggestion(args, options, prompt_tokens, plan.peak))
+                    out.append(Suggestion(args, options, prompt_tokens, plan.peak, plan.host_state))
                     fits_alone.append(chosen)
                     continue
             parts = [v for s, v in best.items() if s < chosen]
             cp = _smallest_cp(config, prompt_tokens, page_size, kwargs)
             if cp and all(c is None or cp[0] < c for c, _ in parts):
-                out.append(
-                    Suggestion(
-                        args + ["--cp", str(cp[0])], {**options, "cp_size": cp[0]}, prompt_tokens, cp[1]
-                    )
-                )
+                with_cp = {**options, "cp_size": cp[0]}
+                host = plan_memory(
+                    config, prompt_tokens, page_size=page_size, **{**kwargs, **with_cp}
+                ).host_state
+                out.append(Suggestion(args + ["--cp", str(cp[0])], with_cp, prompt_tokens, cp[1], host))
             p = largest_prompt(config, page_size=page_size, **kwargs) if vary_prompt else 0
             if p and all(p > q for _, q in parts):
-                peak = plan_memory(config, p, page_size=page_size, **kwargs).peak
-                out.append(Suggestion(args + ["--prompt", str(p)], options, p, peak))
+                plan = plan_memory(config, p, page_size=page_size, **kwargs)
+                out.append(Suggestion(args + ["--prompt", str(p)], options, p, plan.peak, plan.host_state))
             best[chosen] = (cp[0] if cp else None, p)
     return out
 
 
-def format_suggestions(suggestions: list[Suggestion], gpu_bytes: int, state_bytes: int = 0) -> str:
-    """The text ``longstraw plan`` prints under a plan that does not fit (``state_bytes``: the plan's prompt
-    state, named as what ``offload_prompt_state="cpu"`` would move to host memory)."""
-    offload = (
-        f"\nnot modeled: offload_prompt_state='cpu' keeps the prompt state ({state_bytes / GiB:.2f} GiB per rank) "
-        "in pinned host memory and streams it per layer"
-        if state_bytes
-        else ""
-    )
+def format_suggestions(suggestions: list[Suggestion], gpu_bytes: int) -> str:
+    """The text ``longstraw plan`` prints under a plan that does not fit."""
     if not suggestions:
         return (
             f"nothing tried fits {gpu_bytes / GiB:.2f} GiB: --checkpoint-layers, --lora-rank {SUGGESTED_LORA_RANK}, "
-            "--ep (MoE), a larger --cp and a smaller --prompt, alone or together" + offload
+            "--ep (MoE), --offload cpu, a larger --cp and a smaller --prompt, alone or together"
         )
     width = max(len(" ".join(s.args)) for s in suggestions)
     lines = [f"to fit {gpu_bytes / GiB:.2f} GiB, change any one of (each re-planned):"]
     for s in suggestions:
-        lines.append(f"  {' '.join(s.args):<{width}}  ->  peak {s.peak / GiB:.2f} GiB")
-    return "\n".join(lines) + offload
+        host = f" (+ {s.host_bytes / GiB:.2f} GiB of pinned host memory)" if s.host_bytes else ""
+        lines.append(f"  {' '.join(s.args):<{width}}  ->  peak {s.peak / GiB:.2f} GiB{host}")
+    return "\n".join(lines)
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -490,6 +548,11 @@ def format_plan(plan: MemoryPlan) -> str:
     ]
     for kind, n in plan.state_by_kind.items():
         lines.append(f"  state[{kind}]{' ' * (11 - len(kind))}{g(n)}")
+    if plan.host_state:
+        lines += [
+            f"  of it on the host {g(plan.host_state)}  (pinned; not in the GPU peaks)",
+            f"  streamed back     {g(plan.offload_workspace)}  (the running layer's)",
+        ]
     lines += [
         f"  response graph    {g(plan.response_graph)}",
         f"  logits/head temp  {g(plan.logits)}",

@@ -295,6 +295,18 @@ class LayerState(ABC):
         """:meth:`planned_bytes` split as :meth:`nbytes_by_kind` splits :meth:`nbytes`."""
         return {cls.kind: cls.planned_bytes(config, layer_idx, tokens_on_rank, dtype_bytes)}
 
+    # --- offload (``offload="cpu"``; the planner's ``--offload cpu``) --------------------------------------
+    #: whether ``offload="cpu"`` keeps this kind in host memory (False: it stays on the device regardless)
+    offloadable: ClassVar[bool] = False
+
+    @classmethod
+    def planned_offload_workspace(
+        cls, config, layer_idx: int, tokens_on_rank: int, page_size: int, dtype_bytes: int = 2
+    ) -> int:
+        """The planner's formula: device bytes an offloaded layer of this kind holds while it runs (what it has
+        streamed back from the host); one layer runs at a time. The default: none (not offloadable)."""
+        return 0
+
 
 def owned_tokens(start: int, count: int, page_size: int, cp_rank: int = 0, cp_size: int = 1) -> int:
     """Tokens of global positions ``[start, start + count)`` on pages ``j`` with ``j % cp_size == cp_rank``."""
@@ -498,6 +510,15 @@ class KVPages(LayerState):
     def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 2 * config.num_key_value_heads * head_dim * dtype_bytes * tokens_on_rank
+
+    offloadable = True
+
+    @classmethod
+    def planned_offload_workspace(
+        cls, config, layer_idx: int, tokens_on_rank: int, page_size: int, dtype_bytes: int = 2
+    ) -> int:
+        """:meth:`stream` holds two pages on the device: the one a kernel reads and the next one's copy."""
+        return cls.planned_bytes(config, layer_idx, min(2 * page_size, tokens_on_rank), dtype_bytes)
 
 
 class KVGrad:

@@ -107,6 +107,14 @@ class DSAPages(KVPages):
     def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
         return sum(cls.planned_bytes_by_kind(config, layer_idx, tokens_on_rank, dtype_bytes).values())
 
+    @classmethod
+    def planned_offload_workspace(
+        cls, config, layer_idx: int, tokens_on_rank: int, page_size: int, dtype_bytes: int = 2
+    ) -> int:
+        """A capture chunk or a replay joins the layer's streamed latent pages into one table
+        (:func:`_materialize`): the pages and the joined copy, each the layer's latent bytes, at that moment."""
+        return 2 * cls.planned_bytes_by_kind(config, layer_idx, tokens_on_rank, dtype_bytes)["mla"]
+
 
 @dataclass
 class DSASelection:

@@ -96,7 +96,9 @@ def test_suggested_cp_and_prompt_are_the_edges(capsys):
     argv = ["qwen3.6-27b", "--prompt", "2097152", "--lora-rank", "64", "--checkpoint-layers"]
     _, plan = _plan_json(capsys, argv)
     by_flag = {s["args"][0]: s for s in plan["suggestions"]}
-    assert set(by_flag) == {"--cp", "--prompt"}, plan["suggestions"]
+    assert set(by_flag) == {"--cp", "--prompt", "--offload"}, plan["suggestions"]
+    offload = by_flag["--offload"]  # the K/V pages to the host (the GDN states stay): it names their bytes
+    assert offload["host_bytes"] == plan["state_by_kind"]["kv"] and offload["peak"] <= plan["gpu_bytes"]
     cp = int(by_flag["--cp"]["args"][1])
     assert _plan_json(capsys, argv + ["--cp", str(cp)])[1]["fits"]
     assert not _plan_json(capsys, argv + ["--cp", str(cp // 2)])[1]["fits"]

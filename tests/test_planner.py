@@ -250,8 +250,8 @@ def test_glm_moe_response_graph_follows_the_routed_experts():
 
 
 def test_glm5_plan_that_does_not_fit_names_ep_and_offload():
-    """GLM-5's experts dominate its weights: a slice that does not fit gets an `--ep` change (re-planned, fits),
-    and the text names offloading the prompt state, which the planner does not model."""
+    """GLM-5's experts dominate its weights: a slice that does not fit gets an `--ep` change and an `--offload cpu`
+    one (each re-planned: it fits), the offload with the host memory it needs."""
     from longstraw_trl.planner import format_suggestions, suggest_changes
 
     config = preset_config("glm-5", 6)
@@ -261,8 +261,58 @@ def test_glm5_plan_that_does_not_fit_names_ep_and_offload():
     assert ["--ep", "8"] in [s.args for s in suggestions]
     for s in suggestions:
         assert plan_memory(config, s.prompt_tokens, lora_rank=64, gpu_memory_gib=39.4, **s.options).fits
-    text = format_suggestions(suggestions, plan.gpu_bytes, plan.state)
-    assert "--ep 8" in text and "offload_prompt_state='cpu'" in text
+    assert "--ep 8" in format_suggestions(suggestions, plan.gpu_bytes)
+    # with the experts spread, a 4M prompt's state is what does not fit: offloading it does
+    plan = plan_memory(config, 1 << 22, lora_rank=64, gpu_memory_gib=39.4, ep_size=8)
+    suggestions = suggest_changes(config, 1 << 22, lora_rank=64, gpu_memory_gib=39.4, ep_size=8)
+    assert not plan.fits and ["--offload", "cpu"] in [s.args for s in suggestions]
+    (offload,) = [s for s in suggestions if s.args == ["--offload", "cpu"]]
+    assert offload.host_bytes == plan.state  # all of GLM-5's state is offloadable
+    assert plan_memory(config, 1 << 22, lora_rank=64, gpu_memory_gib=39.4, ep_size=8, offload="cpu").fits
+    text = format_suggestions(suggestions, plan.gpu_bytes)
+    line = next(x for x in text.splitlines() if x.strip().startswith("--offload cpu "))
+    assert line.endswith(
+        f"peak {offload.peak / GiB:.2f} GiB (+ {plan.state / GiB:.2f} GiB of pinned host memory)"
+    )
+
+
+def test_offload_moves_the_state_to_the_host_and_keeps_the_running_layers_pages():
+    """`offload="cpu"`: the host holds each offloadable kind's bytes (K/V pages; GDN states stay on the device),
+    both peaks lose them and gain the running layer's streamed-back bytes: two pages of a K/V layer, a GLM-5
+    layer's latent twice (its pages and the table they are joined into)."""
+    page = 16384
+    qwen = preset_config("qwen3.6-27b", 8)
+    resident, off = (plan_memory(qwen, 1 << 20, lora_rank=64, offload=o) for o in (None, "cpu"))
+    assert (
+        off.host_state == resident.state_by_kind["kv"] and off.device_state == resident.state_by_kind["gdn"]
+    )
+    head_dim = qwen.head_dim
+    two_pages = 2 * qwen.num_key_value_heads * head_dim * 2 * 2 * page
+    assert off.offload_workspace == two_pages
+    assert resident.capture_peak - off.capture_peak == off.host_state - two_pages
+    assert resident.replay_peak - off.replay_peak == off.host_state - two_pages
+    glm = preset_config("glm-5", 3)
+    off = plan_memory(glm, 1 << 20, lora_rank=64, offload="cpu")
+    latent = (glm.kv_lora_rank + glm.qk_rope_head_dim) * 2 * ((1 << 20) - 1)
+    assert off.host_state == off.state and off.device_state == 0 and off.offload_workspace == 2 * latent
+    with pytest.raises(LongStrawError, match="offload"):
+        plan_memory(glm, 1 << 20, offload="nvme")
+
+
+def test_planned_host_bytes_are_what_the_glm_slice_registered():
+    """The GLM-5 slice on the H200 with host state (`bench/glm_slice.py`, 1M, rev 9d0b4f7) registered exactly
+    its state's bytes of pinned host memory; the planner's host bytes for that slice are those bytes, and the
+    capture peak it saves (state less the streamed-back table) is no more than the run saved."""
+    data = json.loads((RESULTS[0].parent / "glm_slice_3L_P1M_v4.json").read_text())
+    gpu, host = data["results"]
+    config = preset_config("glm-5", data["layers"])
+    config.indexer_types = data["indexer_types"]
+    p = host["prompt_tokens"]
+    plans = [plan_memory(config, p, lora_rank=64, offload=o) for o in (None, "cpu")]
+    assert plans[1].host_state == host["registered_host_bytes"] == host["state_bytes_host"]
+    saved_planned = (plans[0].capture_peak - plans[1].capture_peak) / GiB
+    saved_measured = gpu["capture_peak_gib"] - host["capture_peak_gib"]
+    assert 0 < saved_planned <= saved_measured, (saved_planned, saved_measured)
 
 
 @pytest.mark.parametrize("tag", ["512K", "1M"])
