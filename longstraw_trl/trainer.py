@@ -325,16 +325,18 @@ def _check_model(model) -> None:
 
 
 def _warn_parameter_adapters(model) -> None:
-    """Warn about LoRA on fused parameters (peft's ``ParamWrapper``, e.g. a MoE block's 3-D expert weights):
-    each forward forms every expert's merged weight, which on the GLM-5 slice made a decode step 50x slower
-    (README, Limitations). peft's "all-linear" maps onto them for MoE models converted from transformers v4."""
+    """Warn about LoRA on fused parameters (peft's ``ParamWrapper``, e.g. a MoE block's 3-D expert weights).
+    Capture and generation apply their factors to the activations (:mod:`longstraw_trl.adapters`), but the
+    replays, under autograd, run peft's forward, which forms every expert's adapted weight (a copy of the whole
+    expert stack) in each forward and backward. peft's "all-linear" maps onto them for MoE models converted from
+    transformers v4."""
     wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper"]
     if wrapped:
         logger.warning(
-            "LoRA wraps %d fused parameter module(s) (peft ParamWrapper, e.g. %s): every forward rebuilds their "
-            "merged weights, which made the GLM-5 slice's decode step 50x slower. Name the projections to adapt "
-            "(e.g. target_modules=['q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj']) to leave "
-            "the experts out.",
+            "LoRA wraps %d fused parameter module(s) (peft ParamWrapper, e.g. %s): capture and generation apply "
+            "the adapters to the activations, but each replay under autograd forms every expert's adapted weight, "
+            "a copy of the expert stack per MoE layer. To leave the experts out, name the projections to adapt "
+            "(e.g. target_modules=['q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj']).",
             len(wrapped),
             wrapped[0],
         )

@@ -135,3 +135,39 @@ def test_fused_lora_forwards_equal_peft_and_are_restored():
     with pytest.raises(LongStrawError, match="graph-free"):
         with fused_lora_forwards(model):
             pass
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_expert_lora_multiplies_activations_and_equals_peft(implementation):
+    """LoRA on a MoE block's fused expert weights (PEFT's ``ParamWrapper``, what "all-linear" gives GLM-5): inside
+    the block the experts run with the low-rank factors applied to the activations, never forming the adapted
+    weights; the logits equal PEFT's forward (fp32, the model's own experts implementation as reference), the
+    adapters matter (nonzero B), and PEFT's forward is back afterwards."""
+    from _models import build_glm_dsa
+
+    from longstraw_trl.adapters import fused_lora_forwards
+
+    base = build_glm_dsa(index_topk=6)
+    base.config._experts_implementation = implementation
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+    experts_wrappers = [m for m in wrappers if getattr(m, "num_experts", 1) > 1]
+    assert experts_wrappers, "peft no longer wraps the fused expert weights"
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in wrappers:  # (peft initialises B to zero: the update would vanish)
+            for p in m.lora_B.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    ids = torch.randint(0, 97, (2, 11), generator=gen)
+    outer = [m for m in experts_wrappers if type(m.base_layer).__name__ == "ParamWrapper"]
+    with torch.no_grad():
+        ref = model(ids).logits
+        with model.disable_adapter():
+            without = model(ids).logits
+        with fused_lora_forwards(model) as n:
+            assert outer and all("forward" in m.__dict__ for m in outer)
+            assert n >= len(outer)
+            got = model(ids).logits
+    assert not any("forward" in m.__dict__ for m in wrappers)
+    assert (ref - without).abs().max() > 1e-2  # the expert adapters change the output
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
