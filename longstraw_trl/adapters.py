@@ -18,6 +18,11 @@ alpha=scaling)``. PEFT runs ``result + lora_B(lora_A(x)) * scaling``: a GEMM wri
 add, three more passes over the layer's output and two more kernels per adapted layer, which in a whole-model
 capture or decode step are thousands of launches and passes over every linear layer's output. The update is
 then accumulated once in fp32 and rounded once, instead of rounded after each of the three steps.
+
+One exception reaches the passes that train: LoRA on a MoE block's fused 3-D expert weights (PEFT's
+``ParamWrapper``). PEFT forms every expert's adapted weight in each forward; :func:`bind_expert_adapters` (the
+trainer binds it for good) applies the low-rank factors to the activations instead, in every pass, equal to
+PEFT's forward and gradients in fp32 (:func:`_expert_lora_forward`).
 """
 
 from __future__ import annotations
@@ -97,8 +102,9 @@ _EXPERT_ATTRIBUTES = (
 
 
 def _expert_adapters(module: nn.Module) -> list[tuple[nn.Module, str]] | None:
-    """For the outermost PEFT ``ParamWrapper`` over a transformers-v5 MoE experts module, its chain of wrappers
-    with their one active adapter each (``[(wrapper, adapter name)]``, outermost first), else ``None``.
+    """For a PEFT ``ParamWrapper`` over a transformers-v5 MoE experts module (the outermost of a nested chain),
+    its chain of wrappers with their one active adapter each (``[(wrapper, adapter name)]``, outermost first)
+    as they stand now (adapters enabled, not merged), else ``None``.
 
     PEFT adapts each fused 3-D expert weight ``W [E, ., .]`` by a ``ParamWrapper`` whose forward forms
     ``W + scaling * lhs @ rhs`` for every expert before the experts run (one wrapper a weight, nested). In a
@@ -110,7 +116,7 @@ def _expert_adapters(module: nn.Module) -> list[tuple[nn.Module, str]] | None:
         from transformers.integrations import moe  # noqa: F401 - the grouped GEMMs it uses
     except ImportError:
         return None
-    if type(module) is not ParamWrapper or "forward" in module.__dict__:
+    if type(module) is not ParamWrapper:
         return None
     chain, layer = [], module
     while type(layer) is ParamWrapper:
@@ -154,8 +160,11 @@ def _expert_lora_forward(self, hidden_states, top_k_index, top_k_weights) -> tor
     """The experts of a MoE block with LoRA on their fused weights, without forming the adapted weights: the
     grouped form of transformers' ``grouped_mm_experts_forward`` (tokens sorted by expert, one grouped GEMM a
     projection, no host sync, so a decode step stays one CUDA graph) with each adapter's low-rank factors
-    applied to the activations (:func:`_expert_linear`). Bound on the outermost ``ParamWrapper``."""
-    chain = self._longstraw_expert_adapters
+    applied to the activations (:func:`_expert_linear`); differentiable, so replays train through it. Bound on
+    the outermost ``ParamWrapper``; with its adapters disabled, merged or several active, PEFT's forward runs."""
+    chain = _expert_adapters(self)
+    if chain is None:
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     experts = chain[-1][0].base_layer
     factors = {w.parameter_name: w.get_delta_factors(name) for w, name in chain}
     k, hidden = top_k_index.size(-1), hidden_states.size(-1)
@@ -199,16 +208,30 @@ def fused_lora_forwards(model: nn.Module, enabled: bool = True) -> Iterator[int]
                 module.forward = _fused_lora_forward.__get__(module)
                 fused.append((module, "_longstraw_fused_adapter"))
                 continue
-            chain = None if id(module) in inner else _expert_adapters(module)
-            if chain is not None:
-                module._longstraw_expert_adapters = chain
+            if id(module) not in inner and "forward" not in module.__dict__ and _expert_adapters(module):
                 module.forward = _expert_lora_forward.__get__(module)
-                fused.append((module, "_longstraw_expert_adapters"))
+                fused.append((module, None))
         yield len(fused)
     finally:
         for module, attr in fused:
             delattr(module, "forward")
-            delattr(module, attr)
+            if attr is not None:
+                delattr(module, attr)
+
+
+def bind_expert_adapters(model: nn.Module) -> int:
+    """Run every PEFT ``ParamWrapper`` chain over a MoE experts module through :func:`_expert_lora_forward`
+    from now on, in every pass (the trainer does this to its models): the adapted expert weights are never
+    formed, and capture, decoding, scoring and replays (forward and backward, checkpoint recompute included)
+    take the same path. It equals PEFT's forward and its gradients in fp32 (``tests/test_adapters.py``); in bf16
+    it also keeps an update that PEFT's merged weight would round away. Returns how many chains were bound."""
+    inner = {id(m.base_layer) for m in model.modules() if type(m).__name__ == "ParamWrapper"}
+    bound = 0
+    for module in model.modules():
+        if id(module) not in inner and "forward" not in module.__dict__ and _expert_adapters(module):
+            module.forward = _expert_lora_forward.__get__(module)
+            bound += 1
+    return bound
 
 
 @contextlib.contextmanager

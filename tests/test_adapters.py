@@ -171,3 +171,53 @@ def test_expert_lora_multiplies_activations_and_equals_peft(implementation):
     assert not any("forward" in m.__dict__ for m in wrappers)
     assert (ref - without).abs().max() > 1e-2  # the expert adapters change the output
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bound_expert_lora_trains_as_peft_and_steps_aside_when_disabled():
+    """Bound for good (what the trainer does), the activation-form experts give PEFT's logits and the same
+    gradients of every adapter parameter (fp32), also with HF gradient checkpointing (its recompute takes the same
+    path); with the adapters disabled (TRL's reference pass) PEFT's forward runs: the base model's logits."""
+    from _models import build_glm_dsa
+
+    from longstraw_trl.adapters import bind_expert_adapters
+
+    def lora_glm():
+        torch.manual_seed(0)
+        model = get_peft_model(
+            build_glm_dsa(index_topk=6), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+        )
+        gen = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for m in model.modules():
+                if type(m).__name__ == "ParamWrapper":
+                    for p in m.lora_B.parameters():
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        return model
+
+    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(6))
+    weights = torch.randn(2, 13, 97, generator=torch.Generator().manual_seed(7))
+    results = []
+    for bind in (False, True):
+        model = lora_glm()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        if bind:
+            assert bind_expert_adapters(model) == 2  # one chain a MoE block
+        wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+        assert sum("forward" in m.__dict__ for m in wrappers) == (2 if bind else 0)
+        logits = model(ids).logits
+        (logits * weights).sum().backward()
+        grads = {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and "lora_" in n
+        }
+        with torch.no_grad(), model.disable_adapter():
+            base = model(ids).logits
+        results.append((logits.detach(), grads, base))
+    (ref, ref_grads, ref_base), (got, got_grads, got_base) = results
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_base, ref_base, rtol=1e-6, atol=1e-6)
+    expert_grads = [n for n in ref_grads if ".experts." in n]
+    assert expert_grads and set(got_grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        err = float((got_grads[name] - g).norm() / g.norm().clamp_min(1e-30))
+        assert err <= 1e-5, (name, err, float(g.norm()))

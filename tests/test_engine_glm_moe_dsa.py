@@ -583,20 +583,17 @@ def test_capture_compacts_the_chosen_rows_and_nothing_else_does(monkeypatch):
     assert calls == []
 
 
-def test_lora_on_the_experts_is_warned_about(caplog):
+def test_trainer_binds_lora_on_the_experts():
     """peft's "all-linear" on a MoE model converted from transformers v4 wraps the fused expert weights in a
-    ``ParamWrapper`` (every forward rebuilds them: 50x slower decoding measured); the trainer's model check warns
-    and names the fix, which leaves them out."""
+    ``ParamWrapper``; the trainer's model check binds their activation-form forward (one a MoE block), and
+    names none for attention-only targets."""
     from peft import LoraConfig, get_peft_model
 
-    from longstraw_trl.trainer import _warn_parameter_adapters
+    from longstraw_trl.trainer import _bind_expert_adapters
 
     attention = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-    for targets, warned in (("all-linear", True), (attention, False)):
+    for targets, blocks in (("all-linear", 2), (attention, 0)):
         model = get_peft_model(build_glm_dsa(index_topk=SMALL_TOPK), LoraConfig(r=2, target_modules=targets))
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="longstraw_trl.trainer"):
-            _warn_parameter_adapters(model)
-        assert ("ParamWrapper" in caplog.text) is warned, targets
-        if warned:
-            assert "target_modules=" in caplog.text
+        _bind_expert_adapters(model)
+        bound = [n for n, m in model.named_modules() if "forward" in m.__dict__ and n.endswith("mlp.experts")]
+        assert len(bound) == blocks, (targets, bound)
