@@ -78,7 +78,10 @@ def _registered_buffer_type() -> type:
 
         def __del__(self):
             if self.base is None and getattr(self, "registered", 0):
-                torch.cuda.cudart().cudaHostUnregister(self.ctypes.data)
+                try:
+                    torch.cuda.cudart().cudaHostUnregister(self.ctypes.data)
+                except Exception:  # noqa: BLE001 - at interpreter exit the runtime may be gone: the OS frees it
+                    pass
                 _REGISTERED["bytes"] -= self.registered
                 _REGISTERED["buffers"] -= 1
                 self.registered = 0
