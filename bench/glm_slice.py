@@ -56,6 +56,7 @@ from transformers import AutoModelForCausalLM
 
 import longstraw_trl.kernels.sparse_attention as sparse
 from longstraw_trl import capture_prompt
+from longstraw_trl.generation import decode_graphs_by_default
 from longstraw_trl.kernels.indexer_scores import index_scores, index_scores_kernel_ok
 from longstraw_trl.kernels.sparse_attention import TOPK_BUFFER_ELEMENTS, indexer_topk
 from longstraw_trl.presets import preset_config
@@ -325,11 +326,7 @@ def run_case(
     )
     save()
     gen_tokens = gen_tokens or (args.offload_gen_tokens if offload else args.gen_tokens)
-    # whether generate() replays each decode step as one CUDA graph (its default): not when a step streams
-    # offloaded pages; an offloaded GLM-5 state streams none (the GPU reads the chosen rows from host memory)
-    graphed = dev == "cuda" and not any(
-        layer.decode_streams(torch.device(dev)) for layer in state.layers.values()
-    )
+    graphed = decode_graphs_by_default(state)  # what generate() does with each decode step
     reset_peak()
     # a call of half the tokens first: the difference of the two calls is the cost of the extra decode steps,
     # without what every call pays once (CUDA-graph capture, the first token's prefill of the last prompt token)

@@ -60,6 +60,13 @@ switch_off_failed() {
   failed test_kernels_indexer && echo 'export LONGSTRAW_INDEXER_KERNEL=0' >> "$switches"
   echo "switched off: $(tr '\n' ' ' < "$switches")"; source "$switches"
 }
+# GPU tests without fla, into $OUT/pytest_gpu_$1.log with timeout $2 s: the exit status, how many passed, the failures
+gpu_tests() {
+  local log="$OUT/pytest_gpu_$1.log" limit=$2; shift 2
+  PYTHONPATH=/tmp/site timeout "$limit" python3 -m pytest -v -rfE -m gpu "$@" > "$log" 2>&1
+  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$log") passed"
+  grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$log" | tail -8
+}
 case "$1" in
 profile)  # where a replay + backward spends its time (whole model, LoRA, HF checkpointing); args to the script
   shift
@@ -106,11 +113,9 @@ v4-rest)  # the GPU tests v4's timeout did not reach (the masked own-keys indexe
   ;;
 sa-probe)  # the fused selected-keys attention (GLM-5): its GPU tests, the GLM-5 GPU test through it, then it
            # against the torch path at a capture chunk's and a replay batch's shapes
-  PYTHONPATH=/tmp/site timeout 90 python3 -m pytest -v -rfE -m gpu tests/test_kernels_selected_keys_attention.py \
+  gpu_tests sa 90 tests/test_kernels_selected_keys_attention.py \
     tests/test_kernels_indexer.py::test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode \
-    tests/test_kernels_sparse_attention.py > "$OUT/pytest_gpu_sa.log" 2>&1
-  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_sa.log") passed"
-  grep -E " (FAILED|ERROR)|^FAILED|^ERROR|Error" "$OUT/pytest_gpu_sa.log" | tail -8
+    tests/test_kernels_sparse_attention.py
   cd bench && timeout 120 python3 -u selected_attention_probe.py --keys 1048576 --tiles 2>&1 | grep -v -i warn \
     | tee "$OUT/sa_probe.log" | grep -v "^  tile"
   ;;
@@ -134,24 +139,17 @@ gather-probe)  # the offloaded decode's gather of chosen rows from host memory: 
 glm-v4)  # session 9, after glm-v3: offloaded segments registered at their exact size (pinned_empty). GPU tests of
          # every offload path (GQA streaming, GLM-5, the full gradient with offload, not run in session 8), then
          # GLM-5 at 1M, GPU and host state, after a warm-up case per storage
-  PYTHONPATH=/tmp/site timeout 200 python3 -m pytest -v -rfE -m gpu tests/test_kernels_host_gather.py \
-    tests/test_engine_gqa.py tests/test_full_gradient.py \
-    tests/test_kernels_indexer.py::test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode \
-    > "$OUT/pytest_gpu_glm_v4.log" 2>&1
-  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_glm_v4.log") passed"
-  grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$OUT/pytest_gpu_glm_v4.log" | tail -8
+  gpu_tests glm_v4 200 tests/test_kernels_host_gather.py tests/test_engine_gqa.py tests/test_full_gradient.py \
+    tests/test_kernels_indexer.py::test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode
   cd bench && timeout 300 python3 -u glm_slice.py --prompt 1048576 --gen-tokens 256 --budget-s 290 --tag _P1M_v4 \
     2>&1 | grep -v -i warn | tee "$OUT/glm_1m_v4.log" | tail -5
   ;;
 glm-v3)  # session 9: GPU tests of the host gather, the selected-keys kernel (compiled once for every width) and
          # GLM-5 (offloaded decode as one CUDA graph); two negative controls that must fail; then GLM-5 at 1M, GPU
          # and host state in one process, after a warm-up case per storage
-  PYTHONPATH=/tmp/site timeout 150 python3 -m pytest -v -rfE -m gpu tests/test_kernels_host_gather.py \
-    tests/test_kernels_selected_keys_attention.py tests/test_kernels_sparse_attention.py \
-    tests/test_kernels_indexer.py::test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode \
-    > "$OUT/pytest_gpu_glm_v3.log" 2>&1
-  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_glm_v3.log") passed"
-  grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$OUT/pytest_gpu_glm_v3.log" | tail -8
+  gpu_tests glm_v3 150 tests/test_kernels_host_gather.py tests/test_kernels_selected_keys_attention.py \
+    tests/test_kernels_sparse_attention.py \
+    tests/test_kernels_indexer.py::test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode
   cp kernels/selected_keys_attention.py /tmp/ska.py  # (the device's copy of the checkout: restored below)
   sed -i 's/ if os.environ.get("TRITON_INTERPRET") == "1" else 0,/,/' kernels/selected_keys_attention.py
   PYTHONPATH=/tmp/site timeout 60 python3 -m pytest -q -m gpu \

@@ -188,6 +188,17 @@ def _expert_lora_forward(self, hidden_states, top_k_index, top_k_weights) -> tor
     return out.view(-1, k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
+def _unbound_expert_chains(model: nn.Module) -> list[nn.Module]:
+    """The outermost ``ParamWrapper`` of each expert chain :func:`_expert_lora_forward` serves now, that has no
+    forward bound on it yet (by :func:`bind_expert_adapters`, or an accelerate hook)."""
+    inner = {id(m.base_layer) for m in model.modules() if type(m).__name__ == "ParamWrapper"}
+    return [
+        m
+        for m in model.modules()
+        if id(m) not in inner and "forward" not in m.__dict__ and _expert_adapters(m) is not None
+    ]
+
+
 @contextlib.contextmanager
 def fused_lora_forwards(model: nn.Module, enabled: bool = True) -> Iterator[int]:
     """Inside the block (graph-free only), plain LoRA layers add their update in one GEMM epilogue, and LoRA on
@@ -200,17 +211,15 @@ def fused_lora_forwards(model: nn.Module, enabled: bool = True) -> Iterator[int]
         raise LongStrawError("fused_lora_forwards is for graph-free passes: enter it under torch.no_grad()")
     fused = []
     try:
-        inner = {id(m.base_layer) for m in model.modules() if type(m).__name__ == "ParamWrapper"}
         for module in model.modules():
             name = _fusable_adapter(module)
             if name is not None:
                 module._longstraw_fused_adapter = name
                 module.forward = _fused_lora_forward.__get__(module)
                 fused.append((module, "_longstraw_fused_adapter"))
-                continue
-            if id(module) not in inner and "forward" not in module.__dict__ and _expert_adapters(module):
-                module.forward = _expert_lora_forward.__get__(module)
-                fused.append((module, None))
+        for module in _unbound_expert_chains(model):
+            module.forward = _expert_lora_forward.__get__(module)
+            fused.append((module, None))
         yield len(fused)
     finally:
         for module, attr in fused:
@@ -225,13 +234,10 @@ def bind_expert_adapters(model: nn.Module) -> int:
     formed, and capture, decoding, scoring and replays (forward and backward, checkpoint recompute included)
     take the same path. It equals PEFT's forward and its gradients in fp32 (``tests/test_adapters.py``); in bf16
     it also keeps an update that PEFT's merged weight would round away. Returns how many chains were bound."""
-    inner = {id(m.base_layer) for m in model.modules() if type(m).__name__ == "ParamWrapper"}
-    bound = 0
-    for module in model.modules():
-        if id(module) not in inner and "forward" not in module.__dict__ and _expert_adapters(module):
-            module.forward = _expert_lora_forward.__get__(module)
-            bound += 1
-    return bound
+    chains = _unbound_expert_chains(model)
+    for module in chains:
+        module.forward = _expert_lora_forward.__get__(module)
+    return len(chains)
 
 
 @contextlib.contextmanager

@@ -317,6 +317,20 @@ def _width(out: torch.Tensor, step: int, eos_t: torch.Tensor) -> int:
     return int(first.max()) + 1
 
 
+def decode_graphs_by_default(state: PromptState) -> bool:
+    """Whether :class:`DecodeStep` replays the decode steps on ``state`` as one CUDA graph when not told: on
+    CUDA, without context parallelism (collectives inside: kept eager), when no layer streams state from the
+    host during a step (``LayerState.decode_streams``; an offloaded GLM-5 state streams none, its rows read by
+    the GPU from mapped host memory), and unless ``LONGSTRAW_CUDA_GRAPHS=0``."""
+    device = state.device
+    return (
+        device.type == "cuda"
+        and state.cp_group is None
+        and not any(layer.decode_streams(device) for layer in state.layers.values())
+        and switch(CUDA_GRAPHS_ENV)
+    )
+
+
 class DecodeStep:
     """One decode step of G sequences on a read-only prompt state: ``step(tokens [G, 1]) -> logits [G, V]``.
 
@@ -333,14 +347,7 @@ class DecodeStep:
     ):
         device = state.device
         if cuda_graphs is None:
-            cuda_graphs = (
-                device.type == "cuda"
-                and state.cp_group is None  # collectives inside: keep them eager
-                # host-to-device page copies inside (an offloaded GLM-5 state copies none: its rows are read
-                # by the GPU from mapped host memory, LayerState.decode_streams)
-                and not any(layer.decode_streams(device) for layer in state.layers.values())
-                and switch(CUDA_GRAPHS_ENV)
-            )
+            cuda_graphs = decode_graphs_by_default(state)
         if cuda_graphs and device.type != "cuda":
             raise LongStrawError("cuda_graphs=True needs the state on a CUDA device")
         self.model, self.state, self.use_graphs = model, state, cuda_graphs

@@ -423,8 +423,10 @@ class Suggestion:
         return asdict(self)
 
 
-def _smallest_cp(config, prompt_tokens: int, page_size: int, plan_kwargs: dict) -> tuple[int, int] | None:
-    """``(cp_size, peak)`` for the smallest power of two above the current ``cp_size`` that fits, or None."""
+def _smallest_cp(
+    config, prompt_tokens: int, page_size: int, plan_kwargs: dict
+) -> tuple[int, MemoryPlan] | None:
+    """``(cp_size, its plan)`` for the smallest power of two above the current ``cp_size`` that fits, or None."""
     pages = -(-prompt_tokens // page_size)
     cp = 1
     while cp <= plan_kwargs.get("cp_size", 1):
@@ -432,7 +434,7 @@ def _smallest_cp(config, prompt_tokens: int, page_size: int, plan_kwargs: dict) 
     while True:
         plan = plan_memory(config, prompt_tokens, page_size=page_size, **{**plan_kwargs, "cp_size": cp})
         if plan.fits:
-            return cp, plan.peak
+            return cp, plan
         if cp >= pages:  # every rank already holds a single page: more ranks save nothing
             return None
         cp *= 2
@@ -506,18 +508,17 @@ def suggest_changes(
                     fits_alone.append(chosen)
                     continue
             parts = [v for s, v in best.items() if s < chosen]
-            cp = _smallest_cp(config, prompt_tokens, page_size, kwargs)
-            if cp and all(c is None or cp[0] < c for c, _ in parts):
-                with_cp = {**options, "cp_size": cp[0]}
-                host = plan_memory(
-                    config, prompt_tokens, page_size=page_size, **{**kwargs, **with_cp}
-                ).host_state
-                out.append(Suggestion(args + ["--cp", str(cp[0])], with_cp, prompt_tokens, cp[1], host))
+            cp, at_cp = _smallest_cp(config, prompt_tokens, page_size, kwargs) or (None, None)
+            if cp and all(c is None or cp < c for c, _ in parts):
+                with_cp = {**options, "cp_size": cp}
+                out.append(
+                    Suggestion(args + ["--cp", str(cp)], with_cp, prompt_tokens, at_cp.peak, at_cp.host_state)
+                )
             p = largest_prompt(config, page_size=page_size, **kwargs) if vary_prompt else 0
             if p and all(p > q for _, q in parts):
                 plan = plan_memory(config, p, page_size=page_size, **kwargs)
                 out.append(Suggestion(args + ["--prompt", str(p)], options, p, plan.peak, plan.host_state))
-            best[chosen] = (cp[0] if cp else None, p)
+            best[chosen] = (cp, p)
     return out
 
 

@@ -59,7 +59,7 @@ def count_streamed_bytes(nbytes: int) -> None:
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: every device may copy from the pages and read them in a kernel
 _HOST_REGISTER_FLAGS = 3
-_REGISTERED = {"bytes": 0, "buffers": 0}  # page-locked by pinned_empty and not yet released
+_REGISTERED = {"bytes": 0}  # page-locked by pinned_empty and not yet released
 
 
 def registered_host_bytes() -> int:
@@ -83,7 +83,6 @@ def _registered_buffer_type() -> type:
                 except Exception:  # noqa: BLE001 - at interpreter exit the runtime may be gone: the OS frees it
                     pass
                 _REGISTERED["bytes"] -= self.registered
-                _REGISTERED["buffers"] -= 1
                 self.registered = 0
 
     return RegisteredBuffer
@@ -107,7 +106,6 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     buffer.registered = nbytes
     _REGISTERED["bytes"] += nbytes
-    _REGISTERED["buffers"] += 1
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
