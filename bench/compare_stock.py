@@ -130,7 +130,7 @@ def longstraw_step(trainer: LongStrawGRPOTrainer, prompt, comps, advantages) -> 
     }
     with Timer() as t:
         with trainer.compute_loss_context_manager():
-            trainer._streamed_loss(trainer.model, inputs, backward=True)
+            trainer.micro_batch_loss(trainer.model, inputs, backward=True)
     trainer.free_prompt_states()
     capture_s = metrics["longstraw/capture_seconds"][-1]
     replay_s = metrics["longstraw/replay_seconds"][-1]

@@ -18,18 +18,24 @@ from common import write_result
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-import longstraw_trl.engine as engine
+import longstraw_trl.hooks as hooks
 from longstraw_trl import capture_prompt
+from longstraw_trl.context import CTX_KWARG, Mode
 from longstraw_trl.presets import preset_config
 
 _COMPILED: dict[type, object] = {}
 _USE = {"on": False}
-_STOCK_LAYER_FORWARD = engine._layer_forward
+_STOCK_LAYER_FORWARD = hooks._layer_forward
 
 
 def _compiled_layer_forward(self, *args, **kwargs):
-    ctx = kwargs.get(engine.CTX_KWARG)
-    if _USE["on"] and ctx is not None and ctx.mode in ("capture", "decode") and not torch.is_grad_enabled():
+    ctx = kwargs.get(CTX_KWARG)
+    if (
+        _USE["on"]
+        and ctx is not None
+        and ctx.mode in (Mode.CAPTURE, Mode.DECODE)
+        and not torch.is_grad_enabled()
+    ):
         fn = _COMPILED.get(type(self))
         if fn is None:
             fn = _COMPILED[type(self)] = torch.compile(type(self).forward, dynamic=False)
@@ -44,7 +50,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=64)
     args = ap.parse_args()
-    engine._layer_forward = _compiled_layer_forward  # bound per instance by patch_model below
+    hooks._layer_forward = _compiled_layer_forward  # bound per instance by patch_model below
     config = preset_config("qwen3.6-27b", args.layers, max_position_embeddings=args.prompt + 4096)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

@@ -257,8 +257,8 @@ def record_progress(trainer, entry: dict, save) -> None:
 
         return wrapped
 
-    for name in ("_capture", "_generate_single_turn"):
-        setattr(trainer, name, recording(getattr(trainer, name)))
+    trainer.prompt_states.capture = recording(trainer.prompt_states.capture)
+    trainer._generate_single_turn = recording(trainer._generate_single_turn)
 
 
 def longstraw_trainer(model, tokenizer, args, p: int, r: int, peft_config=None) -> LongStrawGRPOTrainer:

@@ -94,7 +94,7 @@ def main() -> None:
 
     @contextlib.contextmanager
     def graph_free():
-        """What the trainer enters for capture and generation (`_no_grad_context(cast_adapters=True)`): no
+        """What the trainer enters for capture and generation (`graph_free(model, cast_adapters=True)`): no
         autograd, autocast, adapters in the model's dtype with fused LoRA epilogues, fused elementwise kernels."""
         with torch.no_grad(), autocast(), adapters_in_model_dtype(model), fused_elementwise_forwards(model):
             yield

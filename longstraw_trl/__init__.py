@@ -4,11 +4,25 @@ Capture the long prompt once (no autograd) into a model-native :class:`PromptSta
 score and replay every response on top of that read-only state.
 """
 
-from .engine import StateGrads, capture_prompt, prompt_backward, replay_blocks_backward
+from .engine import capture_prompt, extend_state, prompt_backward, replay_blocks_backward, replay_logprobs
 from .errors import LongStrawError, PromptTooLongError, UnsupportedModelError
+from .generation import generate_from_state
 from .model_patches import patch_model, supported_model_types
 from .model_patches.qwen3_5 import GDNState
-from .state import KVGrad, KVPages, LayerState, PromptState, WindowKV
+from .state import (
+    KVGrad,
+    KVPages,
+    LayerState,
+    PromptState,
+    StateGrads,
+    StateOperations,
+    WindowKV,
+    provide_operations,
+)
+
+# The state layer is data; its methods `.extend`, `.logprobs` and `.generate` are the runtime's (docs/design.md,
+# "Architecture").
+provide_operations(StateOperations(extend_state, replay_logprobs, generate_from_state))
 
 __version__ = "0.1.0"
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from transformers import ProcessorMixin
 from trl import GRPOConfig
 
 from .errors import LongStrawError
+from .generation import SamplingParams
+from .loss import GRPOLossSpec
 
 REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
 GRADIENT_MODES = ("response_only", "full")
@@ -318,4 +321,83 @@ class LongStrawGRPOConfig(GRPOConfig):
                 self.num_generations_eval or self.num_generations,
                 "per_device_eval_batch_size",
                 "num_generations_eval" if self.num_generations_eval else "num_generations",
+            )
+
+    # --- what the trainer checks at construction (the options live here, so do their checks) ------------------------
+    def check_supported(
+        self, tools=None, rollout_func=None, environment_factory=None, processing_class=None
+    ) -> None:
+        """Refuse what LongStrawGRPOTrainer cannot honour with these options (called by the trainer, which knows the
+        tools, rollout function, environment factory and processing class): fail at construction, never train on
+        something else. Each message says what to change."""
+
+        def refuse(what: str, fix: str):
+            raise LongStrawError(f"LongStrawGRPOTrainer does not support {what}. {fix}")
+
+        if self.use_vllm:
+            refuse(
+                "use_vllm=True",
+                "Completions are sampled from the captured prompt state (shared-prefix decoding), not by vLLM. Set "
+                "use_vllm=False.",
+            )
+        if self.use_transformers_continuous_batching:
+            refuse("use_transformers_continuous_batching=True", "Set it to False.")
+        SamplingParams.check_generation_kwargs(self.generation_kwargs)
+        if self.max_completion_length is None:
+            refuse(
+                "max_completion_length=None", "Set max_completion_length to the longest completion to sample."
+            )
+        if self.top_entropy_quantile < 1.0 and self.cp_size > 1:
+            refuse(
+                f"top_entropy_quantile={self.top_entropy_quantile} with cp_size={self.cp_size}",
+                "The entropy quantile is taken over the entropies gathered from every process, and the ranks of a "
+                "context-parallel group hold the same responses (each would count cp_size times). Set cp_size=1 or "
+                "top_entropy_quantile=1.0.",
+            )
+        if self.deepspeed:
+            refuse(
+                "DeepSpeed",
+                "Launch with plain DDP (`accelerate launch` multi-GPU, no DeepSpeed) or a single process.",
+            )
+        if self.fsdp or getattr(self, "fsdp_config", None) and self.fsdp_config.get("version"):
+            refuse(
+                "FSDP", "Launch with plain DDP (`accelerate launch` multi-GPU, no FSDP) or a single process."
+            )
+        if str(self.optim).lower().endswith("lomo"):
+            refuse(
+                f"optim={self.optim!r}",
+                "LOMO optimizers update the weights inside backward(), but the loss is back-propagated one response "
+                "at a time. Use another optimizer (e.g. adamw_torch).",
+            )
+        if isinstance(processing_class, ProcessorMixin):
+            refuse(
+                "multimodal processors (images)",
+                "Pass the tokenizer as processing_class and text (or chat) prompts only.",
+            )
+        if self.gradient_mode == "full" and (
+            tools or rollout_func is not None or environment_factory is not None
+        ):
+            refuse(
+                "gradient_mode='full' with tools, environment_factory or rollout_func",
+                "The full gradient is carried through captured prompts only, not through tool turns. Use "
+                "gradient_mode='response_only'.",
+            )
+        # Loss options (raises NotImplementedError for what the per-response loss cannot stream)
+        GRPOLossSpec.from_args(self)
+
+    def check_router_aux(self, router_aux_loss_coef: float) -> None:
+        """Refuse a MoE router load-balancing loss (the model's effective coefficient) with the options that cannot
+        stream it."""
+        if router_aux_loss_coef == 0.0:
+            return
+        if self.cp_size > 1:
+            raise LongStrawError(
+                "router_aux_loss_coef != 0 is not supported with context parallelism (cp_size > 1) yet; set "
+                "router_aux_loss_coef=0.0 or cp_size=1."
+            )
+        if self.gradient_mode == "full" or self.replay_block_size is not None:
+            raise LongStrawError(
+                "router_aux_loss_coef != 0 is not supported with gradient_mode='full' or replay_block_size (the "
+                "router loss of the prompt's tokens would need its own gradient). Set router_aux_loss_coef=0.0, "
+                "or gradient_mode='response_only' and replay_block_size=None."
             )

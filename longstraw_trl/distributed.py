@@ -37,6 +37,34 @@ def merge_gathered(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[
     return out, lse
 
 
+class SingleRank:
+    """The communicator of a prompt state without context parallelism: every collective is the identity (the same
+    protocol as :class:`ContextParallel`)."""
+
+    rank, size = 0, 1
+
+    @staticmethod
+    def reduce_partial(out, lse, q):
+        return out, lse
+
+    @staticmethod
+    def reduce_dq(dq_pages, dq_self):
+        return dq_pages + dq_self
+
+    @staticmethod
+    def all_reduce_sum(t):
+        return t
+
+    @staticmethod
+    def all_gather(t):
+        return [t]
+
+
+def communicator(group) -> SingleRank | ContextParallel:
+    """The collectives over a context-parallel ``group`` (``None``: a single rank)."""
+    return SingleRank() if group is None else ContextParallel(group)
+
+
 class ContextParallel:
     """Collectives of one context-parallel group (any backend: NCCL on GPUs, gloo on CPU)."""
 

@@ -14,341 +14,48 @@ the engine asks for (token log-probs, or nothing during capture) instead of full
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import itertools
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from longstraw_trl.kernels.attention import pages_attention, prompt_response_attention, window_attention
 from longstraw_trl.kernels.logprob import token_logprobs
 from longstraw_trl.model_patches import find_patch, patch_model, unwrap_model
 
+from .context import CTX_KWARG, Mode, ReplayContext, ResponseKV
 from .errors import LongStrawError, PromptTooLongError
-from .state import KVGrad, KVPages, LayerState, PromptState, WindowKV, _storage_device
+from .hooks import head_request, install_head, skip_head
+from .state import PromptState, StateGrads, storage_device
 
-CTX_KWARG = "longstraw"
+# re-exported: the runtime's public names a user of the engine reaches for
+__all__ = [
+    "CTX_KWARG",
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_PAGE_SIZE",
+    "Mode",
+    "ReplayContext",
+    "ResponseKV",
+    "StateGrads",
+    "TokenLogprobs",
+    "backward_segment",
+    "capture_prompt",
+    "check_completion_mask",
+    "check_positions",
+    "check_token_ids",
+    "checkpointing_off",
+    "extend_state",
+    "forward_model",
+    "model_device",
+    "prompt_backward",
+    "replay_blocks_backward",
+    "replay_logprobs",
+    "vocab_size",
+]
 
 DEFAULT_CHUNK_SIZE = 8192
 DEFAULT_PAGE_SIZE = 16384
-
-
-# ----------------------------------------------------------------------------------------------------
-# Attention dispatch
-# ----------------------------------------------------------------------------------------------------
-def _dispatching(fallback: Callable | None) -> Callable:
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        ctx = kwargs.pop(CTX_KWARG, None)
-        if ctx is None:
-            fn = fallback or sys.modules[type(module).__module__].eager_attention_forward
-            return fn(module, query, key, value, attention_mask, *args, **kwargs)
-        scale = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
-        # the variant keywords of HF's attention interface, exactly as the stock attention receives them
-        variant = dict(
-            sliding_window=kwargs.get("sliding_window"),
-            softcap=kwargs.get("softcap"),
-            sinks=kwargs.get("s_aux"),
-        )
-        return ctx.attend(module, query, key, value, scale, **variant), None
-
-    attention._longstraw_dispatch = True
-    return attention
-
-
-def install_attention_dispatch() -> None:
-    """Wrap every attention implementation registered in transformers (idempotent)."""
-    from transformers.modeling_utils import AttentionInterface
-
-    mapping = AttentionInterface._global_mapping
-    for name, fn in list(mapping.items()):
-        if not getattr(fn, "_longstraw_dispatch", False):
-            mapping[name] = _dispatching(fn)
-    if "eager" not in mapping:  # eager is each modeling file's own function, looked up per module
-        mapping["eager"] = _dispatching(None)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Context passed down the decoder layers
-# ----------------------------------------------------------------------------------------------------
-MODES = ("capture", "replay", "decode", "segment")
-
-
-@dataclass
-class ResponseKV:
-    """Decode: the G sequences' own K/V of one attention layer, in a buffer sized for the generation."""
-
-    k: torch.Tensor  # [G, Hkv, capacity, D]
-    v: torch.Tensor  # [G, Hkv, capacity, Dv]
-    length: int = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, t = self.length, k.shape[2]
-        if n + t > self.k.shape[2]:  # past the announced capacity: grow (amortised doubling)
-            cap = max(2 * self.k.shape[2], n + t)
-            grow = lambda b: torch.cat([b[:, :, :n], b.new_empty(*b.shape[:2], cap - n, b.shape[3])], 2)  # noqa: E731
-            self.k, self.v = grow(self.k), grow(self.v)
-        self.k[:, :, n : n + t] = k
-        self.v[:, :, n : n + t] = v
-        self.length = n + t
-        return self.k[:, :, : n + t], self.v[:, :, : n + t]
-
-    def write_at(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one token's ``k, v [G, Hkv, 1, D]`` at slot ``index`` (a 0-dim device tensor): fixed
-        shapes and no host synchronisation, so a decode step can be replayed as a CUDA graph."""
-        self.k.index_copy_(2, index.view(1), k)
-        self.v.index_copy_(2, index.view(1), v)
-
-
-class ReplayContext:
-    """What a layer needs during one LongStraw call, passed down as the ``longstraw`` keyword.
-
-    Args:
-        mode: ``"capture"`` appends each chunk to the state; ``"replay"`` only reads it; ``"decode"``
-            also keeps the G sequences' running per-layer state in :attr:`running` (generation).
-        state: the prompt state the call reads (and, in capture, writes).
-        cp: context-parallel collectives (default: the state's group, or a single rank).
-        checkpoint_layers: recompute each decoder layer in backward instead of storing its activations.
-        capacity: decode: response tokens to size the per-sequence buffers for.
-        reserve_tokens: capture: prompt tokens this call appends, so each layer allocates once.
-        step: decode with fixed shapes (CUDA graphs): a 0-dim device tensor counting the tokens each
-            sequence has decoded before this call (one token per call). The buffers keep ``capacity``
-            slots and attention masks the unfilled ones. ``None``: buffers grow with each call.
-        grads: the full gradient (:class:`StateGrads`): the state's tensors are not constants any more;
-            attention hands the pages' dK/dV to its buffers and fixed-size states start from its leaves.
-        segment: ``"segment"`` mode: the global resident positions ``(start, end)`` of the recomputed
-            segment; ``state`` is then the view at ``start`` (:meth:`PromptState.at`), and every layer
-            hands what it adds to the state (its K/V, its state after the segment) to :attr:`emitted`
-            with the gradient later segments sent to it.
-
-    Attributes:
-        running: decode only: layer index -> that layer's state for the G sequences (:class:`ResponseKV`
-            for attention, the family's state type for other layers, e.g. a batched ``GDNState``).
-        prompt_copies: decode only: layer index -> a device copy of an offloaded layer's prompt tensor that
-            every step reads whole (GLM-5's indexer keys), made by the call's first step and kept for the call
-            (the state itself stays on the host).
-    """
-
-    def __init__(
-        self,
-        mode: str,
-        state: PromptState,
-        cp=None,
-        checkpoint_layers: bool = False,
-        capacity: int = 0,
-        reserve_tokens: int = 0,
-        step: torch.Tensor | None = None,
-        grads: StateGrads | None = None,
-        segment: tuple[int, int] | None = None,
-    ):
-        if mode not in MODES:
-            raise LongStrawError(f"unknown LongStraw mode {mode!r}; one of {', '.join(MODES)}")
-        if (mode == "segment") != (segment is not None) or (mode == "segment" and grads is None):
-            raise LongStrawError("mode 'segment' takes a segment (start, end) and grads, and only it does")
-        self.mode = mode
-        self.grads, self.segment = grads, segment
-        # (tensor, its gradient from later segments) of what a segment added to the state
-        self.emitted: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.state = state
-        self.cp = cp if cp is not None else _cp_for(state)
-        self.checkpoint_layers = checkpoint_layers
-        self.capacity = capacity
-        self.reserve_tokens = reserve_tokens
-        self.step = step
-        self.running: dict[int, object] = {}
-        self.prompt_copies: dict[int, torch.Tensor] = {}
-        # replay: whether the current decoder layer is recomputed in backward, and the page attention its first
-        # forward computed, by layer (see `_prompt_part`)
-        self.layer_recomputed = False
-        self._prompt_parts: dict[int, tuple] = {}
-        self._reserved: set[int] = set()
-
-    def layer_state(self, idx: int, state_type: type[LayerState], make: Callable[[], LayerState]):
-        """Layer ``idx``'s prompt state (created by ``make`` in the first capture chunk); ``None`` when the
-        state holds no tokens (a one-token prompt: every layer starts from its initial state)."""
-        layer = self.state.layers.get(idx)
-        if layer is None:
-            if self.mode != "capture":
-                if self.state.resident_tokens == 0:
-                    return None
-                raise LongStrawError(
-                    f"layer {idx} has no captured {state_type.__name__}: the state belongs to another model"
-                )
-            layer = self.state.layers[idx] = make()
-        if not isinstance(layer, state_type):
-            raise LongStrawError(
-                f"layer {idx} needs a {state_type.__name__} but the state holds {type(layer).__name__} there: "
-                "the state belongs to another model"
-            )
-        if self.mode == "capture" and idx not in self._reserved:
-            layer.reserve(self.reserve_tokens)
-            self._reserved.add(idx)
-        if self.grads is not None:
-            self.grads.check_kind(idx, layer)
-            if layer.grad_kind == "leaf":
-                leaf = self.grads.leaf(self.state.resident_tokens, idx, layer)
-                return layer if leaf is None else leaf
-        return layer
-
-    @property
-    def state_grad(self) -> bool:
-        """Whether fixed-size layer states are differentiable in this call (the full gradient)."""
-        return self.grads is not None
-
-    def _emit(self, tensors, grads) -> None:
-        for t, g in zip(tensors, grads, strict=True):
-            if t is not None and g is not None and t.requires_grad:
-                self.emitted.append((t, g.to(t.dtype)))
-
-    def emit_state(self, idx: int, after: LayerState) -> None:
-        """A fixed-size layer's state after the segment, paired with the gradient its next user sent."""
-        self._emit(after.grad_tensors(), self.grads.carried(self.segment[1], idx))
-
-    def _emit_kv(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        start, end = self.segment
-        dk, dv = self.grads.kv(idx).take(start, end, k.device)
-        if self.cp.size > 1:  # the segment is replicated: every rank needs the dK/dV of every rank's pages
-            dk, dv = self.cp.all_reduce_sum(dk), self.cp.all_reduce_sum(dv)
-        self._emit([k, v], [dk, dv])
-
-    def _prompt_part(self, idx: int, pages, scale: float, num_kv: int, softcap: float | None):
-        """For a replay layer that is recomputed in backward (checkpointed): a function giving its queries' attention
-        over the prompt pages, computed in the first forward and handed back to the recompute, which would otherwise
-        run the same page attention again (a quarter of a long-prompt replay's attention work). ``None``: compute it
-        where it is used. The part is kept from the forward to the recompute (``[B, Hq, T, D]`` fp32 a layer)."""
-        if self.mode != "replay" or not self.layer_recomputed or not torch.is_grad_enabled():
-            return None
-
-        def part(q: torch.Tensor):
-            kept = self._prompt_parts.pop(idx, None)
-            if kept is not None and kept[0] == q.shape:
-                return kept[1], kept[2]
-            out, lse = self.cp.reduce_partial(*pages_attention(q, pages, scale, num_kv, softcap), q)
-            self._prompt_parts[idx] = (q.shape, out, lse)
-            return out, lse
-
-        return part
-
-    def new_pages(self, k: torch.Tensor, v: torch.Tensor, cls: type[KVPages] = KVPages) -> KVPages:
-        """Empty pages for keys like ``k [B, Hkv, T, D]`` and values like ``v``, stored as this call's state
-        stores them (device or offload, this rank's pages); ``cls``: a :class:`KVPages` subclass."""
-        return cls(
-            num_kv_heads=k.shape[1],
-            head_dim=k.shape[-1],
-            v_head_dim=v.shape[-1],
-            page_size=self.state.page_size,
-            dtype=k.dtype,
-            storage=_storage_device(k.device, self.state.offload),
-            cp_rank=self.cp.rank,
-            cp_size=self.cp.size,
-            offloaded=self.state.offload is not None,
-        )
-
-    def attend(
-        self,
-        module: nn.Module,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-    ):
-        """``q [B, Hq, T, D]``, ``k, v [B, Hkv, T, D]`` -> attention output ``[B, T, Hq, D]``.
-
-        The variant is what HF's attention interface receives: ``sliding_window`` (the layer keeps a
-        :class:`WindowKV` and attends through a banded mask), ``softcap`` (scores soft-capped before
-        the softmax) and ``sinks`` (``s_aux``: a per-head sink logit in the softmax denominator).
-        """
-        idx = module.layer_idx
-        if sliding_window is not None:
-            layer = self.layer_state(idx, WindowKV, lambda: WindowKV(sliding_window))
-            if layer is not None and layer.window != sliding_window:
-                raise LongStrawError(
-                    f"layer {idx} has a window of {sliding_window} but its state keeps {layer.window}: "
-                    "the state belongs to another model"
-                )
-        else:
-            layer = self.layer_state(idx, KVPages, lambda: self.new_pages(k, v))
-        self_length = None
-        if self.mode == "decode":
-            running = self.running.get(idx)
-            if running is None:
-                cap = max(self.capacity, k.shape[2])
-                running = self.running[idx] = ResponseKV(
-                    k.new_zeros(*k.shape[:2], cap, k.shape[3]), v.new_zeros(*v.shape[:2], cap, v.shape[3])
-                )
-            if self.step is not None:
-                running.write_at(self.step, k, v)
-                k, v, self_length = running.k, running.v, self.step + 1
-            else:
-                k, v = running.append(k, v)
-        device = q.device
-
-        def pages():
-            return layer.stream(device) if layer is not None else iter(())
-
-        if sliding_window is not None:
-            # the whole window on every rank: no collective (WindowKV)
-            prompt_k, prompt_v = next(iter(pages()), (None, None))
-            out = window_attention(
-                q, k, v, prompt_k, prompt_v, scale, sliding_window, self_length, softcap=softcap, sinks=sinks
-            )
-        else:
-            page_grads = None
-            if self.grads is not None and layer is not None:
-                page_grads = self.grads.kv(idx).sink(layer)
-            out = prompt_response_attention(
-                q,
-                k,
-                v,
-                pages,
-                scale,
-                reduce_partial=self.cp.reduce_partial,
-                reduce_dq=self.cp.reduce_dq,
-                self_length=self_length,
-                softcap=softcap,
-                sinks=sinks,
-                page_grads=page_grads,
-                prompt_part=self._prompt_part(idx, pages, scale, k.shape[1], softcap),
-            )
-        if self.mode == "capture":
-            layer.append(k[0], v[0])
-        elif self.mode == "segment":
-            self._emit_kv(idx, k[0], v[0])
-        return out.transpose(1, 2)
-
-
-class _SingleRank:
-    rank, size = 0, 1
-
-    @staticmethod
-    def reduce_partial(out, lse, q):
-        return out, lse
-
-    @staticmethod
-    def reduce_dq(dq_pages, dq_self):
-        return dq_pages + dq_self
-
-    @staticmethod
-    def all_reduce_sum(t):
-        return t
-
-    def all_gather(t):
-        return [t]
-
-
-def _cp_for(state: PromptState):
-    if state.cp_group is None:
-        return _SingleRank()
-    from .distributed import ContextParallel
-
-    return ContextParallel(state.cp_group)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -358,64 +65,7 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-# What the output head computes during one LongStraw call (set by the engine around the root forward).
-# ``None``: the stock head (logits). Otherwise a callable ``(stock_head, hidden) -> result``.
-_HEAD_REQUEST: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
-    "longstraw_head", default=None
-)
-
-
-def _head_forward(self, hidden_states):
-    """The output head's forward, bound per instance: the stock head unless the engine asked for more."""
-    stock = self._longstraw_stock_forward or type(self).forward.__get__(self)
-    request = _HEAD_REQUEST.get()
-    if request is None:
-        return stock(hidden_states)
-    token = _HEAD_REQUEST.set(None)  # a head wrapped inside this one (peft) runs stock
-    try:
-        return request(stock, hidden_states)
-    finally:
-        _HEAD_REQUEST.reset(token)
-
-
-def _install_head(base: nn.Module) -> None:
-    head = base.get_output_embeddings()
-    if getattr(head, "_longstraw_head", False):
-        return
-    head._longstraw_stock_forward = head.__dict__.get("forward")  # an accelerate hook, if one is installed
-    head.forward = _head_forward.__get__(head)
-    head._longstraw_head = True
-
-
-def _layer_forward(self, *args, **kwargs):
-    """A decoder layer's forward, bound per instance: checkpointed when the call asks for it."""
-    stock = type(self).forward.__get__(self)
-    ctx = kwargs.get(CTX_KWARG)
-    hf_checkpoints = getattr(self, "gradient_checkpointing", False) and self.training
-    ours = ctx is not None and ctx.checkpoint_layers and torch.is_grad_enabled() and not hf_checkpoints
-    if ctx is not None:  # read by the layer's attention (ReplayContext._prompt_part)
-        ctx.layer_recomputed = bool(hf_checkpoints or ours)
-    if ours:
-        return checkpoint(stock, *args, use_reentrant=False, **kwargs)
-    return stock(*args, **kwargs)
-
-
-def install_engine(base: nn.Module, decoder: nn.Module) -> None:
-    """What every family needs (idempotent): the attention dispatch, the output head's LongStraw request,
-    and per-call layer checkpointing. Methods are bound per instance, so ``deepcopy`` rebinds them."""
-    install_attention_dispatch()
-    _install_head(base)
-    for layer in decoder.layers:
-        if not getattr(layer, "_longstraw_layer", False):
-            layer.forward = _layer_forward.__get__(layer)
-            layer._longstraw_layer = True
-
-
-def _skip_head(stock, hidden):
-    return hidden.new_empty(*hidden.shape[:-1], 0)  # capture needs no logits
-
-
-class _TokenLogprobs:
+class TokenLogprobs:
     """Head request: log-probs of ``targets`` (chunked, checkpointed under autograd), not logits; with
     ``with_entropy`` a pair (log-probs, entropies) from the same logits, the entropies differentiable only with
     ``entropy_grad``.
@@ -466,13 +116,12 @@ def forward_model(
     ``logits_to_keep`` positions, 0 = all)."""
     base = unwrap_model(model)
     patch = find_patch(base)
-    _install_head(base)  # peft may have wrapped the head since patch_model
+    install_head(base)  # peft may have wrapped the head since patch_model
     b, t = input_ids.shape
     position_ids = patch.position_ids(start, t, b, input_ids.device)
-    if isinstance(head, _TokenLogprobs):
+    if isinstance(head, TokenLogprobs):
         head.logits_transform = patch.logits_transform(base)
-    token = _HEAD_REQUEST.set(head)
-    try:
+    with head_request(head):
         out = model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -481,9 +130,7 @@ def forward_model(
             logits_to_keep=logits_to_keep,
             **{CTX_KWARG: ctx},
         )
-    finally:
-        _HEAD_REQUEST.reset(token)
-    if isinstance(head, _TokenLogprobs):
+    if isinstance(head, TokenLogprobs):
         return head.result
     return out.logits if hasattr(out, "logits") else out[0]
 
@@ -491,7 +138,7 @@ def forward_model(
 # ----------------------------------------------------------------------------------------------------
 # Input validation
 # ----------------------------------------------------------------------------------------------------
-def _vocab_size(model: nn.Module) -> int:
+def vocab_size(model: nn.Module) -> int:
     return unwrap_model(model).get_output_embeddings().weight.shape[0]
 
 
@@ -500,7 +147,7 @@ def check_token_ids(ids: torch.Tensor, model: nn.Module, name: str) -> None:
         raise LongStrawError(f"{name} must be an integer torch.Tensor of token ids, got {type(ids).__name__}")
     if ids.numel() == 0:
         raise LongStrawError(f"{name} is empty: give at least one token")
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     if bool(((ids < 0) | (ids >= vocab)).any()):  # one host sync per call; the details only on error
         lo, hi = int(ids.min()), int(ids.max())
         raise LongStrawError(
@@ -543,14 +190,14 @@ def _prefill(
     if ids.numel() == 0:
         return
     device = state.device
-    ctx = ReplayContext("capture", state, reserve_tokens=ids.numel())
+    ctx = ReplayContext(Mode.CAPTURE, state, reserve_tokens=ids.numel())
     clock = _ChunkClock(device)
     with _progress(ids.numel(), progress, "capture") as bar:
         for s in range(0, ids.numel(), chunk_size):
             if keep_boundaries and start + s > 0:
                 state.keep_boundary(start + s)
             chunk = ids[s : s + chunk_size].to(device)[None]
-            forward_model(model, chunk, start + s, ctx, head=_skip_head, logits_to_keep=1)
+            forward_model(model, chunk, start + s, ctx, head=skip_head, logits_to_keep=1)
             clock.tick()
             bar.update(chunk.shape[1])
     state.chunk_seconds = clock.seconds()
@@ -623,7 +270,7 @@ def capture_prompt(
     if chunk_size <= 0 or page_size <= 0:
         raise LongStrawError("chunk_size and page_size must be positive")
     device = model_device(model)
-    _storage_device(device, offload)  # validates `offload`
+    storage_device(device, offload)  # validates `offload`
     state = PromptState({}, device, offload, cp_group, page_size, chunk_size)
     _prefill(state, model, prompt_ids[:-1], 0, chunk_size, progress, keep_boundaries)
     state.num_tokens = prompt_ids.numel()
@@ -702,9 +349,9 @@ def replay_logprobs(
     inputs = torch.cat([state.last_token.view(1, 1).expand(g, 1), ids[:, :-1]], dim=1)
     with torch.set_grad_enabled(grad):
         ctx = ReplayContext(
-            "replay", state, checkpoint_layers=checkpoint_layers, grads=grads if grad else None
+            Mode.REPLAY, state, checkpoint_layers=checkpoint_layers, grads=grads if grad else None
         )
-        head = _TokenLogprobs(ids, temperature, return_entropy, entropy_grad)
+        head = TokenLogprobs(ids, temperature, return_entropy, entropy_grad)
         out = forward_model(model, inputs, state.resident_tokens, ctx, head=head)
     return out
 
@@ -712,97 +359,18 @@ def replay_logprobs(
 # ----------------------------------------------------------------------------------------------------
 # The full gradient: segments recomputed in reverse under autograd
 # ----------------------------------------------------------------------------------------------------
-class StateGrads:
-    """The gradient of a loss with respect to a :class:`PromptState`'s resident tensors, accumulated by the
-    calls that read the state under autograd and carried back by :func:`prompt_backward`.
-
-    One mechanism for every segment of a sequence (the prompt's capture chunks, a response's blocks): a
-    segment is recomputed under autograd from the state at its start, where
-
-    - growing layer states (``grad_kind == "buffer"``, K/V pages) are constants whose gradient the attention
-      backward accumulates into a buffer of the state's size (:class:`~longstraw_trl.state.KVGrad`, fp32);
-      the segment that produced those tokens takes it back as the gradient of its own K/V;
-    - fixed-size layer states (``grad_kind == "leaf"``, GDN conv + recurrent state) at each boundary are a
-      leaf (one per boundary, shared by every call starting there, so the gradients of all of them add up);
-      the segment ending at that boundary takes the leaf's gradient as that of the state it produced.
-
-    ``parent`` / ``base_tokens``: the grads of a state forked from ``parent.state`` after its
-    ``base_tokens`` resident tokens (a response's reverse block replay): what lies before goes to
-    ``parent`` (``None``: constants, the response-only gradient).
-
-    Attributes:
-        state: the state whose gradient this is.
-    """
-
-    def __init__(self, state: PromptState, parent: StateGrads | None = None, base_tokens: int = 0):
-        self.state, self.parent, self.base_tokens = state, parent, base_tokens
-        self.base_state: PromptState | None = None
-        self._kv: dict[int, KVGrad] = {}
-        self._leaves: dict[tuple[int, int], LayerState] = {}
-
-    @classmethod
-    def for_fork(cls, fork: PromptState, base: PromptState, parent: StateGrads | None) -> StateGrads:
-        """Grads of ``fork`` (``base.fork()``, then extended): ``base``'s part goes to ``parent``."""
-        grads = cls(fork, parent, base.resident_tokens)
-        grads.base_state = base
-        return grads
-
-    def check_kind(self, idx: int, layer: LayerState) -> None:
-        if layer.grad_kind is None:
-            raise LongStrawError(
-                f"layer {idx} keeps a {type(layer).__name__}, which has no full gradient (gradient_mode='full' "
-                "and reverse block replay support K/V pages and Gated DeltaNet states)"
-            )
-
-    def kv(self, idx: int) -> KVGrad:
-        """The dK/dV buffers of layer ``idx`` (K/V pages)."""
-        if idx not in self._kv:
-            layer = self.state.layers[idx]
-            shared, parent = 0, None
-            if self.base_state is not None and idx in self.base_state.layers:
-                shared = len(self.base_state.layers[idx].segments)
-                parent = self.parent.kv(idx) if self.parent is not None else None
-            self._kv[idx] = KVGrad(layer, shared, parent)
-        return self._kv[idx]
-
-    def leaf(self, tokens: int, idx: int, layer: LayerState) -> LayerState | None:
-        """The leaf standing for layer ``idx``'s state ``layer`` after ``tokens`` resident tokens (``None``:
-        a constant, when that boundary belongs to no gradient)."""
-        if tokens <= self.base_tokens and self.base_state is not None:
-            return None if self.parent is None else self.parent.leaf(tokens, idx, layer)
-        key = (tokens, idx)
-        if key not in self._leaves:
-            tensors = [None if t is None else t.detach().requires_grad_() for t in layer.grad_tensors()]
-            self._leaves[key] = layer.with_tensors(tensors)
-        return self._leaves[key]
-
-    def carried(self, tokens: int, idx: int) -> list[torch.Tensor | None]:
-        """The gradient the calls starting after ``tokens`` resident tokens sent to layer ``idx``'s state."""
-        if tokens <= self.base_tokens and self.base_state is not None:
-            return [None, None] if self.parent is None else self.parent.carried(tokens, idx)
-        leaf = self._leaves.get((tokens, idx))
-        if leaf is None:
-            return [None] * len(self.state.layers[idx].grad_tensors())
-        return [None if t is None else t.grad for t in leaf.grad_tensors()]
-
-    def nbytes(self) -> int:
-        """Bytes of the gradient buffers and leaves held now."""
-        kv = sum(g.nbytes() for g in self._kv.values())
-        leaves = sum(
-            t.numel() * t.element_size()
-            for leaf in self._leaves.values()
-            for t in leaf.grad_tensors()
-            if t is not None and t.grad is not None
-        )
-        return kv + leaves
-
-
 @contextlib.contextmanager
-def _hf_checkpointing_off(modules: list[nn.Module]):
+def checkpointing_off(model: nn.Module):
+    """Switch HF activation checkpointing off in every layer of ``model`` for the block (a graph-free pass has
+    nothing to recompute; a recomputed segment checkpoints with the engine's own non-reentrant checkpointing);
+    yields the modules it switched off."""
+    modules = [
+        m for m in unwrap_model(model).modules() if getattr(m, "gradient_checkpointing", False) is True
+    ]
     for m in modules:
         m.gradient_checkpointing = False
     try:
-        yield
+        yield modules
     finally:
         for m in modules:
             m.gradient_checkpointing = True
@@ -829,14 +397,13 @@ def backward_segment(
     view = state.at(start)
     # HF's checkpointing may be reentrant, which runs the layer without a graph and would cut the K/V and states the
     # segment hands out: the engine's own (non-reentrant) layer checkpointing replaces it here
-    hf = [m for m in unwrap_model(model).modules() if getattr(m, "gradient_checkpointing", False) is True]
-    checkpoint_layers = checkpoint_layers or (bool(hf) and model.training)
-    with torch.enable_grad(), _hf_checkpointing_off(hf):
+    with torch.enable_grad(), checkpointing_off(model) as hf:
+        checkpoint_layers = checkpoint_layers or (bool(hf) and model.training)
         ctx = ReplayContext(
-            "segment", view, checkpoint_layers=checkpoint_layers, grads=grads, segment=(start, end)
+            Mode.SEGMENT, view, checkpoint_layers=checkpoint_layers, grads=grads, segment=(start, end)
         )
         keep = 1 if head is None else 0  # a prompt chunk needs no logits
-        out = forward_model(model, ids, start, ctx, head=head or _skip_head, logits_to_keep=keep)
+        out = forward_model(model, ids, start, ctx, head=head or skip_head, logits_to_keep=keep)
         tensors = [t for t, _ in ctx.emitted]
         grad_tensors = [g for _, g in ctx.emitted]
         if loss is not None:
@@ -884,7 +451,7 @@ def prompt_backward(
             ids = state.token_ids[s:e].to(state.device)[None]
             head = loss = None
             if sync_last and s == 0:
-                head, loss = _TokenLogprobs(ids, 1.0), (lambda out: out.sum() * 0.0)
+                head, loss = TokenLogprobs(ids, 1.0), (lambda out: out.sum() * 0.0)
             sync = (
                 no_sync() if no_sync is not None and not (sync_last and s == 0) else contextlib.nullcontext()
             )
@@ -942,12 +509,12 @@ def replay_blocks_backward(
     # forward without autograd: every block but the last appended to a fork, the state kept at each boundary
     fork = state.fork()
     logps, entropies = ids.new_zeros(r, dtype=torch.float32), ids.new_zeros(r, dtype=torch.float32)
-    ctx = ReplayContext("capture", fork, reserve_tokens=starts[-1])
+    ctx = ReplayContext(Mode.CAPTURE, fork, reserve_tokens=starts[-1])
     with torch.no_grad():
         for s in starts[:-1]:
             e = min(r, s + block_size)
             fork.keep_boundary(base + s)
-            head = _TokenLogprobs(ids[:, s:e], temperature, with_entropy)
+            head = TokenLogprobs(ids[:, s:e], temperature, with_entropy)
             out = forward_model(model, inputs[:, s:e], base + s, ctx, head=head)
             lp, h = out if with_entropy else (out, None)
             logps[s:e] = lp[0].float()
@@ -959,7 +526,7 @@ def replay_blocks_backward(
     value = None
     for n, s in enumerate(reversed(starts)):
         e = min(r, s + block_size)
-        head = _TokenLogprobs(ids[:, s:e], temperature, with_entropy, entropy_grad)
+        head = TokenLogprobs(ids[:, s:e], temperature, with_entropy, entropy_grad)
 
         def block_loss(out, s=s, e=e):
             nonlocal value

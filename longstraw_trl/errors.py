@@ -11,3 +11,15 @@ class UnsupportedModelError(LongStrawError):
 
 class PromptTooLongError(LongStrawError):
     """The prompt (plus completion) exceeds the model's position limit."""
+
+
+class LongStrawTrainingError(RuntimeError):
+    """Training cannot continue (a reward function failed, a loss is not finite)."""
+
+
+class RewardFunctionError(LongStrawTrainingError):
+    """A reward function raised; the message names it."""
+
+
+class NonFiniteLossError(LongStrawTrainingError):
+    """A response's loss term is NaN or infinite; training stops before it is back-propagated."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 from transformers.generation.logits_process import (
@@ -37,7 +39,8 @@ from transformers.generation.logits_process import (
 
 from longstraw_trl.kernels.switches import switch
 
-from .engine import ReplayContext, _vocab_size, check_positions, forward_model
+from .context import Mode, ReplayContext
+from .engine import check_positions, forward_model, vocab_size
 from .errors import LongStrawError
 from .state import PromptState, count_streamed_bytes, streamed_bytes
 
@@ -204,6 +207,98 @@ def _sequences(sequence_bias) -> list:
     return [seq for seq, _ in sequence_bias]  # [[ids, bias], ...], as GenerationConfig stores it
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """The settings of a shared-prefix sampler call (:func:`generate_from_state`), built once from a trainer's
+    sampling options and its ``generation_kwargs``; it owns which ``generation_kwargs`` are honoured (exactly as
+    ``model.generate`` applies them), refused by name (unless set to the value that does nothing) or ignored
+    (they do not change the samples).
+
+    Args:
+        max_new_tokens: completion tokens to sample at most.
+        temperature, top_p, top_k, min_p, do_sample: transformers' warpers, in ``generate``'s order.
+        eos_token_id: the id(s) that end a completion.
+        pad_token_id: what follows a row's EOS.
+        repetition_penalty, sequence_bias, bad_words_ids, no_repeat_ngram_size, min_length, min_new_tokens,
+            suppress_tokens, begin_suppress_tokens: ``generate``'s logits processors (:class:`LogitsProcessing`).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    do_sample: bool = True
+    eos_token_id: int | Sequence[int] | None = None
+    pad_token_id: int | None = None
+    repetition_penalty: float = 1.0
+    sequence_bias: Any = None
+    bad_words_ids: Sequence[Sequence[int]] | None = None
+    no_repeat_ngram_size: int | None = None
+    min_length: int | None = None
+    min_new_tokens: int | None = None
+    suppress_tokens: Sequence[int] | None = None
+    begin_suppress_tokens: Sequence[int] | None = None
+
+    # generation kwargs refused by name unless set to a value that does nothing: (no-op values, why)
+    REFUSED: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "num_beams": ((None, 1), "beam search is not shared-prefix sampling"),
+        "num_return_sequences": ((None, 1), "use num_generations"),
+        "max_length": ((None,), "use max_completion_length (max_length counts the prompt)"),
+        "typical_p": ((None, 1.0), "the sampler applies temperature, top_k, top_p and min_p only"),
+        "epsilon_cutoff": ((None, 0.0), "the sampler applies temperature, top_k, top_p and min_p only"),
+        "eta_cutoff": ((None, 0.0), "the sampler applies temperature, top_k, top_p and min_p only"),
+        "top_h": ((None,), "the sampler applies temperature, top_k, top_p and min_p only"),
+        "forced_bos_token_id": ((None,), "not implemented in the shared-prefix sampler"),
+        "forced_eos_token_id": ((None,), "not implemented in the shared-prefix sampler"),
+        "exponential_decay_length_penalty": ((None,), "not implemented in the shared-prefix sampler"),
+        "renormalize_logits": ((None, False), "not implemented in the shared-prefix sampler"),
+        "remove_invalid_values": ((None, False), "not implemented in the shared-prefix sampler"),
+        "guidance_scale": ((None, 1.0), "classifier-free guidance needs a second, unconditional prompt"),
+        "stop_strings": ((None,), "stop strings are decoded text; use eos_token_id"),
+        "encoder_repetition_penalty": ((None, 1.0), "encoder-decoder models only"),
+        "encoder_no_repeat_ngram_size": ((None, 0), "encoder-decoder models only"),
+    }
+    # ... and those that do not change the samples (accepted, ignored)
+    IGNORED: ClassVar[frozenset[str]] = frozenset(
+        {"cache_implementation", "use_cache", "disable_compile", "return_dict_in_generate", "bos_token_id"}
+    )
+
+    @classmethod
+    def honoured(cls) -> list[str]:
+        """The ``generation_kwargs`` applied exactly as ``model.generate`` applies them."""
+        return sorted(f.name for f in fields(cls))
+
+    @classmethod
+    def check_generation_kwargs(cls, generation_kwargs: dict | None) -> None:
+        """Raise :class:`LongStrawError` for a kwarg the sampler cannot honour (naming it and what to do)."""
+        extra = dict(generation_kwargs or {})
+        for name, (noop, why) in cls.REFUSED.items():
+            if name in extra and extra.pop(name) not in noop:
+                raise LongStrawError(
+                    f"LongStrawGRPOTrainer does not support generation_kwargs['{name}']. The shared-prefix sampler "
+                    f"cannot honour it: {why}. Remove it."
+                )
+        unknown = sorted(set(extra) - set(cls.honoured()) - cls.IGNORED)
+        if unknown:
+            raise LongStrawError(
+                f"LongStrawGRPOTrainer does not support generation_kwargs {unknown}. The shared-prefix sampler "
+                f"honours {sorted(set(cls.honoured()) | {'bos_token_id'})}; remove the others."
+            )
+
+    @classmethod
+    def from_settings(cls, generation_kwargs: dict | None, **defaults: Any) -> SamplingParams:
+        """``defaults`` (a trainer's own options) overridden by the honoured ``generation_kwargs``."""
+        gk = generation_kwargs or {}
+        values = {f.name: gk.get(f.name, defaults.get(f.name, f.default)) for f in fields(cls)}
+        values["repetition_penalty"] = values.get("repetition_penalty") or 1.0
+        return cls(**values)
+
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`generate_from_state` (all but ``max_new_tokens``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "max_new_tokens"}
+
+
 @torch.no_grad()
 def generate_from_state(
     state: PromptState,
@@ -262,7 +357,7 @@ def generate_from_state(
     warp = _warpers(temperature, top_k, top_p, min_p) if do_sample else LogitsProcessorList()
     g, device = num_generations, state.device
     process = LogitsProcessing(
-        _vocab_size(model),
+        vocab_size(model),
         g,
         device,
         eos,
@@ -352,7 +447,7 @@ class DecodeStep:
             raise LongStrawError("cuda_graphs=True needs the state on a CUDA device")
         self.model, self.state, self.use_graphs = model, state, cuda_graphs
         self.step = torch.zeros((), dtype=torch.long, device=device)  # tokens decoded so far
-        self.ctx = ReplayContext("decode", state, capacity=capacity, step=self.step)
+        self.ctx = ReplayContext(Mode.DECODE, state, capacity=capacity, step=self.step)
         self.tokens = torch.zeros(num_sequences, 1, dtype=torch.long, device=device)
         self.graph = None
         self.logits: torch.Tensor | None = None

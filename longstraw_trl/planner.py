@@ -17,6 +17,8 @@ import torch
 
 from longstraw_trl.errors import LongStrawError, UnsupportedModelError
 from longstraw_trl.kernels.logprob import LOGITS_CHUNK_ELEMENTS
+from longstraw_trl.model_patches import patch_for_model_type, supported_model_types
+from longstraw_trl.state import owned_tokens
 
 GiB = 2**30
 
@@ -119,8 +121,6 @@ def check_plannable(model_type: str | None) -> None:
     The accepted model types are the engine's (``supported_model_types()``) plus
     :data:`PLANNER_ONLY_MODEL_TYPES`; the message lists them.
     """
-    from longstraw_trl.model_patches import supported_model_types
-
     supported = supported_model_types()
     if model_type not in supported and model_type not in PLANNER_ONLY_MODEL_TYPES:
         only = PLANNER_ONLY_MODEL_TYPES
@@ -181,9 +181,6 @@ def lora_parameters(config, rank: int) -> int:
 def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 16384, dtype_bytes: int = 2):
     """Per-rank prompt state by kind: each layer's ``LayerState.planned_bytes`` (the class its family patch
     keeps there), for the ``P - 1`` resident tokens on the rank holding the most pages (rank 0)."""
-    from longstraw_trl.model_patches import patch_for_model_type
-    from longstraw_trl.state import owned_tokens
-
     types = _layer_types(config)
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
@@ -204,9 +201,6 @@ def offload_bytes(
     kind (``LayerState.offloadable``: K/V pages, MLA latent and indexer keys; GDN and window states stay on the
     device) in host memory, and the most that one running layer streams back
     (``LayerState.planned_offload_workspace``)."""
-    from longstraw_trl.model_patches import patch_for_model_type
-    from longstraw_trl.state import owned_tokens
-
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     patch = patch_for_model_type(config.model_type)
@@ -234,9 +228,6 @@ def full_gradient_bytes(
     a ``"buffer"`` kind (K/V pages) accumulates fp32 dK/dV of its own size, and one layer's dK/dV are computed in
     fp32 at a time; a ``"leaf"`` kind (GDN) keeps a gradient of its size and a copy at every capture-chunk boundary.
     Raises :class:`~longstraw_trl.errors.UnsupportedModelError` for a layer kind without a full gradient."""
-    from longstraw_trl.model_patches import patch_for_model_type
-    from longstraw_trl.state import owned_tokens
-
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     boundaries = max(-(-resident // chunk_size) - 1, 0)

@@ -38,7 +38,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .context import Mode, ReplayContext
+from .engine import forward_model
 from .errors import LongStrawError, UnsupportedModelError
+from .hooks import skip_head
+from .model_patches import unwrap_model
 
 __all__ = [
     "AUX_LOSS_MODEL_TYPES",
@@ -84,8 +88,6 @@ class RouterLoadBalancing:
     """
 
     def __init__(self, model: nn.Module):
-        from .model_patches import unwrap_model
-
         base = unwrap_model(model)
         config = base.config.get_text_config()
         model_type = getattr(config, "model_type", None)
@@ -250,8 +252,6 @@ def prepare_micro_batch(
     in ``max_tokens`` (at least one row; e.g. the capture chunk size, which bounds the capture's memory
     the same way). Right padding is masked, and neither attention nor routing lets a padded token change
     another."""
-    from .engine import ReplayContext, _skip_head, forward_model
-
     totals = None
     constant = None
     with torch.no_grad():
@@ -265,9 +265,9 @@ def prepare_micro_batch(
             part = prompt_stats * g
             for start in range(0, g, rows):
                 with lb.collect(token_mask[start : start + rows].reshape(-1)) as got:
-                    ctx = ReplayContext("replay", state)
+                    ctx = ReplayContext(Mode.REPLAY, state)
                     batch = inputs[start : start + rows]
-                    forward_model(model, batch, state.resident_tokens, ctx, head=_skip_head, logits_to_keep=1)
+                    forward_model(model, batch, state.resident_tokens, ctx, head=skip_head, logits_to_keep=1)
                 part = part + got[0]
             totals = part if totals is None else totals + part
             probs = prompt_stats.probs * g

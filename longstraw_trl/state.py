@@ -20,8 +20,8 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
-from typing import ClassVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -29,7 +29,7 @@ from .errors import LongStrawError
 from .kernels.host_gather import gather_rows_kernel, gather_rows_kernel_ok, gather_rows_reference
 
 
-def _storage_device(device: torch.device, offload: str | None) -> torch.device:
+def storage_device(device: torch.device, offload: str | None) -> torch.device:
     if offload is None:
         return device
     if offload == "cpu":
@@ -761,12 +761,11 @@ class PromptState:
         kinds = ", ".join(f"{k}={v / 2**20:.1f} MiB" for k, v in self.nbytes_by_kind().items())
         return f"PromptState(num_tokens={self.num_tokens}, {kinds}, offload={self.offload})"
 
-    # --- operations (implemented by the engine) ---------------------------------------------------
+    # --- operations: the runtime's (engine, generation), wired in by the package (provide_operations) -----------
     def extend(self, model, more_ids: torch.Tensor, **kwargs) -> PromptState:
-        """Append prompt tokens (e.g. a new turn); returns a new state sharing this one's K/V."""
-        from .engine import extend_state
-
-        return extend_state(self, model, more_ids, **kwargs)
+        """Append prompt tokens (e.g. a new turn); returns a new state sharing this one's K/V
+        (:func:`longstraw_trl.engine.extend_state`)."""
+        return _operations().extend(self, model, more_ids, **kwargs)
 
     def logprobs(
         self,
@@ -777,22 +776,134 @@ class PromptState:
         grad: bool = False,
         **kwargs,
     ) -> torch.Tensor:
-        """``[G, R]`` log-prob of each completion token given prompt + completion prefix.
+        """``[G, R]`` log-prob of each completion token given prompt + completion prefix
+        (:func:`longstraw_trl.engine.replay_logprobs`).
 
         ``grad=True`` builds the autograd graph for exactly these rows: gradients reach the model's
         parameters through the last prompt token and the response (the state of the first ``P - 1``
         prompt tokens is a constant).
         """
-        from .engine import replay_logprobs
-
-        return replay_logprobs(self, model, completion_ids, completion_mask, temperature, grad, **kwargs)
+        return _operations().logprobs(
+            self, model, completion_ids, completion_mask, temperature, grad, **kwargs
+        )
 
     def generate(self, model, num_generations: int, max_new_tokens: int, **kwargs) -> torch.Tensor:
-        """Sample ``num_generations`` continuations sharing this prompt state (``[G, R]``, padded)."""
-        from .generation import generate_from_state
-
-        return generate_from_state(self, model, num_generations, max_new_tokens, **kwargs)
+        """Sample ``num_generations`` continuations sharing this prompt state (``[G, R]``, padded;
+        :func:`longstraw_trl.generation.generate_from_state`)."""
+        return _operations().generate(self, model, num_generations, max_new_tokens, **kwargs)
 
     def check_not_empty(self) -> None:
         if self.num_tokens == 0 or self.last_token is None:
             raise LongStrawError("PromptState is empty: capture a prompt first")
+
+
+class StateOperations(NamedTuple):
+    """What a :class:`PromptState` does with a model, implemented by the runtime above this module (the state is
+    data; the package wires these in at import, :func:`provide_operations`)."""
+
+    extend: Callable
+    logprobs: Callable
+    generate: Callable
+
+
+_OPERATIONS: list[StateOperations] = []
+
+
+def provide_operations(operations: StateOperations) -> None:
+    """Set the runtime behind :meth:`PromptState.extend`, ``.logprobs`` and ``.generate`` (``longstraw_trl``'s
+    ``__init__`` does, before any state exists)."""
+    _OPERATIONS[:] = [operations]
+
+
+def _operations() -> StateOperations:
+    if not _OPERATIONS:
+        raise LongStrawError("the LongStraw runtime is not loaded: import longstraw_trl")
+    return _OPERATIONS[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The full gradient's buffers: what a loss sends back to a prompt state
+# ----------------------------------------------------------------------------------------------------
+class StateGrads:
+    """The gradient of a loss with respect to a :class:`PromptState`'s resident tensors, accumulated by the
+    calls that read the state under autograd and carried back by :func:`prompt_backward`.
+
+    One mechanism for every segment of a sequence (the prompt's capture chunks, a response's blocks): a
+    segment is recomputed under autograd from the state at its start, where
+
+    - growing layer states (``grad_kind == "buffer"``, K/V pages) are constants whose gradient the attention
+      backward accumulates into a buffer of the state's size (:class:`~longstraw_trl.state.KVGrad`, fp32);
+      the segment that produced those tokens takes it back as the gradient of its own K/V;
+    - fixed-size layer states (``grad_kind == "leaf"``, GDN conv + recurrent state) at each boundary are a
+      leaf (one per boundary, shared by every call starting there, so the gradients of all of them add up);
+      the segment ending at that boundary takes the leaf's gradient as that of the state it produced.
+
+    ``parent`` / ``base_tokens``: the grads of a state forked from ``parent.state`` after its
+    ``base_tokens`` resident tokens (a response's reverse block replay): what lies before goes to
+    ``parent`` (``None``: constants, the response-only gradient).
+
+    Attributes:
+        state: the state whose gradient this is.
+    """
+
+    def __init__(self, state: PromptState, parent: StateGrads | None = None, base_tokens: int = 0):
+        self.state, self.parent, self.base_tokens = state, parent, base_tokens
+        self.base_state: PromptState | None = None
+        self._kv: dict[int, KVGrad] = {}
+        self._leaves: dict[tuple[int, int], LayerState] = {}
+
+    @classmethod
+    def for_fork(cls, fork: PromptState, base: PromptState, parent: StateGrads | None) -> StateGrads:
+        """Grads of ``fork`` (``base.fork()``, then extended): ``base``'s part goes to ``parent``."""
+        grads = cls(fork, parent, base.resident_tokens)
+        grads.base_state = base
+        return grads
+
+    def check_kind(self, idx: int, layer: LayerState) -> None:
+        if layer.grad_kind is None:
+            raise LongStrawError(
+                f"layer {idx} keeps a {type(layer).__name__}, which has no full gradient (gradient_mode='full' "
+                "and reverse block replay support K/V pages and Gated DeltaNet states)"
+            )
+
+    def kv(self, idx: int) -> KVGrad:
+        """The dK/dV buffers of layer ``idx`` (K/V pages)."""
+        if idx not in self._kv:
+            layer = self.state.layers[idx]
+            shared, parent = 0, None
+            if self.base_state is not None and idx in self.base_state.layers:
+                shared = len(self.base_state.layers[idx].segments)
+                parent = self.parent.kv(idx) if self.parent is not None else None
+            self._kv[idx] = KVGrad(layer, shared, parent)
+        return self._kv[idx]
+
+    def leaf(self, tokens: int, idx: int, layer: LayerState) -> LayerState | None:
+        """The leaf standing for layer ``idx``'s state ``layer`` after ``tokens`` resident tokens (``None``:
+        a constant, when that boundary belongs to no gradient)."""
+        if tokens <= self.base_tokens and self.base_state is not None:
+            return None if self.parent is None else self.parent.leaf(tokens, idx, layer)
+        key = (tokens, idx)
+        if key not in self._leaves:
+            tensors = [None if t is None else t.detach().requires_grad_() for t in layer.grad_tensors()]
+            self._leaves[key] = layer.with_tensors(tensors)
+        return self._leaves[key]
+
+    def carried(self, tokens: int, idx: int) -> list[torch.Tensor | None]:
+        """The gradient the calls starting after ``tokens`` resident tokens sent to layer ``idx``'s state."""
+        if tokens <= self.base_tokens and self.base_state is not None:
+            return [None, None] if self.parent is None else self.parent.carried(tokens, idx)
+        leaf = self._leaves.get((tokens, idx))
+        if leaf is None:
+            return [None] * len(self.state.layers[idx].grad_tensors())
+        return [None if t is None else t.grad for t in leaf.grad_tensors()]
+
+    def nbytes(self) -> int:
+        """Bytes of the gradient buffers and leaves held now."""
+        kv = sum(g.nbytes() for g in self._kv.values())
+        leaves = sum(
+            t.numel() * t.element_size()
+            for leaf in self._leaves.values()
+            for t in leaf.grad_tensors()
+            if t is not None and t.grad is not None
+        )
+        return kv + leaves

@@ -1,32 +1,24 @@
-"""Model-family patches (one module per family) and :func:`patch_model`, the one entry point."""
+"""Model-family patches: one module per family (its :class:`FamilyPatch`: what the family does differently), and
+here the one table from ``model_type`` to patch, :func:`patch_model` (the one entry point) and the
+``apply_longstraw_to_<family>`` functions (as Liger-Kernel's ``monkey_patch.py``)."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from longstraw_trl.errors import UnsupportedModelError
+from longstraw_trl.hooks import install_engine
 
-from .base import FamilyPatch, SlidingWindowPatch
-from .cohere2 import Cohere2Patch, apply_longstraw_to_cohere2
-from .gemma2 import Gemma2Patch, apply_longstraw_to_gemma2
-from .gemma3 import Gemma3TextPatch, apply_longstraw_to_gemma3
-from .glm_moe_dsa import (
-    DeepseekV32Patch,
-    DSAPatch,
-    GlmMoeDsaPatch,
-    apply_longstraw_to_deepseek_v32,
-    apply_longstraw_to_glm_moe_dsa,
-)
-from .gpt_oss import GptOssPatch, apply_longstraw_to_gpt_oss
-from .gqa import GQAPatch, apply_longstraw_to_gqa
-from .mistral import MistralPatch, apply_longstraw_to_mistral
-from .qwen3_5 import (
-    GatedDeltaNetHybridPatch,
-    Qwen3_5Patch,
-    apply_longstraw_to_qwen3_5,
-    apply_longstraw_to_qwen3_5_moe,
-)
-from .qwen3_next import Qwen3NextPatch, apply_longstraw_to_qwen3_next
+from .base import FamilyPatch, SlidingWindowPatch, unwrap_model
+from .cohere2 import Cohere2Patch
+from .gemma2 import Gemma2Patch
+from .gemma3 import Gemma3TextPatch
+from .glm_moe_dsa import DeepseekV32Patch, DSAPatch, GlmMoeDsaPatch
+from .gpt_oss import GptOssPatch
+from .gqa import GQAPatch
+from .mistral import MistralPatch
+from .qwen3_5 import GatedDeltaNetHybridPatch, Qwen3_5Patch
+from .qwen3_next import Qwen3NextPatch
 
 _PATCHES: list[FamilyPatch] = [
     GQAPatch(),
@@ -53,20 +45,6 @@ def supported_model_types() -> list[str]:
     return sorted({t for p in _PATCHES for t in p.model_types})
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The transformers model under a peft / accelerate / DDP wrapper."""
-    while True:
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):
-            inner = model.get_base_model()
-        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
-            inner = model.module
-        else:
-            return model
-        if inner is model:
-            return model
-        model = inner
-
-
 def patch_for_model_type(model_type: str | None, what: str = "") -> FamilyPatch:
     """The family patch serving ``config.model_type`` (``what`` names the model in the error)."""
     for patch in _PATCHES:
@@ -91,8 +69,6 @@ def patch_model(model: nn.Module) -> nn.Module:
     LongStraw paths only run when the engine passes its context down.
     Raises :class:`UnsupportedModelError` naming the supported model types otherwise.
     """
-    from longstraw_trl.engine import install_engine
-
     base = unwrap_model(model)
     patch = find_patch(base)
     if getattr(base, PATCH_ATTR, None) is patch:
@@ -104,6 +80,72 @@ def patch_model(model: nn.Module) -> nn.Module:
     patch.apply(base)
     setattr(base, PATCH_ATTR, patch)
     return model
+
+
+def apply_family_patch(model: nn.Module, patch_type: type[FamilyPatch]) -> nn.Module:
+    """:func:`patch_model` for an ``apply_longstraw_to_<family>`` entry point: the model must be that family."""
+    if not isinstance(find_patch(model), patch_type):
+        base = unwrap_model(model)
+        raise UnsupportedModelError(
+            f"{type(base).__name__} (model_type {base.config.model_type!r}) is not one of "
+            f"{', '.join(patch_type.model_types)}; patch_model(model) picks the right family"
+        )
+    return patch_model(model)
+
+
+def apply_longstraw_to_gqa(model: nn.Module) -> nn.Module:
+    """Patch a llama / qwen2 / qwen3 / qwen3_moe / glm4_moe model in place (same as :func:`patch_model`)."""
+    return patch_model(model)
+
+
+def apply_longstraw_to_qwen3_5(model: nn.Module) -> nn.Module:
+    """Patch a Qwen3.5 / Qwen3.6 model (``qwen3_5``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, Qwen3_5Patch)
+
+
+def apply_longstraw_to_qwen3_5_moe(model: nn.Module) -> nn.Module:
+    """Patch a Qwen3.5-MoE model (``qwen3_5_moe``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, Qwen3_5Patch)
+
+
+def apply_longstraw_to_qwen3_next(model: nn.Module) -> nn.Module:
+    """Patch a Qwen3-Next model (``qwen3_next``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, Qwen3NextPatch)
+
+
+def apply_longstraw_to_mistral(model: nn.Module) -> nn.Module:
+    """Patch a Mistral / Ministral model in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, MistralPatch)
+
+
+def apply_longstraw_to_cohere2(model: nn.Module) -> nn.Module:
+    """Patch a Cohere 2 model in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, Cohere2Patch)
+
+
+def apply_longstraw_to_gemma2(model: nn.Module) -> nn.Module:
+    """Patch a Gemma 2 model in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, Gemma2Patch)
+
+
+def apply_longstraw_to_gemma3(model: nn.Module) -> nn.Module:
+    """Patch a Gemma 3 text model (``Gemma3ForCausalLM``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, Gemma3TextPatch)
+
+
+def apply_longstraw_to_gpt_oss(model: nn.Module) -> nn.Module:
+    """Patch a GPT-OSS model in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, GptOssPatch)
+
+
+def apply_longstraw_to_glm_moe_dsa(model: nn.Module) -> nn.Module:
+    """Patch a GLM-5 model (``glm_moe_dsa``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, GlmMoeDsaPatch)
+
+
+def apply_longstraw_to_deepseek_v32(model: nn.Module) -> nn.Module:
+    """Patch a DeepSeek-V3.2 model (``deepseek_v32``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, DeepseekV32Patch)
 
 
 __all__ = [
@@ -122,6 +164,7 @@ __all__ = [
     "Qwen3NextPatch",
     "Qwen3_5Patch",
     "UnsupportedModelError",
+    "apply_family_patch",
     "apply_longstraw_to_cohere2",
     "apply_longstraw_to_deepseek_v32",
     "apply_longstraw_to_gemma2",

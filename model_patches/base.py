@@ -37,6 +37,20 @@ class FamilyPatch:
     def validate(self, model: nn.Module) -> None:
         """Raise :class:`UnsupportedModelError` for options the engine does not reproduce exactly."""
 
+    def validate_common(self, config) -> None:
+        """What no family reproduces: attention dropout, and RoPE variants whose frequencies depend on the length of
+        each call (``rope_parameters`` as one dict, or one per layer type)."""
+        if getattr(config, "attention_dropout", 0.0):
+            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
+        rope = getattr(config, "rope_parameters", None) or {}
+        per_type = bool(rope) and all(isinstance(x, dict) for x in rope.values())
+        for params in rope.values() if per_type else [rope]:
+            if params.get("rope_type") in CALL_DEPENDENT_ROPE:
+                raise self.unsupported(
+                    f"rope_type={params['rope_type']!r} (its frequencies depend on the length of each call, so "
+                    "a chunked capture cannot reproduce a full forward)"
+                )
+
     def apply(self, model: nn.Module) -> None:
         """Install family-specific forwards (idempotent). Attention needs none: it is dispatched."""
 
@@ -73,17 +87,18 @@ class FamilyPatch:
         return UnsupportedModelError(f"{type(self).__name__}: {what} is not supported by LongStraw-TRL")
 
 
-def apply_family_patch(model: nn.Module, patch_type: type[FamilyPatch]) -> nn.Module:
-    """:func:`patch_model` for an ``apply_longstraw_to_<family>`` entry point: the model must be that family."""
-    from . import find_patch, patch_model, unwrap_model
-
-    if not isinstance(find_patch(model), patch_type):
-        base = unwrap_model(model)
-        raise UnsupportedModelError(
-            f"{type(base).__name__} (model_type {base.config.model_type!r}) is not one of "
-            f"{', '.join(patch_type.model_types)}; patch_model(model) picks the right family"
-        )
-    return patch_model(model)
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft / accelerate / DDP wrapper."""
+    while True:
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            inner = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
 
 
 class SlidingWindowPatch(FamilyPatch):
@@ -119,14 +134,6 @@ class SlidingWindowPatch(FamilyPatch):
             raise self.unsupported(
                 f"sliding_window={getattr(config, 'sliding_window', None)!r} on sliding layers"
             )
-        if getattr(config, "attention_dropout", 0.0):
-            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
         if getattr(config, "use_bidirectional_attention", False):
             raise self.unsupported("use_bidirectional_attention=True (the engine's attention is causal)")
-        rope = getattr(config, "rope_parameters", None) or {}
-        for params in rope.values() if all(isinstance(x, dict) for x in rope.values()) and rope else [rope]:
-            if params.get("rope_type") in CALL_DEPENDENT_ROPE:
-                raise self.unsupported(
-                    f"rope_type={params['rope_type']!r} (its frequencies depend on the length of each call, so "
-                    "a chunked capture cannot reproduce a full forward)"
-                )
+        self.validate_common(config)

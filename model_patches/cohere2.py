@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .base import SlidingWindowPatch, apply_family_patch
+from .base import SlidingWindowPatch
 
 
 class Cohere2Patch(SlidingWindowPatch):
@@ -22,8 +22,3 @@ class Cohere2Patch(SlidingWindowPatch):
 
     def logits_transform(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return functools.partial(torch.mul, other=model.logit_scale)
-
-
-def apply_longstraw_to_cohere2(model: nn.Module) -> nn.Module:
-    """Patch a Cohere 2 model in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Cohere2Patch)

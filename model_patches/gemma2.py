@@ -16,7 +16,7 @@ from torch import nn
 
 from longstraw_trl.kernels.logprob import softcap_logits
 
-from .base import SlidingWindowPatch, apply_family_patch
+from .base import SlidingWindowPatch
 
 
 class Gemma2Patch(SlidingWindowPatch):
@@ -25,8 +25,3 @@ class Gemma2Patch(SlidingWindowPatch):
     def logits_transform(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         cap = getattr(self.text_config(model), "final_logit_softcapping", None)
         return None if cap is None else functools.partial(softcap_logits, cap=cap)
-
-
-def apply_longstraw_to_gemma2(model: nn.Module) -> nn.Module:
-    """Patch a Gemma 2 model in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Gemma2Patch)

@@ -9,16 +9,8 @@ engine. The final logit soft-cap is Gemma 2's (:class:`~.gemma2.Gemma2Patch`). I
 
 from __future__ import annotations
 
-from torch import nn
-
-from .base import apply_family_patch
 from .gemma2 import Gemma2Patch
 
 
 class Gemma3TextPatch(Gemma2Patch):
     model_types = ("gemma3_text",)
-
-
-def apply_longstraw_to_gemma3(model: nn.Module) -> nn.Module:
-    """Patch a Gemma 3 text model (``Gemma3ForCausalLM``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Gemma3TextPatch)

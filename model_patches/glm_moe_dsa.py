@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from longstraw_trl.context import CTX_KWARG
 from longstraw_trl.errors import LongStrawError
 from longstraw_trl.kernels.attention import merge_partials
 from longstraw_trl.kernels.host_gather import gather_rows_kernel_ok
@@ -49,7 +50,7 @@ from longstraw_trl.kernels.sparse_attention import (
 )
 from longstraw_trl.state import KVPages, LayerState, host_rows_to_device
 
-from .base import CALL_DEPENDENT_ROPE, FamilyPatch, apply_family_patch
+from .base import FamilyPatch
 
 FULL_INDEXER, SHARED_INDEXER = "full", "shared"
 MASK_KEY = "indexed_attention"
@@ -164,12 +165,9 @@ def _prompt_indexer_keys(layer: DSAPages, ctx, idx: int, device: torch.device) -
     (``ctx.prompt_copies``): streamed every step they were 268 MB a step at 1M tokens on the GLM-5 slice, none of
     it hidden; kept, they cost the indexer's bytes on the device while the call runs (256 B a token a full
     layer, against the latent's 1,152 B a token every layer, which stays on the host)."""
-    if ctx.mode != "decode" or not layer.offloaded:
+    if not layer.offloaded:
         return _materialize(layer, device, 1)
-    keys = ctx.prompt_copies.get(idx)
-    if keys is None:
-        keys = ctx.prompt_copies[idx] = _materialize(layer, device, 1)
-    return keys
+    return ctx.prompt_copy(idx, lambda: _materialize(layer, device, 1))
 
 
 def _prompt_table(layer: DSAPages, sel: DSASelection, device: torch.device, decoding: bool):
@@ -258,7 +256,7 @@ def _select(indexer, iq, w, prompt_keys, prompt_pos, resident, self_keys, q_pos,
         in_prompt, _local_rows(p, page_size, ctx.cp.rank, ctx.cp.size), torch.full_like(p, -1)
     )
     self_rows = torch.where(valid & ~in_prompt, p - resident, torch.full_like(p, -1))
-    if ctx.mode == "capture":  # a chunk's many queries: worth a host sync to drop the empty slots
+    if ctx.mode.host_sync_ok:  # a capture chunk's many queries: worth a host sync to drop the empty slots
         return DSASelection(_compact_rows(prompt_rows), _compact_rows(self_rows))
     return DSASelection(prompt_rows, self_rows)
 
@@ -290,8 +288,6 @@ def dsa_forward(
     """HF's ``GlmMoeDsaAttention.forward`` (and ``DeepseekV32Attention.forward``) on the prompt state: same
     projections, norms, RoPE, scaling and selection; attention in latent space over the selected prompt pages
     and the call's own keys. Returns ``(output, None, selection)``."""
-    from longstraw_trl.engine import ResponseKV
-
     # the MLA RoPE is interleaved in both families; the module's own modeling file defines it
     apply_rotary_pos_emb_interleave = sys.modules[type(module).__module__].apply_rotary_pos_emb_interleave
 
@@ -329,20 +325,9 @@ def dsa_forward(
         raise LongStrawError(f"layer {idx}: the state's indexer keys do not match the model's indexer types")
     resident = layer.num_tokens if layer is not None else 0
 
-    self_kv, self_ik = latent, ik.detach()
-    if ctx.mode == "decode":
-        running = ctx.running.get(idx)
-        if running is None:
-            cap = max(ctx.capacity, t)
-            running = ctx.running[idx] = ResponseKV(
-                latent.new_zeros(b, 1, cap, latent.shape[-1]), ik.new_zeros(b, 1, cap, ik.shape[-1])
-            )
-        if ctx.step is not None:
-            running.write_at(ctx.step, latent.unsqueeze(1), ik.unsqueeze(1))
-            kb, vb = running.k, running.v
-        else:
-            kb, vb = running.append(latent.unsqueeze(1), ik.unsqueeze(1))
-        self_kv, self_ik = kb[:, 0], vb[:, 0]
+    # the call's own latent and indexer keys (decode: the sequences' buffers, as the engine keeps K/V)
+    kb, vb, _ = ctx.response_kv(idx, latent.unsqueeze(1), ik.detach().unsqueeze(1))
+    self_kv, self_ik = kb[:, 0], vb[:, 0]
 
     device = hidden_states.device
     prompt_ik = None
@@ -369,7 +354,7 @@ def dsa_forward(
     scale = module.scaling
     out_p = lse_p = None
     if resident:  # (every rank, pages or not: the merge over ranks is a collective)
-        table, rows, table_fn = _prompt_table(layer, sel, device, ctx.mode == "decode")
+        table, rows, table_fn = _prompt_table(layer, sel, device, ctx.decoding)
         out_p, lse_p = prompt_selected_attention(
             query,
             rows,
@@ -382,8 +367,7 @@ def dsa_forward(
         )
     out_s, lse_s = selected_attention(query, self_kv, sel.self_rows, scale, r)
     out, _ = merge_partials(out_p, lse_p, out_s, lse_s)
-    if ctx.mode == "capture":
-        layer.append(latent[0].unsqueeze(0).detach(), ik[0].unsqueeze(0))
+    ctx.keep_kv(idx, layer, latent.unsqueeze(1), ik.unsqueeze(1))
     # back from latent space through kv_b_proj's V half: [B, H, T, r] -> [B, T, H * v]
     attn = torch.einsum("bhtr,rhv->bthv", out.to(query.dtype), w[..., nope:]).reshape(b, t, heads * hv)
     return module.o_proj(attn), None, sel
@@ -460,16 +444,9 @@ class DSAPatch(FamilyPatch):
             raise self.unsupported(
                 f"indexer_types[0]={types[0]!r} (the first layer must run its indexer: 'full')"
             )
-        if getattr(config, "attention_dropout", 0.0):
-            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
         if not config.index_topk or config.index_topk < 1:
             raise self.unsupported(f"index_topk={config.index_topk!r} (must be >= 1)")
-        rope = getattr(config, "rope_parameters", None) or {}
-        if rope.get("rope_type") in CALL_DEPENDENT_ROPE:
-            raise self.unsupported(
-                f"rope_type={rope['rope_type']!r} (its frequencies depend on the length of each call, so a "
-                "chunked capture cannot reproduce a full forward)"
-            )
+        self.validate_common(config)
         for module in self.attention_modules(model):
             if not all(hasattr(module, a) for a in ("kv_b_proj", "q_a_proj", "kv_a_proj_with_mqa")):
                 raise self.unsupported(f"an attention layer of type {type(module).__name__}")
@@ -482,8 +459,6 @@ class DSAPatch(FamilyPatch):
         return sys.modules[type(self.attention_modules(model)[0]).__module__].apply_rotary_pos_emb_interleave
 
     def apply(self, model: nn.Module) -> None:
-        from longstraw_trl.engine import CTX_KWARG
-
         rope = self.indexer_rope(model)
         for cls in {type(m) for m in self.attention_modules(model)}:
             install_dsa_forward(cls, CTX_KWARG, rope, self.shares_topk)
@@ -504,13 +479,3 @@ class DeepseekV32Patch(DSAPatch):
 
     def indexer_rope(self, model: nn.Module) -> Callable:
         return sys.modules[type(self.attention_modules(model)[0]).__module__].apply_rotary_pos_emb
-
-
-def apply_longstraw_to_deepseek_v32(model: nn.Module) -> nn.Module:
-    """Patch a DeepSeek-V3.2 model (``deepseek_v32``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, DeepseekV32Patch)
-
-
-def apply_longstraw_to_glm_moe_dsa(model: nn.Module) -> nn.Module:
-    """Patch a GLM-5 model (``glm_moe_dsa``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, GlmMoeDsaPatch)

@@ -7,15 +7,8 @@ gradient (``kernels.attention.merge_sink``). The MoE blocks run unchanged throug
 
 from __future__ import annotations
 
-from torch import nn
-
-from .base import SlidingWindowPatch, apply_family_patch
+from .base import SlidingWindowPatch
 
 
 class GptOssPatch(SlidingWindowPatch):
     model_types = ("gpt_oss",)
-
-
-def apply_longstraw_to_gpt_oss(model: nn.Module) -> nn.Module:
-    """Patch a GPT-OSS model in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, GptOssPatch)

@@ -13,17 +13,8 @@ run stock on the response tokens. Qwen2 / Qwen3 (``use_sliding_window=True``: sl
 
 from __future__ import annotations
 
-from torch import nn
-
 from .base import SlidingWindowPatch
 
 
 class GQAPatch(SlidingWindowPatch):
     model_types = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
-
-
-def apply_longstraw_to_gqa(model: nn.Module) -> nn.Module:
-    """Patch a llama / qwen2 / qwen3 / qwen3_moe / glm4_moe model in place (same as :func:`patch_model`)."""
-    from . import patch_model
-
-    return patch_model(model)

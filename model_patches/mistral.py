@@ -8,15 +8,8 @@ the attention interface, which the engine dispatches; sliding layers keep only t
 
 from __future__ import annotations
 
-from torch import nn
-
-from .base import SlidingWindowPatch, apply_family_patch
+from .base import SlidingWindowPatch
 
 
 class MistralPatch(SlidingWindowPatch):
     model_types = ("mistral", "ministral")
-
-
-def apply_longstraw_to_mistral(model: nn.Module) -> nn.Module:
-    """Patch a Mistral / Ministral model in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, MistralPatch)

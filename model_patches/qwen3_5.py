@@ -34,19 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longstraw_trl.context import CTX_KWARG
 from longstraw_trl.errors import LongStrawError
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule
 from longstraw_trl.kernels.gdn_decode import gdn_decode_ok, gdn_decode_step
 from longstraw_trl.state import KVPages, LayerState
 
-from .base import FamilyPatch, apply_family_patch
+from .base import FamilyPatch
 
 LINEAR, FULL = "linear_attention", "full_attention"
 _CONV_ACTIVATIONS = ("silu", "swish")
-# RoPE variants whose frequencies depend on the largest position *in the call*: a chunked capture would
-# not reproduce a full forward.
-_CALL_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 # (mixed_qkv [B, T, 2 * key_dim + value_dim], z [B, T, Hv, Dv], b [B, T, Hv], a [B, T, Hv])
 Projection = Callable[
@@ -117,36 +115,17 @@ def _expand(t: torch.Tensor | None, batch: int) -> torch.Tensor | None:
 
 def _initial_state(ctx, idx: int, batch: int) -> GDNState:
     """The state the call starts from (never written: the kernels treat it as a constant)."""
-    if ctx.mode == "decode":
-        running = ctx.running.get(idx)
-        if running is not None:
-            if running.recurrent.shape[0] != batch:
-                raise LongStrawError(
-                    f"decode batch changed from {running.recurrent.shape[0]} to {batch} within one context"
-                )
-            return running
+    running = ctx.running_state(idx)
+    if running is not None:
+        if running.recurrent.shape[0] != batch:
+            raise LongStrawError(
+                f"decode batch changed from {running.recurrent.shape[0]} to {batch} within one context"
+            )
+        return running
     prompt = ctx.layer_state(idx, GDNState, GDNState)
     if prompt is None:  # nothing captured yet: the start of the sequence
         return GDNState()
     return prompt.expand(batch)
-
-
-def _store_state(ctx, idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-    if ctx.mode == "capture":
-        ctx.state.layers[idx].append(conv, recurrent)
-    elif ctx.mode == "decode":
-        running = ctx.running.get(idx)
-        if ctx.step is not None and running is not None:
-            # fixed-shape decoding: the next step (a replayed CUDA graph) reads these very tensors (the fused
-            # step already wrote into them)
-            if conv is not running.conv:
-                running.conv.copy_(conv)
-            if recurrent is not running.recurrent:
-                running.recurrent.copy_(recurrent)
-        else:
-            ctx.running[idx] = GDNState(conv, recurrent)
-    elif ctx.mode == "segment":  # the state after the segment: its gradient comes from the next one
-        ctx.emit_state(idx, GDNState(conv, recurrent))
 
 
 def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Projection) -> torch.Tensor:
@@ -160,7 +139,7 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
     mixed_qkv, z, b, a = project(module, hidden_states)
     start = _initial_state(ctx, idx, batch)
     if (
-        ctx.mode == "decode"
+        ctx.decoding
         and seq_len == 1
         and gdn_decode_ok(mixed_qkv, a, b, module.conv1d.weight, start.conv, start.recurrent)
     ):
@@ -186,7 +165,7 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
     # as HF: in fp32, so that an fp16 A_log cannot overflow
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
 
-    keep = ctx.mode != "replay"
+    keep = ctx.mode.needs_final_state
     core, recurrent = gated_delta_rule(
         query,
         key,
@@ -199,7 +178,7 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
         state_grad=ctx.state_grad,
     )
     if keep:
-        _store_state(ctx, idx, conv_state, recurrent)
+        ctx.keep_final_state(idx, GDNState(conv_state, recurrent))
     return _output(module, core, z)
 
 
@@ -213,7 +192,7 @@ def _output(module: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Ten
 def _fused_decode(module: nn.Module, ctx, idx: int, mixed_qkv, a, b, start: GDNState) -> torch.Tensor:
     """One decode token through :func:`gdn_decode_step` (conv, gating and delta rule in two kernels). With
     fixed shapes (CUDA graphs) it updates the running state in place; otherwise the state is rebound to new
-    tensors, as :func:`_store_state` does after the torch path."""
+    tensors, as the torch path does (:meth:`ReplayContext.keep_final_state`)."""
     running = ctx.running.get(idx)
     core, conv_state, recurrent = gdn_decode_step(
         mixed_qkv,
@@ -231,7 +210,7 @@ def _fused_decode(module: nn.Module, ctx, idx: int, mixed_qkv, a, b, start: GDNS
         activation=module.activation,
         in_place=ctx.step is not None and running is not None,
     )
-    _store_state(ctx, idx, conv_state, recurrent)
+    ctx.keep_final_state(idx, GDNState(conv_state, recurrent))
     return core
 
 
@@ -310,14 +289,7 @@ class GatedDeltaNetHybridPatch(FamilyPatch):
         other = sorted(set(layer_types) - {LINEAR, FULL})
         if other:
             raise self.unsupported(f"layer types {other} (only {LINEAR!r} and {FULL!r} are)")
-        if getattr(config, "attention_dropout", 0.0):
-            raise self.unsupported(f"attention_dropout={config.attention_dropout}")
-        rope = getattr(config, "rope_parameters", None) or {}
-        if rope.get("rope_type") in _CALL_DEPENDENT_ROPE:
-            raise self.unsupported(
-                f"rope_type={rope['rope_type']!r} (its frequencies depend on the length of each call, so a "
-                "chunked capture cannot reproduce a full forward)"
-            )
+        self.validate_common(config)
         if LINEAR in layer_types:
             act = getattr(config, "hidden_act", None)
             if act not in _CONV_ACTIVATIONS:
@@ -332,8 +304,6 @@ class GatedDeltaNetHybridPatch(FamilyPatch):
                 raise self.unsupported(f"a Gated DeltaNet layer of type {type(module).__name__}")
 
     def apply(self, model: nn.Module) -> None:
-        from longstraw_trl.engine import CTX_KWARG
-
         for cls in {type(m) for m in self.gdn_modules(model)}:
             install_gdn_forward(cls, self.project, CTX_KWARG)
 
@@ -360,13 +330,3 @@ class Qwen3_5Patch(GatedDeltaNetHybridPatch):
         mixed_qkv = module.in_proj_qkv(hidden_states)
         z = module.in_proj_z(hidden_states).reshape(batch, seq_len, -1, module.head_v_dim)
         return mixed_qkv, z, module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
-
-
-def apply_longstraw_to_qwen3_5(model: nn.Module) -> nn.Module:
-    """Patch a Qwen3.5 / Qwen3.6 model (``qwen3_5``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Qwen3_5Patch)
-
-
-def apply_longstraw_to_qwen3_5_moe(model: nn.Module) -> nn.Module:
-    """Patch a Qwen3.5-MoE model (``qwen3_5_moe``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Qwen3_5Patch)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .qwen3_5 import GatedDeltaNetHybridPatch, apply_family_patch
+from .qwen3_5 import GatedDeltaNetHybridPatch
 
 
 class Qwen3NextPatch(GatedDeltaNetHybridPatch):
@@ -25,8 +25,3 @@ class Qwen3NextPatch(GatedDeltaNetHybridPatch):
         )
         mixed_qkv = torch.cat([x.reshape(batch, seq_len, -1) for x in (query, key, value)], dim=-1)
         return mixed_qkv, z, b, a
-
-
-def apply_longstraw_to_qwen3_next(model: nn.Module) -> nn.Module:
-    """Patch a Qwen3-Next model (``qwen3_next``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Qwen3NextPatch)

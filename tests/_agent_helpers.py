@@ -2,7 +2,7 @@
 policy that makes stock `GRPOTrainer` and `LongStrawGRPOTrainer` emit the same tokens.
 
 The scripted policy replaces only the *draw*: stock TRL's `model.generate` and the LongStraw trainer's
-`_sample_group(state, G)` both return the tokens `script(context, rollout)` gives for the sequence they continue
+`Rollout.sample_group(state, G)` both return the tokens `script(context, rollout)` gives for the sequence they continue
 (the LongStraw side finds that sequence as the prompt-state cache entry holding `state`). Everything else is each
 trainer's own code: tool-call parsing (Qwen3.6 response template), tool execution, tool suffixes, `tool_mask`,
 rewards, old log-probs and the loss (the real tiny model scores the scripted tokens).
@@ -179,17 +179,17 @@ def script_stock(trainer: GRPOTrainer, script: Script) -> None:
 
 
 def script_longstraw(trainer, script: Script, real_after_first_turn: bool = False) -> None:
-    """LongStraw: `_sample_group(state, G)` returns `script(the sequence whose state it is)` for each of the G rows;
+    """LongStraw: `Rollout.sample_group(state, G)` returns `script(the sequence whose state it is)` for each of the G rows;
     with `real_after_first_turn` only the first turn is scripted and tool turns sample from their state for real."""
-    real = trainer._sample_group
+    real = trainer.rollout.sample_group
 
     def sample(state, num_generations, *args, **kwargs):
         context = next(e.prompt_ids for e in trainer.prompt_cache.entries.values() if e.state is state)
-        if real_after_first_turn and trainer._tool_turn_keys is not None:
+        if real_after_first_turn and trainer.prompt_states.tool_turn_keys is not None:
             return real(state, num_generations, *args, **kwargs)
         return _pad_rows([script(context.tolist(), i) for i in range(num_generations)])
 
-    trainer._sample_group = sample
+    trainer.rollout.sample_group = sample
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_trainer_casts_in_capture_and_generation_only(enabled, monkeypatch):
     from _trl_helpers import make_tiny_longstraw_trainer, tiny_model_dir
     from transformers import Qwen3ForCausalLM
 
-    import longstraw_trl.trainer as trainer_module
+    import longstraw_trl.prompt_states as trainer_module
 
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.bfloat16)
     trainer = make_tiny_longstraw_trainer(
@@ -102,10 +102,10 @@ def test_trainer_casts_in_capture_and_generation_only(enabled, monkeypatch):
         return wrapped
 
     monkeypatch.setattr(trainer_module, "capture_prompt", spy("capture", trainer_module.capture_prompt))
-    state = trainer._capture(trainer.model, torch.tensor([3, 4, 5, 6]))
+    state = trainer.prompt_states.capture(trainer.model, torch.tensor([3, 4, 5, 6]))
     monkeypatch.setattr(state, "generate", spy("generate", state.generate))
     monkeypatch.setattr(state, "logprobs", spy("logprobs", state.logprobs))
-    completions = trainer._sample_group(state, 2)
+    completions = trainer.rollout.sample_group(state, 2)
     state.logprobs(trainer.model, completions)
     cast = torch.bfloat16 if enabled else torch.float32
     assert seen == {"capture": {cast}, "generate": {cast}, "logprobs": {torch.float32}}

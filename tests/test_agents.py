@@ -89,7 +89,7 @@ def _assert_loss_parity(ref, out, stock, ours):
     ref_loss = stock._compute_loss(stock.model, ref)
     ref_loss.backward()
     ours.model.zero_grad()
-    loss = ours._streamed_loss(ours.model, out, backward=True)
+    loss = ours.micro_batch_loss(ours.model, out, backward=True)
     torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
     assert_grads_close(param_grads(ours.model), param_grads(stock.model))
     assert ours._metrics["train"]["entropy"][-1] == pytest.approx(
@@ -256,9 +256,9 @@ def test_rollout_func_matches_stock_trl():
     # the sampling log-probs matter: the off-policy mask drops the negative-advantage rows
     without = {k: v for k, v in out.items() if k != "sampling_per_token_logps"}
     ours.model.zero_grad()
-    with_logps = ours._streamed_loss(ours.model, out, backward=False).item()
+    with_logps = ours.micro_batch_loss(ours.model, out, backward=False).item()
     assert not math.isclose(
-        ours._streamed_loss(ours.model, without, backward=False).item(), with_logps, abs_tol=1e-4
+        ours.micro_batch_loss(ours.model, without, backward=False).item(), with_logps, abs_tol=1e-4
     )
 
 
@@ -281,16 +281,16 @@ def test_tool_turns_sample_from_the_extended_state(family):
     del stock
     script_longstraw(ours, Script(ours.processing_class, SCRIPTS), real_after_first_turn=True)
     sampled_from = []
-    real = ours._sample_group
-    ours._sample_group = lambda state, g, *a, **k: sampled_from.append(state.num_tokens) or real(
+    real = ours.rollout.sample_group
+    ours.rollout.sample_group = lambda state, g, *a, **k: sampled_from.append(state.num_tokens) or real(
         state, g, *a, **k
     )
     torch.manual_seed(7)
     out = ours._generate_and_score_completions([dict(r) for r in ROWS])
     prompt = out["longstraw_prompts"][0][1]
     torch.manual_seed(7)
-    kwargs = ours._sampling_kwargs()
-    max_new = kwargs.pop("max_new_tokens")
+    kwargs = ours.rollout.sampling.sampler_kwargs()
+    max_new = ours.rollout.sampling.max_new_tokens
     for i in (0, 1, 3):  # the rollouts that called a tool, in TRL's order
         ids, tool = out["completion_ids"][i], out["tool_mask"][i]
         n = int(out["completion_mask"][i].sum())

@@ -232,7 +232,7 @@ def test_full_model_step_cut_short_leaves_its_finished_phases(tmp_path, monkeypa
     def cut(self, *args, **kwargs):
         raise KeyboardInterrupt("the command's timeout")
 
-    monkeypatch.setattr(LongStrawGRPOTrainer, "_streamed_loss", cut)
+    monkeypatch.setattr(LongStrawGRPOTrainer, "micro_batch_loss", cut)
     with pytest.raises(KeyboardInterrupt):
         full_model.main()
     entry = json.loads((tmp_path / "full_model_qwen3.6-27b_tiny_cut.json").read_text())["longstraw"][0]

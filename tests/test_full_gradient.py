@@ -218,11 +218,9 @@ def test_trainer_refuses_full_mode_with_tool_turns():
         """
         return x
 
-    from longstraw_trl.trainer import _refuse_unsupported
-
     args = make_tiny_longstraw_trainer(gradient_mode="full").args
     with pytest.raises(LongStrawError, match="tool turns"):
-        _refuse_unsupported(args, [tool], None, None, None)
+        args.check_supported(tools=[tool])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -312,7 +310,7 @@ def _step(trl, ours, inputs, ours_inputs):
         t.model.zero_grad()
     ref_loss = trl._compute_loss(trl.model, inputs)
     ref_loss.backward()
-    loss = ours._streamed_loss(ours.model, ours_inputs, backward=True)
+    loss = ours.micro_batch_loss(ours.model, ours_inputs, backward=True)
     torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
     assert_grads_close(param_grads(ours.model), param_grads(trl.model))
 
@@ -361,7 +359,7 @@ def test_trainer_reverse_block_replay_response_only_equals_whole_replays(extra):
     for t in (whole, blocks):
         t.model.train()
         t.model.zero_grad()
-        results.append((t._streamed_loss(t.model, ours_inputs, backward=True), param_grads(t.model)))
+        results.append((t.micro_batch_loss(t.model, ours_inputs, backward=True), param_grads(t.model)))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
     assert_grads_close(results[1][1], results[0][1])
 

@@ -283,7 +283,7 @@ def test_only_known_classes_with_their_math_are_bound(interpreter, monkeypatch):
 
 @pytest.mark.parametrize("fused,cast", [(True, True), (False, True), (True, False)])
 def test_trainer_no_grad_context_binds_when_configured(interpreter, fused, cast):
-    """``LongStrawGRPOTrainer._no_grad_context``: the fused forwards in capture / generation / extension
+    """``LongStrawGRPOTrainer.graph_free``: the fused forwards in capture / generation / extension
     (``cast_adapters=True``) when ``graph_free_fused_kernels`` is on, never in a scoring pass."""
     from longstraw_trl.trainer import LongStrawGRPOTrainer
 
@@ -292,7 +292,7 @@ def test_trainer_no_grad_context_binds_when_configured(interpreter, fused, cast)
     fake = types.SimpleNamespace(
         args=args, accelerator=types.SimpleNamespace(autocast=contextlib.nullcontext)
     )
-    with LongStrawGRPOTrainer._no_grad_context(fake, model, cast_adapters=cast):
+    with LongStrawGRPOTrainer.graph_free(fake, model, cast_adapters=cast):
         bound = sum("forward" in m.__dict__ for m in model.modules())
     assert bound == (7 if fused and cast else 0)
     assert not any("forward" in m.__dict__ for m in model.modules())

@@ -96,7 +96,7 @@ def test_trainer_refuses_an_aux_loss_the_model_does_not_compute():
     trainer = make_tiny_longstraw_trainer(
         model=build("glm4_moe")
     )  # no coefficient in its config: off, as in TRL
-    assert trainer._router_aux is None
+    assert trainer.router_aux is None
 
 
 def _engine_aux(model, prompt, comps, mask):

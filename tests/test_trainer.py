@@ -223,7 +223,7 @@ def test_train_a_moe_policy_with_its_config_aux_loss_coefficient():
     from _trl_helpers import tiny_qwen3_moe
 
     trainer, logs = _train(model=tiny_qwen3_moe(router_aux_loss_coef=0.01), max_completion_length=6)
-    assert trainer.loss_spec.router_aux_loss_coef == 0.01 and trainer._router_aux is not None
+    assert trainer.loss_spec.router_aux_loss_coef == 0.01 and trainer.router_aux is not None
     assert len(logs) == 2 and all(math.isfinite(h["loss"]) and h["aux_loss"] >= 1.0 for h in logs)
 
 

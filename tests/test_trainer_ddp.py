@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, options: str) -> None:
     reset_controller()
     for k, inputs in enumerate(micro_batches):
         state._set_sync_gradients(k == 1)
-        trainer._streamed_loss(model, inputs, backward=True)
+        trainer.micro_batch_loss(model, inputs, backward=True)
     local = _grads(model)
     expected = local.clone()
     dist.all_reduce(expected)
@@ -105,19 +105,19 @@ def _worker(rank: int, world: int, port: int, options: str) -> None:
     windows = []
     reset_controller()
     if options == "entropy":
-        control = trainer._entropy_control
+        control = trainer.entropy_control
 
         def recording(mode, stats):
             windows.append(stats.detach().clone())
             control(mode, stats)
 
-        trainer._entropy_control = recording
+        trainer.entropy_control = recording
     state._set_sync_gradients(False)
     with trainer.accelerator.no_sync(ddp):
-        trainer._streamed_loss(ddp, micro_batches[0], backward=True)
+        trainer.micro_batch_loss(ddp, micro_batches[0], backward=True)
     assert not calls  # nothing reduced during the first micro-batch
     state._set_sync_gradients(True)
-    trainer._streamed_loss(ddp, micro_batches[1], backward=True)
+    trainer.micro_batch_loss(ddp, micro_batches[1], backward=True)
     synced = _grads(model)
 
     assert (local - expected).abs().max() > 1e-6  # the ranks really had different gradients

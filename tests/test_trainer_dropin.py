@@ -112,7 +112,7 @@ class _TrainingStateProbe(TrainerCallback):
             buffered=t._buffered_inputs,
             buffered_ids=[b["completion_ids"].clone() for b in t._buffered_inputs],
             step=t._step,
-            train_keys=set(t._train_keys),
+            train_keys=set(t.prompt_states.train_keys),
             states={k: e.state for k, e in t.prompt_cache.entries.items()},
             controller=(t.entropy_coef, t._last_world_entropy, t._entropy_window_stats),
             training=t.model.training,
@@ -123,7 +123,7 @@ class _TrainingStateProbe(TrainerCallback):
         assert t._buffered_inputs is before["buffered"]
         for b, ids in zip(t._buffered_inputs, before["buffered_ids"], strict=True):
             assert torch.equal(b["completion_ids"], ids)
-        assert t._step == before["step"] and t._train_keys == before["train_keys"]
+        assert t._step == before["step"] and t.prompt_states.train_keys == before["train_keys"]
         assert {k: e.state for k, e in t.prompt_cache.entries.items()} == before[
             "states"
         ]  # the training batch's states kept

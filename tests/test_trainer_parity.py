@@ -4,7 +4,7 @@ Same tiny model, same inputs (prompt, completions, advantages, old and reference
 - TRL: `_compute_loss` on the stock model with the prompt path detached (the response-only reference of docs/design.md, "Correctness references":
   prompt prefilled into the stock cache under `no_grad`, each response run with autograd on a copy), then
   `backward()`;
-- ours: `LongStrawGRPOTrainer._streamed_loss`: capture, then per response replay + `response_loss` + backward.
+- ours: `LongStrawGRPOTrainer.micro_batch_loss` (`longstraw_trl.streamed_loss`): capture, then per response replay + `response_loss` + backward.
 The loss values must agree to 1e-5 and every parameter gradient to a relative L2 of 1e-4, for every loss type, both
 importance-sampling levels, symmetric and asymmetric clipping with `delta`, and `beta` with the KL term.
 """
@@ -26,6 +26,7 @@ from _trl_helpers import (
 from longstraw_trl import LongStrawError
 from longstraw_trl.loss import LOSS_TYPES
 from longstraw_trl.state_cache import prompt_key as _prompt_key
+from longstraw_trl.streamed_loss import split_by_groups
 
 LENGTHS = [7, 3, 5, 1]  # one group of G = 4 completions, right-padded to 7
 PROMPT_LEN = 24
@@ -73,7 +74,7 @@ def ours_loss_and_grads(trainer, inputs):
     trainer.model.train()
     trainer.model.zero_grad()
     trainer._metrics["train"].clear()
-    loss = trainer._streamed_loss(trainer.model, _ours_inputs(inputs), backward=True)
+    loss = trainer.micro_batch_loss(trainer.model, _ours_inputs(inputs), backward=True)
     assert not loss.requires_grad
     return loss, param_grads(trainer.model), _loss_metrics(trainer)
 
@@ -125,7 +126,7 @@ def test_micro_batches_holding_parts_of_groups_match_trl(loss_type):
     batch["longstraw_prompts"] = [(_prompt_key(p), p) for p in prompts]
     batch["row"] = torch.arange(12)  # which rows each micro-batch got
     torch.manual_seed(3)
-    chunks = ours._split_by_groups(batch, 2)
+    chunks = split_by_groups(batch, 2)
     assert any(
         len(c["longstraw_prompts"]) > 1 and len(set(c["longstraw_row_group"].tolist())) > 1 for c in chunks
     )
@@ -141,7 +142,7 @@ def test_micro_batches_holding_parts_of_groups_match_trl(loss_type):
         patch_response_only_logps(trl, ref_inputs["prompt_ids"])
         ref_loss = trl._compute_loss(trl.model, ref_inputs)
         ref_loss.backward()
-        loss = ours._streamed_loss(ours.model, chunk, backward=True)
+        loss = ours.micro_batch_loss(ours.model, chunk, backward=True)
         torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
     assert_grads_close(param_grads(ours.model), param_grads(trl.model))
 
@@ -364,13 +365,13 @@ def test_responses_replayed_together_keep_parity(budget, batch_sizes):
     ref_loss, ref_grads, _ = trl_loss_and_grads(trl, inputs, response_only=True)
 
     seen = []
-    replay = ours._policy_replay
+    replay = ours.streamed_loss.policy_replay
 
     def spy(model, state, ids, mask, **kw):
         seen.append(ids.shape[0])
         return replay(model, state, ids, mask, **kw)
 
-    ours._policy_replay = spy
+    ours.streamed_loss.policy_replay = spy
     loss, grads, _ = ours_loss_and_grads(ours, inputs)
     assert seen == batch_sizes
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
