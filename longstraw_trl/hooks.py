@@ -101,8 +101,26 @@ def _layer_forward(self, *args, **kwargs):
     if ctx is not None:  # read by the layer's attention (ReplayContext._prompt_part)
         ctx.layer_recomputed = bool(hf_checkpoints or ours)
     if ours:
-        return checkpoint(stock, *args, use_reentrant=False, **kwargs)
+        return checkpoint(_forward_without_hf_checkpointing, self, *args, use_reentrant=False, **kwargs)
     return stock(*args, **kwargs)
+
+
+def _forward_without_hf_checkpointing(layer: nn.Module, *args, **kwargs):
+    """The layer's stock forward with HF's own checkpointing off, in the forward and in its recompute alike.
+
+    transformers checkpoints inside ``forward`` when the layer's ``gradient_checkpointing`` flag is set at call time.
+    A call that checkpoints with the engine's own checkpointing has HF's switched off while it runs (a recomputed
+    segment, the full gradient's replays), but its backward may run after the flags are back on (the trainer's
+    ``accelerator.backward``): the recompute would then nest HF's checkpoint inside ours and save other tensors than
+    the forward did (``CheckpointError: A different number of tensors was saved``)."""
+    stock = type(layer).forward.__get__(layer)
+    if getattr(layer, "gradient_checkpointing", False) is not True:
+        return stock(*args, **kwargs)
+    layer.gradient_checkpointing = False
+    try:
+        return stock(*args, **kwargs)
+    finally:
+        layer.gradient_checkpointing = True
 
 
 def install_engine(base: nn.Module, decoder: nn.Module) -> None:

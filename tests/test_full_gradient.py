@@ -386,3 +386,107 @@ def test_full_gradient_on_cuda_bf16(family, offload, monkeypatch):
     for name, g in ref.items():
         rel = ((got[name].float().cpu() - g).norm() / g.norm().clamp_min(1e-12)).item()
         assert rel <= 5e-2, f"{name}: relative L2 {rel:.2e}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# train() under TRL's defaults (HF gradient checkpointing on) against stock GRPOTrainer, on the same completions
+# ----------------------------------------------------------------------------------------------------
+SCRIPTED = [[5, 9, 11, 2], [6, 12, 2], [7, 13, 14, 15, 2], [8, 2]]  # the G = 4 draws of every group (EOS = 2)
+
+
+def _scripted_rows(n: int) -> torch.Tensor:
+    rows = [SCRIPTED[i % len(SCRIPTED)] for i in range(n)]
+    out = torch.zeros(n, max(map(len, rows)), dtype=torch.long)  # pad 0
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r)
+    return out
+
+
+def _length_reward(completion_ids, **kwargs):
+    return [float(len(c)) for c in completion_ids]
+
+
+def _train_both(**overrides):
+    """Stock GRPOTrainer and ours, from one tiny model, trained with the same scripted draws under TRL's defaults
+    for HF gradient checkpointing (on) with plain SGD (an update is the gradient times the learning rate, so the
+    weights compare the gradients). Returns both final state dicts and both trainers."""
+    from _trl_helpers import tiny_model_dir
+    from datasets import Dataset
+    from transformers import Qwen3ForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
+    from longstraw_trl.toy_tokenizer import build_toy_tokenizer
+
+    common = dict(
+        report_to="none",
+        use_cpu=True,
+        bf16=False,  # the reference in fp32 (CPU autocast would make it a bf16 one)
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        num_iterations=2,
+        beta=0.04,
+        optim="sgd",
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=7,
+        **overrides,
+    )
+    dataset = Dataset.from_dict(
+        {"prompt": ["the cat sat on the mat and the dog ran far away from it all"] * 4}
+    )
+    trainers = []
+    for cls, config_cls, extra in (
+        (GRPOTrainer, GRPOConfig, {}),
+        (
+            LongStrawGRPOTrainer,
+            LongStrawGRPOConfig,
+            dict(gradient_mode="full", capture_chunk_size=4, page_size=3),
+        ),
+    ):
+        out = tempfile.mkdtemp(prefix="longstraw_train_both_")
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        args = config_cls(output_dir=out, **common, **extra)
+        assert args.gradient_checkpointing  # TRL's default
+        trainer = cls(
+            model=Qwen3ForCausalLM.from_pretrained(tiny_model_dir()),
+            reward_funcs=_length_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=build_toy_tokenizer(TINY_VOCAB),
+        )
+        trainers.append(trainer)
+    stock, ours = trainers
+
+    def generate(input_ids, attention_mask=None, **kwargs):
+        return torch.cat([input_ids, _scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
+
+    stock.model.generate = generate
+    ours.rollout.sample_group = lambda state, g, *a, **k: _scripted_rows(g)
+    for trainer in trainers:
+        trainer.train()
+    return {n: p.detach().clone() for n, p in stock.model.named_parameters()}, ours
+
+
+def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer():
+    """`gradient_mode="full"` through `trainer.train()` with TRL's default HF gradient checkpointing, the reference
+    model (beta), two iterations per generation: the weight updates of two SGD steps equal stock GRPOTrainer's.
+    (Before the fix: `CheckpointError: A different number of tensors was saved`, HF's checkpoint nested in the
+    engine's on the replays' recompute.)"""
+    from _trl_helpers import tiny_model_dir
+    from transformers import Qwen3ForCausalLM
+
+    start = dict(Qwen3ForCausalLM.from_pretrained(tiny_model_dir()).named_parameters())
+    stock_weights, ours = _train_both()
+    assert ours.state.global_step == 2 and ours.args.gradient_mode == "full"
+    stock_update = {n: w - start[n].detach() for n, w in stock_weights.items()}
+    ours_update = {n: p.detach() - start[n].detach() for n, p in ours.model.named_parameters()}
+    scale = max(u.abs().max() for u in stock_update.values())
+    assert scale > 1e-3  # the steps moved the weights
+    for name, ref in stock_update.items():
+        torch.testing.assert_close(ours_update[name], ref, atol=1e-4 * scale, rtol=0, msg=name)
