@@ -79,7 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     train.add_argument("--loss-type", default="dapo", help="TRL loss_type")
     train.add_argument(
-        "--beta", type=float, default=0.0, help="KL coefficient (a reference capture when != 0)"
+        "--beta",
+        type=float,
+        default=0.0,
+        help="KL coefficient; != 0: the initial weights are saved to OUTPUT_DIR/initial_model as TRL's reference "
+        "model, and each group gets a reference capture",
     )
     train.add_argument(
         "--refresh-policy",
@@ -198,6 +202,21 @@ def build_model(args, vocab_size: int):
     return AutoModelForCausalLM.from_config(config).float(), model_type
 
 
+def with_reference_weights(model, config: LongStrawGRPOConfig, path: str):
+    """The model, loaded back from ``path`` where its initial weights are saved, so the KL term has a reference.
+
+    With ``beta != 0`` and no PEFT adapters, TRL's ``GRPOTrainer`` (which ``LongStrawGRPOTrainer`` extends; it takes no
+    ``ref_model``) builds the reference model with ``from_pretrained(model.config._name_or_path)``. A random-init
+    model has an empty ``_name_or_path``: saving its initial weights and loading the policy from there gives TRL a
+    path whose weights are the policy's at step 0, which is GRPO's reference. Each host's first process writes them,
+    the others wait and read them.
+    """
+    with config.main_process_first(desc="saving the initial weights for the reference model"):
+        if config.distributed_state is None or config.distributed_state.is_local_main_process:
+            model.save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Evaluation, progress, summary
 # ----------------------------------------------------------------------------------------------------------------------
@@ -267,7 +286,6 @@ def main(argv=None) -> dict:
     bf16 = {"auto": cuda and torch.cuda.is_bf16_supported(), "yes": True, "no": False}[args.bf16]
 
     tokenizer = build_toy_tokenizer(64)
-    model, model_type = build_model(args, len(tokenizer))
     train = make_dataset(args.train_prompts, args.prompt_tokens, args.needle_copies, args.seed)
     held_out = make_dataset(args.eval_prompts, args.prompt_tokens, args.needle_copies, args.seed + 1)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -296,6 +314,9 @@ def main(argv=None) -> dict:
         refresh_policy=args.refresh_policy,
         cp_size=args.cp_size,
     )
+    model, model_type = build_model(args, len(tokenizer))
+    if args.beta != 0.0:
+        model = with_reference_weights(model, config, os.path.join(args.output_dir, "initial_model"))
     trainer = LongStrawGRPOTrainer(
         model=model,
         reward_funcs=needle_reward,
