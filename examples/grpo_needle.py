@@ -22,6 +22,7 @@ the needle out of the haystack takes longer (more steps, a larger model, `--need
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -112,7 +113,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--output-dir", default="outputs/grpo_needle", help="model, tokenizer, log_history.json, summary.json"
     )
     out.add_argument(
-        "--report-to", default="none", help="TrainingArguments.report_to (tensorboard, wandb, trackio)"
+        "--report-to",
+        default="none",
+        help="TrainingArguments.report_to (tensorboard: pip install longstraw-trl[tensorboard]; wandb, trackio: "
+        "their own packages)",
     )
     return ap.parse_args(argv)
 
@@ -278,6 +282,10 @@ def fmt_bytes(n: float) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if "tensorboard" in args.report_to and importlib.util.find_spec("tensorboard") is None:
+        raise SystemExit(
+            "--report-to tensorboard needs the tensorboard package: pip install longstraw-trl[tensorboard]"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -308,6 +316,9 @@ def main(argv=None) -> dict:
         beta=args.beta,
         logging_steps=1,
         save_strategy="no",
+        # TRL's default (layers recomputed in backward) under transformers' name: the deprecated
+        # `gradient_checkpointing` default of TRL's config warns otherwise
+        activation_checkpointing=True,
         capture_chunk_size=args.chunk_size,
         page_size=args.page_size,
         offload_prompt_state=None if args.offload == "none" else args.offload,

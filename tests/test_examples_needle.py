@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_needle.py"
@@ -45,3 +47,51 @@ def test_beta_trains_against_the_initial_weights(tmp_path, monkeypatch):
         assert torch.equal(p.cpu(), initial[name]), name
     kls = [h["kl"] for h in json.loads((out / "log_history.json").read_text()) if "kl" in h]
     assert len(kls) == 2 and kls[0] == 0.0 and math.isfinite(kls[1]) and kls[1] > 0.0, kls
+
+
+def test_report_to_tensorboard_writes_events(tmp_path):
+    """`--report-to tensorboard` (advertised) needs the `tensorboard` package: the `[tensorboard]` extra, pinned in
+    requirements-cpu.txt. With it, a run writes an event file under OUTPUT_DIR/runs."""
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "needle"
+    _example().main([*TINY, "--steps", "1", "--report-to", "tensorboard", "--output-dir", str(out)])
+    assert list((out / "runs").glob("*/events.out.tfevents.*"))
+
+
+def test_config_sets_no_deprecated_checkpointing_name(tmp_path, recwarn):
+    """The example's config uses transformers' `activation_checkpointing`: no `gradient_checkpointing` FutureWarning
+    from building it (TRL's own default would raise one, see tests/test_config_warnings.py)."""
+    example = _example()
+    seen = {}
+    monkey = pytest.MonkeyPatch()
+    config_cls = example.LongStrawGRPOConfig
+
+    def recording(*args, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            config = config_cls(*args, **kwargs)
+        seen["warnings"] = [str(w.message) for w in caught]
+        seen["config"] = config
+        return config
+
+    monkey.setattr(example, "LongStrawGRPOConfig", recording)
+    try:
+        example.main([*TINY, "--steps", "1", "--output-dir", str(tmp_path / "needle")])
+    finally:
+        monkey.undo()
+    assert seen["config"].gradient_checkpointing and seen["config"].activation_checkpointing
+    assert not [w for w in seen["warnings"] if "gradient_checkpointing" in w], seen["warnings"]
+
+
+def test_report_to_tensorboard_without_it_says_what_to_install(monkeypatch):
+    """Without the package, the example stops before building anything and names the extra (transformers' own error
+    says to install tensorboardX, which the project does not use)."""
+    example = _example()
+    real = example.importlib.util.find_spec
+    monkeypatch.setattr(
+        example.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
+    with pytest.raises(SystemExit, match=r"pip install longstraw-trl\[tensorboard\]"):
+        example.main([*TINY, "--report-to", "tensorboard"])
