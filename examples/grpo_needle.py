@@ -158,11 +158,11 @@ def needle_reward(completions, answer, **kwargs) -> list[float]:
 # ----------------------------------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------------------------------
-def build_model(args, vocab_size: int):
+def build_model(args, vocab_size: int, main_process: bool = True):
     model_type = args.model_type
     if model_type == "auto":
         model_type = "qwen3_5" if "qwen3_5" in supported_model_types() else "qwen3"
-        if model_type == "qwen3":
+        if model_type == "qwen3" and main_process:
             print("note: this install has no qwen3_5 patch; using a Qwen3 model instead", file=sys.stderr)
     common = dict(
         vocab_size=vocab_size,
@@ -257,7 +257,14 @@ class StepProgress(TrainerCallback):
         self.bar = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.bar = tqdm(total=state.max_steps, desc="GRPO", unit="step", dynamic_ncols=True)
+        # one bar per run: under a multi-process launch only the first process draws it
+        self.bar = tqdm(
+            total=state.max_steps,
+            desc="GRPO",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not state.is_world_process_zero,
+        )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.bar is not None and logs and "reward" in logs:
@@ -325,7 +332,7 @@ def main(argv=None) -> dict:
         refresh_policy=args.refresh_policy,
         cp_size=args.cp_size,
     )
-    model, model_type = build_model(args, len(tokenizer))
+    model, model_type = build_model(args, len(tokenizer), main_process=config.process_index == 0)
     if args.beta != 0.0:
         model = with_reference_weights(model, config, os.path.join(args.output_dir, "initial_model"))
     trainer = LongStrawGRPOTrainer(
@@ -340,7 +347,8 @@ def main(argv=None) -> dict:
     trainer.add_callback(StepProgress())
 
     n_params = sum(p.numel() for p in model.parameters())
-    print(
+    print_once = print if trainer.accelerator.is_main_process else lambda *a, **k: None
+    print_once(
         f"model: random-init {model_type}, {args.layers} layers, hidden {args.hidden_size}, {n_params / 1e6:.2f}M "
         f"parameters on {'cuda' if cuda else 'cpu'}; task: {args.prompt_tokens}-token prompts, needle `key=D` "
         f"hidden {args.needle_copies}x, G={args.num_generations}, {args.prompts_per_step} prompts/step, "

@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -95,3 +98,19 @@ def test_report_to_tensorboard_without_it_says_what_to_install(monkeypatch):
     )
     with pytest.raises(SystemExit, match=r"pip install longstraw-trl\[tensorboard\]"):
         example.main([*TINY, "--report-to", "tensorboard"])
+
+
+def test_two_processes_print_once(tmp_path):
+    """Under `accelerate launch` with 2 processes (the shipped cp2.yaml; on a CPU-only machine its launcher starts
+    both and the example joins them in a gloo group) the "model:" line, the step bar and the summary appear once."""
+    config = EXAMPLE.parent / "accelerate" / "cp2.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--mixed_precision",
+         "no", str(EXAMPLE), *TINY, "--cp-size", "2", "--steps", "1", "--output-dir", str(tmp_path / "needle")],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert sum(x.startswith("model: random-init") for x in lines) == 1, proc.stdout
+    assert sum(x == "summary" for x in lines) == 1, proc.stdout
+    assert proc.stderr.count("GRPO:   0%") == 1, proc.stderr[-3000:]
