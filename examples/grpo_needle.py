@@ -36,6 +36,7 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.utils import logging as hf_logging
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, capture_prompt, supported_model_types
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -332,6 +333,8 @@ def main(argv=None) -> dict:
         refresh_policy=args.refresh_policy,
         cp_size=args.cp_size,
     )
+    if config.process_index != 0:  # transformers' bars (loading, saving weights) on the first process only
+        hf_logging.disable_progress_bar()
     model, model_type = build_model(args, len(tokenizer), main_process=config.process_index == 0)
     if args.beta != 0.0:
         model = with_reference_weights(model, config, os.path.join(args.output_dir, "initial_model"))

@@ -102,11 +102,13 @@ def test_report_to_tensorboard_without_it_says_what_to_install(monkeypatch):
 
 def test_two_processes_print_once(tmp_path):
     """Under `accelerate launch` with 2 processes (the shipped cp2.yaml; on a CPU-only machine its launcher starts
-    both and the example joins them in a gloo group) the "model:" line, the step bar and the summary appear once."""
+    both and the example joins them in a gloo group) the "model:" line, the step bar and the summary appear once, and
+    so do transformers' weight-loading bars of the policy and the reference (`--beta`: the first process saves the
+    initial weights, the other waits for them)."""
     config = EXAMPLE.parent / "accelerate" / "cp2.yaml"
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--mixed_precision",
-         "no", str(EXAMPLE), *TINY, "--cp-size", "2", "--steps", "1", "--output-dir", str(tmp_path / "needle")],
+         "no", str(EXAMPLE), *TINY, "--cp-size", "2", "--steps", "1", "--beta", "0.04", "--output-dir", str(tmp_path / "needle")],
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -114,3 +116,6 @@ def test_two_processes_print_once(tmp_path):
     assert sum(x.startswith("model: random-init") for x in lines) == 1, proc.stdout
     assert sum(x == "summary" for x in lines) == 1, proc.stdout
     assert proc.stderr.count("GRPO:   0%") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("Loading weights:   0%") == 2, proc.stderr[
+        -3000:
+    ]  # the policy and the reference
