@@ -22,6 +22,7 @@ the needle out of the haystack takes longer (more steps, a larger model, `--need
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -35,6 +36,7 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.utils import logging as hf_logging
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, capture_prompt, supported_model_types
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -79,7 +81,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     train.add_argument("--loss-type", default="dapo", help="TRL loss_type")
     train.add_argument(
-        "--beta", type=float, default=0.0, help="KL coefficient (a reference capture when != 0)"
+        "--beta",
+        type=float,
+        default=0.0,
+        help="KL coefficient; != 0: the initial weights are saved to OUTPUT_DIR/initial_model as TRL's reference "
+        "model, and each group gets a reference capture",
     )
     train.add_argument(
         "--refresh-policy",
@@ -108,7 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--output-dir", default="outputs/grpo_needle", help="model, tokenizer, log_history.json, summary.json"
     )
     out.add_argument(
-        "--report-to", default="none", help="TrainingArguments.report_to (tensorboard, wandb, trackio)"
+        "--report-to",
+        default="none",
+        help="TrainingArguments.report_to (tensorboard: pip install longstraw-trl[tensorboard]; wandb, trackio: "
+        "their own packages)",
     )
     return ap.parse_args(argv)
 
@@ -150,11 +159,11 @@ def needle_reward(completions, answer, **kwargs) -> list[float]:
 # ----------------------------------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------------------------------
-def build_model(args, vocab_size: int):
+def build_model(args, vocab_size: int, main_process: bool = True):
     model_type = args.model_type
     if model_type == "auto":
         model_type = "qwen3_5" if "qwen3_5" in supported_model_types() else "qwen3"
-        if model_type == "qwen3":
+        if model_type == "qwen3" and main_process:
             print("note: this install has no qwen3_5 patch; using a Qwen3 model instead", file=sys.stderr)
     common = dict(
         vocab_size=vocab_size,
@@ -198,6 +207,21 @@ def build_model(args, vocab_size: int):
     return AutoModelForCausalLM.from_config(config).float(), model_type
 
 
+def with_reference_weights(model, config: LongStrawGRPOConfig, path: str):
+    """The model, loaded back from ``path`` where its initial weights are saved, so the KL term has a reference.
+
+    With ``beta != 0`` and no PEFT adapters, TRL's ``GRPOTrainer`` (which ``LongStrawGRPOTrainer`` extends; it takes no
+    ``ref_model``) builds the reference model with ``from_pretrained(model.config._name_or_path)``. A random-init
+    model has an empty ``_name_or_path``: saving its initial weights and loading the policy from there gives TRL a
+    path whose weights are the policy's at step 0, which is GRPO's reference. Each host's first process writes them,
+    the others wait and read them.
+    """
+    with config.main_process_first(desc="saving the initial weights for the reference model"):
+        if config.distributed_state is None or config.distributed_state.is_local_main_process:
+            model.save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Evaluation, progress, summary
 # ----------------------------------------------------------------------------------------------------------------------
@@ -234,7 +258,14 @@ class StepProgress(TrainerCallback):
         self.bar = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.bar = tqdm(total=state.max_steps, desc="GRPO", unit="step", dynamic_ncols=True)
+        # one bar per run: under a multi-process launch only the first process draws it
+        self.bar = tqdm(
+            total=state.max_steps,
+            desc="GRPO",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not state.is_world_process_zero,
+        )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.bar is not None and logs and "reward" in logs:
@@ -259,6 +290,10 @@ def fmt_bytes(n: float) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if "tensorboard" in args.report_to and importlib.util.find_spec("tensorboard") is None:
+        raise SystemExit(
+            "--report-to tensorboard needs the tensorboard package: pip install longstraw-trl[tensorboard]"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -267,7 +302,6 @@ def main(argv=None) -> dict:
     bf16 = {"auto": cuda and torch.cuda.is_bf16_supported(), "yes": True, "no": False}[args.bf16]
 
     tokenizer = build_toy_tokenizer(64)
-    model, model_type = build_model(args, len(tokenizer))
     train = make_dataset(args.train_prompts, args.prompt_tokens, args.needle_copies, args.seed)
     held_out = make_dataset(args.eval_prompts, args.prompt_tokens, args.needle_copies, args.seed + 1)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -290,12 +324,20 @@ def main(argv=None) -> dict:
         beta=args.beta,
         logging_steps=1,
         save_strategy="no",
+        # TRL's default (layers recomputed in backward) under transformers' name: the deprecated
+        # `gradient_checkpointing` default of TRL's config warns otherwise
+        activation_checkpointing=True,
         capture_chunk_size=args.chunk_size,
         page_size=args.page_size,
         offload_prompt_state=None if args.offload == "none" else args.offload,
         refresh_policy=args.refresh_policy,
         cp_size=args.cp_size,
     )
+    if config.process_index != 0:  # transformers' bars (loading, saving weights) on the first process only
+        hf_logging.disable_progress_bar()
+    model, model_type = build_model(args, len(tokenizer), main_process=config.process_index == 0)
+    if args.beta != 0.0:
+        model = with_reference_weights(model, config, os.path.join(args.output_dir, "initial_model"))
     trainer = LongStrawGRPOTrainer(
         model=model,
         reward_funcs=needle_reward,
@@ -308,7 +350,8 @@ def main(argv=None) -> dict:
     trainer.add_callback(StepProgress())
 
     n_params = sum(p.numel() for p in model.parameters())
-    print(
+    print_once = print if trainer.accelerator.is_main_process else lambda *a, **k: None
+    print_once(
         f"model: random-init {model_type}, {args.layers} layers, hidden {args.hidden_size}, {n_params / 1e6:.2f}M "
         f"parameters on {'cuda' if cuda else 'cpu'}; task: {args.prompt_tokens}-token prompts, needle `key=D` "
         f"hidden {args.needle_copies}x, G={args.num_generations}, {args.prompts_per_step} prompts/step, "

@@ -12,9 +12,13 @@ from pathlib import Path
 
 from .errors import LongStrawError, UnsupportedModelError
 from .planner import (
+    DEFAULT_HOST_MEMORY_GIB,
+    DEFAULT_RANKS_PER_HOST,
     GPU_MEMORY_GIB,
     check_plannable,
+    check_positions,
     format_plan,
+    format_positions,
     format_suggestions,
     largest_prompt,
     plan_memory,
@@ -110,7 +114,8 @@ def _load_config(name_or_path: str, layers: int | None):
 def plan_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="longstraw plan",
-        description="Per-rank memory budget of a LongStraw GRPO step, and whether it fits the GPU.",
+        description="Per-rank memory budget of a LongStraw GRPO step, whether it fits the GPU (and, offloaded, the host), "
+        "and whether the model's positions (max_position_embeddings, RoPE scaling) take prompt + response.",
     )
     ap.add_argument("model", help=f"a local HF config/model directory, or a preset: {', '.join(PRESETS)}")
     size = ap.add_mutually_exclusive_group(required=True)
@@ -156,7 +161,23 @@ def plan_main(argv: list[str]) -> int:
         "--offload",
         choices=["cpu"],
         default=None,
-        help="keep the prompt state in pinned host memory (the trainer's offload_prompt_state='cpu')",
+        help="keep the prompt state in pinned host memory (the trainer's offload_prompt_state='cpu'); it must fit "
+        "this rank's share of --host-memory",
+    )
+    ap.add_argument(
+        "--host-memory",
+        type=float,
+        default=DEFAULT_HOST_MEMORY_GIB,
+        metavar="GiB",
+        help="memory of one host, in GiB, that its ranks may pin for an offloaded prompt state (default "
+        f"{DEFAULT_HOST_MEMORY_GIB:g}: a DGX H200's 2 TiB); --offload cpu is planned and suggested only within "
+        "--host-memory / --ranks-per-host a rank",
+    )
+    ap.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=DEFAULT_RANKS_PER_HOST,
+        help=f"ranks (GPUs) sharing one host's memory (default {DEFAULT_RANKS_PER_HOST})",
     )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
@@ -178,12 +199,15 @@ def _plan(a: argparse.Namespace) -> int:
         "layers",
         "chunk_size",
         "page_size",
+        "ranks_per_host",
     ):
         value = getattr(a, flag)
         if value is not None and value < 1:
             raise LongStrawError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if a.replay_batch_tokens < 0:
         raise LongStrawError(f"--replay-batch-tokens must be >= 0, got {a.replay_batch_tokens}")
+    if not (math.isfinite(a.host_memory) and a.host_memory > 0):
+        raise LongStrawError(f"--host-memory must be a positive number of GiB, got {a.host_memory}")
     gpu = _parse_gpu(a.gpu)
     config = _load_config(a.model, a.layers)
     options = dict(
@@ -199,7 +223,11 @@ def _plan(a: argparse.Namespace) -> int:
         replay_batch_tokens=a.replay_batch_tokens,
         gradient_mode=a.gradient_mode,
         offload=a.offload,
+        host_memory_gib=a.host_memory / a.ranks_per_host,
     )
+    # a preset has a model's dimensions, not its released position limit (transformers' default
+    # max_position_embeddings): only a config of the model itself says which positions it takes
+    preset = a.model in PRESETS
     prompt = a.prompt
     if a.max_prompt:
         prompt = largest_prompt(config, page_size=a.page_size, **options)
@@ -207,9 +235,18 @@ def _plan(a: argparse.Namespace) -> int:
             print(
                 f"largest prompt that fits: {prompt:,} tokens ({prompt // a.page_size} pages of {a.page_size})"
             )
+        limit = None if preset else check_positions(config, prompt, a.response).limit
+        if limit is not None and prompt + a.response > limit and limit > a.response:
+            prompt = limit - a.response
+            if not a.json:
+                print(
+                    f"the model's positions allow at most {prompt:,} prompt tokens (with --response {a.response})"
+                )
         if prompt == 0:
             prompt = a.page_size  # show why even one page does not fit
     plan = plan_memory(config, prompt, page_size=a.page_size, **options)
+    positions = None if preset else check_positions(config, prompt, a.response)
+    runs = plan.fits and (positions is None or positions.ok)
     # with --max-prompt a smaller --prompt is no change (and the two flags exclude each other)
     suggestions = (
         []
@@ -222,12 +259,21 @@ def _plan(a: argparse.Namespace) -> int:
         if a.max_prompt:
             out["largest_prompt_tokens"] = prompt if plan.fits else 0
         out["suggestions"] = [s.as_dict() for s in suggestions]
+        out["positions"] = positions.as_dict() if positions else None
+        out["runs"] = runs
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan))
         if not plan.fits:
             print(format_suggestions(suggestions, plan.gpu_bytes))
-    return 0 if plan.fits else 1
+        if positions is None:
+            print(
+                f"positions           not checked: the preset {a.model!r} has the model's dimensions, not its\n"
+                "  position limit (plan the model's config directory to check max_position_embeddings and RoPE)"
+            )
+        else:
+            print(format_positions(positions))
+    return 0 if runs else 1
 
 
 def main(argv: list[str] | None = None) -> int:

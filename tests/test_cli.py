@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from transformers import GPT2Config
@@ -104,3 +105,139 @@ def test_suggested_cp_and_prompt_are_the_edges(capsys):
     assert not _plan_json(capsys, argv + ["--cp", str(cp // 2)])[1]["fits"]
     p = by_flag["--prompt"]["prompt_tokens"]
     assert not _plan_json(capsys, argv + ["--prompt", str(p + 16384)])[1]["fits"]
+
+
+def _config_dir(tmp_path, name: str, **overrides):
+    """A small Qwen3 config.json (2 layers) with ``overrides``, as a model directory to plan."""
+    from transformers import Qwen3Config
+
+    path = tmp_path / name
+    Qwen3Config(
+        num_hidden_layers=2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        **overrides,
+    ).save_pretrained(path)
+    return str(path)
+
+
+def test_positions_beyond_max_position_embeddings_do_not_run(tmp_path, capsys):
+    """A model with 8K positions fits in memory at 1M tokens, but the engine would refuse it: the plan says so,
+    names the limit and the change (a YaRN factor and max_position_embeddings, or the longest prompt), exit 1."""
+    model = _config_dir(tmp_path, "m8k", max_position_embeddings=8192)
+    status, plan = _plan_json(capsys, [model, "--prompt", "1048576"])
+    assert plan["fits"] and status == 1 and not plan["runs"]
+    positions = plan["positions"]
+    assert positions["limit"] == 8192 and positions["limited_by"] == "max_position_embeddings"
+    (problem,) = positions["problems"]
+    assert "1,050,624 > max_position_embeddings = 8,192" in problem
+    assert '"rope_type": "yarn", "factor": 129.0' in problem and "at most 6,144" in problem
+    assert main(["plan", model, "--prompt", "1048576"]) == 1
+    text = capsys.readouterr().out
+    assert "->  FITS" in text and "the model takes 8,192 (max_position_embeddings)  ->  DOES NOT RUN" in text
+    # within the positions: it runs
+    status, plan = _plan_json(capsys, [model, "--prompt", "6144"])
+    assert status == 0 and plan["runs"] and plan["positions"]["ok"]
+    assert _plan_json(capsys, [model, "--prompt", "6145"])[0] == 1
+    # --max-prompt stops at the positions, not at the memory
+    status, plan = _plan_json(capsys, [model, "--max-prompt"])
+    assert status == 0 and plan["prompt_tokens"] == 6144
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+def test_yarn_reach_and_max_position_embeddings(tmp_path, capsys, key):
+    """Qwen's YaRN recipe (factor 4 over 32,768) reaches 131,072 positions; with max_position_embeddings left at
+    40,960 the engine still refuses more than that, so the plan says to raise it; past the YaRN's reach, to raise
+    the factor. Written as transformers 5's rope_parameters or a transformers 4 config's rope_scaling."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    path = tmp_path / key
+    path.mkdir()
+    config = json.loads(Path(_config_dir(tmp_path, "base")).joinpath("config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update({"max_position_embeddings": 40960, "rope_theta": 1e6, key: yarn})
+    (path / "config.json").write_text(json.dumps(config))
+    _, plan = _plan_json(capsys, [str(path), "--prompt", "100000"])
+    positions = plan["positions"]
+    assert positions["limit"] == 40960 and "reaches 131,072" in positions["rope"][0]
+    (problem,) = positions["problems"]
+    assert "the RoPE scaling reaches 131,072: set max_position_embeddings >= 102,048" in problem
+    config["max_position_embeddings"] = 131072
+    (path / "config.json").write_text(json.dumps(config))
+    status, plan = _plan_json(capsys, [str(path), "--prompt", "100000"])
+    assert status == 0 and plan["positions"]["ok"]
+    config["max_position_embeddings"] = 1 << 21  # positions allowed, but past the YaRN's reach
+    (path / "config.json").write_text(json.dumps(config))
+    status, plan = _plan_json(capsys, [str(path), "--prompt", "1048576"])
+    positions = plan["positions"]
+    assert status == 1 and positions["limit"] == 131072 and positions["limited_by"] == "the YaRN scaling"
+    (problem,) = positions["problems"]
+    assert "reaches 131,072 positions < P + R = 1,050,624: set its factor to 33.0 or more" in problem
+
+
+def test_rope_per_layer_type_and_call_dependent_rope(tmp_path, capsys):
+    """transformers 5 nests RoPE per layer type (Gemma 3): the full layers' RoPE is checked, the sliding layers'
+    is not a limit; a 'dynamic' RoPE is refused by the engine at any length, and the plan says so."""
+    from transformers import Gemma3TextConfig
+
+    path = tmp_path / "gemma3"
+    Gemma3TextConfig(
+        num_hidden_layers=2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1 << 21,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 1e6,
+                "factor": 8.0,
+                "original_max_position_embeddings": 32768,
+            },
+        },
+    ).save_pretrained(path)
+    status, plan = _plan_json(capsys, [str(path), "--prompt", "524288"])
+    positions = plan["positions"]
+    assert positions["limit"] == 262144 and status == 1
+    assert any(r.startswith("sliding_attention: ") and "not a limit" in r for r in positions["rope"])
+    (problem,) = positions["problems"]
+    assert "full_attention" in problem and "factor to 17.0 or more" in problem
+    dynamic = _config_dir(
+        tmp_path, "dynamic", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}
+    )
+    status, plan = _plan_json(capsys, [dynamic, "--prompt", "1024"])
+    (problem,) = plan["positions"]["problems"]
+    assert status == 1 and "rope_type='dynamic' is refused" in problem and "use 'yarn'" in problem
+
+
+def test_offload_only_within_the_host_memory(capsys):
+    """`--offload cpu` is suggested, and planned as fitting, only within this rank's share of --host-memory: 100M
+    tokens of Qwen3-8B (13.7 TB of K/V) do not get a bare `--offload cpu`, but one spread over enough CP ranks."""
+    argv = ["qwen3-8b", "--prompt", "100000000", "--gpu", "80"]
+    status, plan = _plan_json(capsys, argv)
+    assert status == 1
+    share = 2048 / 8 * 2**30  # the default: a 2 TiB host shared by 8 ranks
+    offloads = [s for s in plan["suggestions"] if "--offload" in s["args"]]
+    assert offloads and ["--offload", "cpu"] not in [s["args"] for s in plan["suggestions"]]
+    for s in offloads:
+        assert 0 < s["host_bytes"] <= share, s
+    status, off = _plan_json(capsys, [*argv, "--offload", "cpu"])
+    assert status == 1 and off["fits_gpu"] and not off["fits_host"] and off["host_state"] > share
+    assert main(["plan", *argv, "--offload", "cpu"]) == 1
+    assert "host memory             256.00 GiB  ->  DOES NOT FIT" in capsys.readouterr().out
+    # a larger host (or fewer ranks on it) holds more: 1M tokens' 144 GiB fit one rank of a 1 TiB host only alone
+    small = ["qwen3-8b", "--prompt", "1048576", "--gpu", "80", "--offload", "cpu", "--lora-rank", "64"]
+    assert _plan_json(capsys, [*small, "--host-memory", "1024"])[0] == 1
+    status, plan = _plan_json(capsys, [*small, "--host-memory", "1024", "--ranks-per-host", "1"])
+    assert status == 0 and plan["host_memory"] == 1024 * 2**30
+
+
+def test_bad_host_memory(capsys):
+    err = _error(capsys, ["plan", "qwen3-8b", *SMALL, "--host-memory", "0"])
+    assert "--host-memory must be a positive number of GiB" in err

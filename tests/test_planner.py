@@ -272,7 +272,7 @@ def test_glm5_plan_that_does_not_fit_names_ep_and_offload():
     text = format_suggestions(suggestions, plan.gpu_bytes)
     line = next(x for x in text.splitlines() if x.strip().startswith("--offload cpu "))
     assert line.endswith(
-        f"peak {offload.peak / GiB:.2f} GiB (+ {plan.state / GiB:.2f} GiB of pinned host memory)"
+        f"peak {offload.peak / GiB:.2f} GiB (+ {plan.state / GiB:.2f} GiB of pinned host memory a rank)"
     )
 
 
