@@ -260,8 +260,18 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=16,
         metadata={"help": "'adaptive': upper bound of the reuse interval."},
     )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated alias of `activation_checkpointing` (transformers 5.23). Left unset, "
+            "`activation_checkpointing` defaults to True, as TRL's `gradient_checkpointing` does, without the "
+            "deprecation warning TRL's default triggers."
+        },
+    )
 
     def __post_init__(self):
+        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default, under the name transformers 5.23 keeps
         super().__post_init__()
         check_train_groups(self)  # after GRPOConfig has derived steps_per_generation
         if self.offload_prompt_state in ("none", "None", ""):

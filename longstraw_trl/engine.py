@@ -170,8 +170,9 @@ def check_positions(model: nn.Module, total: int, what: str) -> None:
 def _progress(total: int, enabled: bool | None, desc: str):
     from tqdm.auto import tqdm
 
-    if enabled is None:
-        enabled = total >= 1 << 17
+    if enabled is None:  # long work only, and one bar per run: not one per context-parallel rank
+        first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        enabled = total >= 1 << 17 and first
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not enabled, leave=False)
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
-
 from longstraw_trl import LongStrawGRPOConfig
 
 
@@ -27,11 +25,6 @@ def test_activation_checkpointing_is_the_quiet_form():
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TRL 1.16's config declares `gradient_checkpointing: bool = True`, which transformers 5.23 resolves with a "
-    "FutureWarning; needs the LongStrawGRPOConfig change in the issue-29 report (config.py, not edited here)",
-)
 def test_default_config_does_not_warn():
     config, caught = _checkpointing_warnings()
     assert not caught, caught
