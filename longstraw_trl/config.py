@@ -384,14 +384,6 @@ class LongStrawGRPOConfig(GRPOConfig):
                 "multimodal processors (images)",
                 "Pass the tokenizer as processing_class and text (or chat) prompts only.",
             )
-        if self.gradient_mode == "full" and (
-            tools or rollout_func is not None or environment_factory is not None
-        ):
-            refuse(
-                "gradient_mode='full' with tools, environment_factory or rollout_func",
-                "The full gradient is carried through captured prompts only, not through tool turns. Use "
-                "gradient_mode='response_only'.",
-            )
         # Loss options (raises NotImplementedError for what the per-response loss cannot stream)
         GRPOLossSpec.from_args(self)
 

@@ -210,8 +210,9 @@ def _config(prefix: str, **kwargs):
     return config
 
 
-def make_pair(family: str, *, tools=None, dataset=None, reward_funcs=tool_reward, **kwargs):
-    """(stock GRPOTrainer, LongStrawGRPOTrainer) on copies of one tiny model, with the same tools and config."""
+def make_pair(family: str, *, tools=None, dataset=None, reward_funcs=tool_reward, ours_kwargs=None, **kwargs):
+    """(stock GRPOTrainer, LongStrawGRPOTrainer) on copies of one tiny model, with the same tools and config
+    (`ours_kwargs`: LongStrawGRPOConfig's own options, e.g. gradient_mode)."""
     from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
 
     model = tiny_qwen3_6_vocab_model(family, init_std=kwargs.pop("init_std", 0.02))
@@ -231,7 +232,9 @@ def make_pair(family: str, *, tools=None, dataset=None, reward_funcs=tool_reward
         ours = LongStrawGRPOTrainer(
             model=model,
             reward_funcs=reward_funcs,
-            args=LongStrawGRPOConfig(**_config("agents_ours_", disable_tqdm=True, **kwargs)),
+            args=LongStrawGRPOConfig(
+                **_config("agents_ours_", disable_tqdm=True, **kwargs, **(ours_kwargs or {}))
+            ),
             train_dataset=dataset,
             processing_class=qwen_tokenizer(),
             tools=tools,

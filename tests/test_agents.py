@@ -80,12 +80,16 @@ def _assert_same_rollouts(ref, out, stock, ours):
 
 
 def _assert_loss_parity(ref, out, stock, ours):
+    """Loss and gradients equal stock's: its response-only version (the prompt's K/V constants), or, with
+    `gradient_mode="full"`, stock itself (every completion, tool tokens included, replayed on the group's prompt state,
+    whose gradient the prompt backward carries into the prompt)."""
     mask = ref["completion_mask"]
     if "old_per_token_logps" in ref:
         diff = (out["old_per_token_logps"] - ref["old_per_token_logps"]) * mask
         assert diff.abs().max() <= 1e-4
     stock.model.zero_grad()
-    patch_response_only_logps(stock, ref["prompt_ids"][0])
+    if ours.args.gradient_mode != "full":
+        patch_response_only_logps(stock, ref["prompt_ids"][0])
     ref_loss = stock._compute_loss(stock.model, ref)
     ref_loss.backward()
     ours.model.zero_grad()
@@ -136,15 +140,19 @@ def last_turn_ids(script, trainer, i):
     return trainer.processing_class(turn(r, k, script.scripts[r][k]), add_special_tokens=False)["input_ids"]
 
 
-def test_async_tool_matches_stock_trl():
-    """An async tool (run on TRL's event loop) next to a sync one, two calls in one turn."""
-    stock, ours = make_pair("qwen3", tools=[lookup, add])
+@pytest.mark.parametrize("gradient_mode", ["response_only", "full"])
+def test_async_tool_matches_stock_trl(gradient_mode):
+    """An async tool (run on TRL's event loop) next to a sync one, two calls in one turn; the loss and gradients
+    equal stock's (its full-sequence gradient with gradient_mode='full': through the tool tokens into the prompt)."""
+    stock, ours = make_pair("qwen3", tools=[lookup, add], ours_kwargs=dict(gradient_mode=gradient_mode))
     assert ours._has_async_funcs
     ref, out, counts, (stock_script, ours_script) = _generate_both(stock, ours, ASYNC_SCRIPTS)
     _assert_same_rollouts(ref, out, stock, ours)
     both = [m for m in list(stock._logs["completion"])[-1] if m["role"] == "tool"]
     assert [m["content"] for m in both] == ["42", "41"]  # TRL appends the sync results before the async ones
     assert counts.captured == [out["longstraw_prompts"][0][1].numel()] and len(counts.extended) == 3
+    _assert_loss_parity(ref, out, stock, ours)
+    assert bool(ours._metrics["train"]["longstraw/prompt_backward_seconds"]) == (gradient_mode == "full")
 
 
 class Notebook:
@@ -178,11 +186,14 @@ ENV_SCRIPTS = {
 }
 
 
-def test_environment_factory_matches_stock_trl():
+@pytest.mark.parametrize("gradient_mode", ["response_only", "full"])
+def test_environment_factory_matches_stock_trl(gradient_mode):
     from datasets import Dataset
 
     dataset = Dataset.from_dict({"prompt": [MESSAGES] * 4, "secret": ["41"] * 4})
-    stock, ours = make_pair("qwen3", environment_factory=Notebook, dataset=dataset)
+    stock, ours = make_pair(
+        "qwen3", environment_factory=Notebook, dataset=dataset, ours_kwargs=dict(gradient_mode=gradient_mode)
+    )
     assert ours.reward_func_names[-1] == "Notebook"
     rows = [{"prompt": MESSAGES, "secret": "41"}] * 4
     stock_script, ours_script = (
@@ -210,9 +221,11 @@ def test_environment_factory_matches_stock_trl():
     assert counts.captured == [out["longstraw_prompts"][0][1].numel()] and len(counts.extended) == 4
     tools = [m["content"] for m in list(stock._logs["completion"])[-4] if m["role"] == "tool"]
     assert tools == ["41"]
+    _assert_loss_parity(ref, out, stock, ours)
 
 
-def test_rollout_func_matches_stock_trl():
+@pytest.mark.parametrize("gradient_mode", ["response_only", "full"])
+def test_rollout_func_matches_stock_trl(gradient_mode):
     """Completions made outside (with their sampling log-probs and an env_mask) are scored and trained by capture +
     replay; the log-probs are TRL's `sampling_per_token_logps` (here they decide the off-policy mask)."""
     texts = ["answer 3", "it is three", "3, because 1 + 2", "no idea"]
@@ -241,7 +254,12 @@ def test_rollout_func_matches_stock_trl():
         return [len(c[0]["content"]) / 10 + (h == "3") for c, h in zip(completions, hint, strict=True)]
 
     stock, ours = make_pair(
-        "qwen3", rollout_func=rollout, reward_funcs=reward, off_policy_mask_threshold=0.5, loss_type="grpo"
+        "qwen3",
+        rollout_func=rollout,
+        reward_funcs=reward,
+        off_policy_mask_threshold=0.5,
+        loss_type="grpo",
+        ours_kwargs=dict(gradient_mode=gradient_mode),
     )
     counts = Counts(ours)
     ref = stock._generate_and_score_completions([dict(r) for r in ROWS])

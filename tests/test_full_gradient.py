@@ -209,20 +209,6 @@ def test_config_refuses_what_it_cannot_make_exact(kwargs, match):
         make_tiny_longstraw_trainer(**kwargs)
 
 
-def test_trainer_refuses_full_mode_with_tool_turns():
-    def tool(x: int) -> int:
-        """Echo.
-
-        Args:
-            x: a number.
-        """
-        return x
-
-    args = make_tiny_longstraw_trainer(gradient_mode="full").args
-    with pytest.raises(LongStrawError, match="tool turns"):
-        args.check_supported(tools=[tool])
-
-
 # ----------------------------------------------------------------------------------------------------
 # Trainer: gradient_mode="full" against stock GRPOTrainer (unpatched: TRL's own full-sequence gradient)
 # ----------------------------------------------------------------------------------------------------
