@@ -21,6 +21,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-v3   # the GLM-5 slice at 2M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v4      # offload GPU tests, the GLM-5 slice at 1M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gather-probe # the host gather's tiles and row orders
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh layers      # every GPU test (session 10's reorganisation)
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -68,6 +69,13 @@ gpu_tests() {
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$log" | tail -8
 }
 case "$1" in
+layers)  # session 10: every GPU test after the runtime-layer reorganisation (context / hooks / Mode, the decode
+         # buffers and GDN running state now written through ReplayContext), fla on the path as in v4
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 560 python3 -m pytest -v -rfE -m gpu --durations 15 tests/ \
+    > "$OUT/pytest_gpu_layers.log" 2>&1
+  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_layers.log") passed"
+  grep -E " (FAILED|ERROR)|^FAILED|^ERROR|passed|failed" "$OUT/pytest_gpu_layers.log" | tail -12
+  ;;
 profile)  # where a replay + backward spends its time (whole model, LoRA, HF checkpointing); args to the script
   shift
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 400 python3 -u profile_replay.py "$@" 2>&1 | grep -v -i warn \
