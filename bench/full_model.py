@@ -125,6 +125,14 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--skip-longstraw", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the JSON name (keeps earlier runs' files)")
+    ap.add_argument(
+        "--gradient-modes",
+        nargs="+",
+        default=["response_only"],
+        choices=["response_only", "full"],
+        help="gradient_mode of the LongStraw steps: each P runs once per mode, in this order, side by side in one "
+        "process (the warm-up runs in the first mode)",
+    )
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU, fp32, tiny dimensions and P")
     args = ap.parse_args()
     if args.tiny:
@@ -195,6 +203,13 @@ class Floors:
     def generation(self, r: int, state: int) -> float:
         return r * (self.weight_bytes + state) / self.bandwidth
 
+    def prompt_backward(self, p: int) -> float:
+        """The full gradient's prompt backward: the prompt recomputed under autograd and back-propagated (dense: 4 FLOP
+        per frozen parameter per token, forward and input gradient, 6 per LoRA parameter; causal attention: 2 P^2 Hq d
+        forward + 4 P^2 Hq d for dQ, dK, dV per full-attention layer)."""
+        dense = (4 * self.decoder + 6 * self.lora) * p / self.matmul
+        return dense + 6 * p * p * self.attn_per_pair / self.attn
+
     def replay(self, p: int, r: int, state: int) -> float:
         """One response: forward + backward to the LoRA weights."""
         dense = (4 * (self.decoder + self.head) + 6 * self.lora) * r / self.matmul
@@ -261,7 +276,9 @@ def record_progress(trainer, entry: dict, save) -> None:
     trainer._generate_single_turn = recording(trainer._generate_single_turn)
 
 
-def longstraw_trainer(model, tokenizer, args, p: int, r: int, peft_config=None) -> LongStrawGRPOTrainer:
+def longstraw_trainer(
+    model, tokenizer, args, p: int, r: int, peft_config=None, gradient_mode: str = "response_only"
+) -> LongStrawGRPOTrainer:
     out_dir = tempfile.mkdtemp(prefix="longstraw_full_")  # nothing is saved there (save_strategy="no")
     atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
     config = LongStrawGRPOConfig(
@@ -279,6 +296,7 @@ def longstraw_trainer(model, tokenizer, args, p: int, r: int, peft_config=None) 
         page_size=args.page,
         replay_batch_tokens=args.replay_batch_tokens,
         graph_free_fused_kernels=args.fused_kernels,
+        gradient_mode=gradient_mode,
         use_cpu=args.tiny,
         bf16=not args.tiny,
     )
@@ -331,12 +349,20 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
     }
     state = sum(state_by_kind.values())
     g = args.generations
-    seconds = {k: sum(m[f"longstraw/{k}_seconds"]) for k in ("capture", "generation", "replay")}
+    full = trainer.args.gradient_mode == "full"
+    names = (
+        ("capture", "generation", "replay", "prompt_backward")
+        if full
+        else ("capture", "generation", "replay")
+    )
+    seconds = {k: sum(m[f"longstraw/{k}_seconds"]) for k in names}
     floor = {
         "capture": floors.capture(p),
         "generation": floors.generation(r, state),
         "replay": g * floors.replay(p, r, state),
     }
+    if full:
+        floor["prompt_backward"] = floors.prompt_backward(p)
     phases = {
         k: {"seconds": seconds[k], "floor_s": floor[k], "over_floor": seconds[k] / floor[k]} for k in seconds
     }
@@ -360,6 +386,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
     )
     return {
         "ok": True,
+        "gradient_mode": trainer.args.gradient_mode,
         "prompt_tokens_captured": int(m["longstraw/prompt_tokens"][-1]),
         "response_tokens_min_max": [
             int(min(m["completions/min_length"])),
@@ -400,20 +427,32 @@ def estimate_longstraw(prev: dict, floors: Floors, args, p: int) -> float:
 
 
 def run_longstraw(peft_model, tokenizer, floors, args, results: list, save, deadline, dtype_bytes) -> None:
-    prev = None
-    for p in args.prompts:
+    prev = {}  # by gradient mode
+    for p, mode in [(p, mode) for p in args.prompts for mode in args.gradient_modes]:
         left = deadline - time.perf_counter()
-        estimate = estimate_longstraw(prev, floors, args, p) if prev else None
+        # the full mode's prompt backward is not in the estimate: its first P always runs
+        estimate = (
+            estimate_longstraw(prev[mode], floors, args, p) if mode in prev and mode != "full" else None
+        )
         if left <= 0 or (estimate is not None and estimate > left):
             results.append(
-                {"prompt_tokens": p, "ok": False, "skipped": "budget", "estimate_s": estimate, "left_s": left}
+                {
+                    "prompt_tokens": p,
+                    "gradient_mode": mode,
+                    "ok": False,
+                    "skipped": "budget",
+                    "estimate_s": estimate,
+                    "left_s": left,
+                }
             )
             save()
             continue
-        results.append({"prompt_tokens": p, "status": "running", "estimate_s": estimate})
+        results.append(
+            {"prompt_tokens": p, "gradient_mode": mode, "status": "running", "estimate_s": estimate}
+        )
         save()
         # a fresh trainer (and optimizer) per P, on the same PEFT model
-        trainer = longstraw_trainer(peft_model, tokenizer, args, p, args.response)
+        trainer = longstraw_trainer(peft_model, tokenizer, args, p, args.response, gradient_mode=mode)
         record_progress(trainer, results[-1], save)
         result = _guarded(longstraw_step, trainer, floors, args, p, args.response, dtype_bytes)
         del trainer
@@ -423,7 +462,8 @@ def run_longstraw(peft_model, tokenizer, floors, args, results: list, save, dead
         save()
         if result.get("oom"):
             break  # a larger P needs more memory
-        prev = result if result["ok"] else prev
+        if result["ok"]:
+            prev[mode] = result
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -502,10 +542,14 @@ def summary_rows(payload: dict) -> list[dict]:
     rows = []
     for r in payload["longstraw"]:
         ph, ok = r.get("phases", {}), r.get("ok")
-        row = {"side": "longstraw", "P": r["prompt_tokens"], "status": _status(r)}
+        row = {
+            "side": f"longstraw {r.get('gradient_mode', '')}",
+            "P": r["prompt_tokens"],
+            "status": _status(r),
+        }
         row["seconds (x floor)"] = f"{r['train_s']:.1f} ({r['step_over_floor']:.1f}x)" if ok else ""
-        for k in ("capture", "generation", "replay"):
-            row[k] = f"{ph[k]['seconds']:.1f} ({ph[k]['over_floor']:.1f}x)" if ok else ""
+        for k in ("capture", "generation", "replay", "prompt_backward"):
+            row[k] = f"{ph[k]['seconds']:.1f} ({ph[k]['over_floor']:.1f}x)" if ok and k in ph else ""
         row["peak GiB"], row["planner GiB"] = _gib(r), f"{r['planner']['peak_gib']:.1f}" if ok else ""
         rows.append(row)
     for r in payload["stock"]["results"]:
@@ -537,8 +581,15 @@ def main() -> None:
         r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear", task_type="CAUSAL_LM"
     )
     # the first trainer wraps the model with the LoRA adapters; later trainers (and stock) share its PEFT model
+    # the warm-up runs in the last mode asked for: with "full", its prompt backward compiles what the full steps run
     trainer = longstraw_trainer(
-        model, tokenizer, args, args.warmup_prompt or 1024, args.warmup_response, peft_config=lora
+        model,
+        tokenizer,
+        args,
+        args.warmup_prompt or 1024,
+        args.warmup_response,
+        peft_config=lora,
+        gradient_mode=args.gradient_modes[-1],
     )
     peft_model = trainer.accelerator.unwrap_model(trainer.model)
     del model
@@ -571,6 +622,8 @@ def main() -> None:
             "generation": "R (bytes of all weights but the input embedding + state bytes) / copy bandwidth",
             "replay_per_response": "max((4 (decoder + head) + 6 LoRA params) R / GEMM + 10 Hq d R P x "
             "full-attention layers / attention, (3 weight bytes + 2 state bytes) / copy bandwidth)",
+            "prompt_backward": "(4 decoder + 6 LoRA params) P / GEMM + 6 P^2 Hq d x full-attention layers / attention "
+            "(recompute 2, dQ dK dV 4; causal)",
         },
         "longstraw_description": "LongStrawGRPOTrainer.train(), max_steps=1, a fresh trainer per P on one PEFT "
         "model: capture + generation (no reachable EOS: R tokens each) + G replays with backward + AdamW step",
