@@ -69,6 +69,12 @@ gpu_tests() {
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$log" | tail -8
 }
 case "$1" in
+full-memory)  # issue 25: where gradient_mode='full' runs out of memory on the whole 27B (train() OOMed at P = 16K,
+              # R = 32, where response-only peaked at 58.7 GiB): the engine's phases one by one; args to the script
+  shift
+  cd bench && PYTHONPATH=/tmp/site timeout 400 python3 -u full_mode_memory.py "$@" 2>&1 | grep -v -i warn \
+    | tee "$OUT/full_memory.log" | tail -30
+  ;;
 layers)  # session 10: every GPU test after the runtime-layer reorganisation (context / hooks / Mode, the decode
          # buffers and GDN running state now written through ReplayContext), fla on the path as in v4
   PYTHONPATH=/tmp/site:/tmp/fla timeout 560 python3 -m pytest -v -rfE -m gpu --durations 15 tests/ \
