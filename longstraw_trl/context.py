@@ -145,6 +145,7 @@ class ReplayContext:
         self.grads, self.segment = grads, segment
         # (tensor, its gradient from later segments) of what a segment added to the state
         self.emitted: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._emitted_layers: set[int] = set()
         self.state = state
         self.cp = cp if cp is not None else communicator(state.cp_group)
         self.checkpoint_layers = checkpoint_layers
@@ -196,11 +197,23 @@ class ReplayContext:
             if t is not None and g is not None and t.requires_grad:
                 self.emitted.append((t, g.to(t.dtype)))
 
+    def _first_emission(self, idx: int) -> bool:
+        """Whether layer ``idx`` emits for the first time in this call. A checkpointed layer runs again when backward
+        recomputes it: what it emits then must not be kept (it would hold the recomputed layer's activations until
+        the segment's backward ends: every layer's, 72 GiB more for a 16K-token chunk of the whole Qwen3.6-27B)."""
+        if idx in self._emitted_layers:
+            return False
+        self._emitted_layers.add(idx)
+        return True
+
     def emit_state(self, idx: int, after: LayerState) -> None:
         """A fixed-size layer's state after the segment, paired with the gradient its next user sent."""
-        self._emit(after.grad_tensors(), self.grads.carried(self.segment[1], idx))
+        if self._first_emission(idx):
+            self._emit(after.grad_tensors(), self.grads.carried(self.segment[1], idx))
 
     def _emit_kv(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self._first_emission(idx):
+            return
         start, end = self.segment
         dk, dv = self.grads.kv(idx).take(start, end, k.device)
         if self.cp.size > 1:  # the segment is replicated: every rank needs the dK/dV of every rank's pages

@@ -476,3 +476,35 @@ def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer():
     assert scale > 1e-3  # the steps moved the weights
     for name, ref in stock_update.items():
         torch.testing.assert_close(ours_update[name], ref, atol=1e-4 * scale, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_checkpointed_prompt_backward_keeps_no_recomputed_layer(family, monkeypatch):
+    """A checkpointed segment layer runs again when backward recomputes it; what it emits then is not kept (it held
+    every recomputed layer's activations until the segment's backward ended: the whole Qwen3.6-27B ran out of memory
+    at a 16K-token chunk). Each layer emits once per segment; the gradient is unchanged (the tests above)."""
+    import longstraw_trl.engine as engine
+
+    contexts = []
+
+    class Recording(engine.ReplayContext):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            contexts.append(self)
+
+    monkeypatch.setattr(engine, "ReplayContext", Recording)
+    model = build("qwen3") if family == "qwen3" else build_hybrid("qwen3_5")
+    gen = torch.Generator().manual_seed(5)
+    state = capture_prompt(
+        model, torch.randint(0, VOCAB, (25,), generator=gen), chunk_size=8, keep_boundaries=True
+    )
+    grads = StateGrads(state)
+    state.logprobs(
+        model, torch.randint(0, VOCAB, (1, 6), generator=gen), grad=True, grads=grads
+    ).sum().backward()
+    prompt_backward(state, model, grads, checkpoint_layers=True)
+    segments = [c for c in contexts if c.segment is not None]
+    assert len(segments) == 3  # chunks of 8, 8 and 8 resident tokens, in reverse
+    layers = model.config.num_hidden_layers
+    for ctx in segments:
+        assert 0 < len(ctx.emitted) <= 2 * layers  # K and V, or conv and recurrent state: once per layer
