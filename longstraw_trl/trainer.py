@@ -713,18 +713,47 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._buffered_inputs = None
 
     def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint plus the refresh policy's state and a record of the prompt states it leaves out
+        (`REFRESH_STATE_FILE`; README, "Checkpoints and resuming")."""
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
+            record = {
+                **self.refresh_policy.state_dict(),
+                "prompt_cache": self.prompt_states.checkpoint_summary(),
+            }
             with open(os.path.join(folder, REFRESH_STATE_FILE), "w") as f:
-                json.dump(self.refresh_policy.state_dict(), f)
+                json.dump(record, f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        """TRL's resume, then the refresh policy's state; the prompt states start empty (`PromptStates.resume`)."""
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            path = os.path.join(checkpoint, REFRESH_STATE_FILE)
-            if os.path.exists(path):
-                with open(path) as f:
-                    self.refresh_policy.load_state_dict(json.load(f))
+        if checkpoint is None:
+            return
+        record = None
+        path = os.path.join(checkpoint, REFRESH_STATE_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                record = json.load(f)
+            self.refresh_policy.load_state_dict(record)
+        self.prompt_states.resume(
+            checkpoint, self.state.global_step, None if record is None else record.get("prompt_cache")
+        )
+        micro_steps = self.state.global_step * self.args.gradient_accumulation_steps
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if micro_steps % generate_every:
+            logger.warning(
+                "LongStraw resume from %s (step %d): the checkpoint falls inside a generation batch (one every %d "
+                "micro-steps: steps_per_generation=%d x num_iterations=%d); checkpoints hold neither TRL's buffered "
+                "batch nor its micro-step counter, so the resumed run generates a new batch at once where the "
+                "uninterrupted one replays the buffered batch (TRL's behaviour). Choose save_steps so that "
+                "save_steps x gradient_accumulation_steps is a multiple of %d for an exact resume.",
+                checkpoint,
+                self.state.global_step,
+                generate_every,
+                self.args.steps_per_generation,
+                self.num_iterations,
+                generate_every,
+            )
