@@ -165,9 +165,9 @@ def _check_reward_output(name: str, output: Any, kwargs: dict) -> None:
             if completions is not None:
                 where += f" (completion {_short(completions[row])})"
             raise RewardFunctionError(
-                f"reward function {name!r} returned {value} for {where}: rewards must be finite (a non-finite reward "
-                "makes every advantage of its group NaN or the loss 0, and GRPO learns nothing). Return None for a "
-                "completion the function does not score."
+                f"reward function {name!r} returned {value} for {where}: rewards must be finite (with an infinite "
+                "reward stock TRL trains on with a zero loss and gradient). Return None for a completion the function "
+                "does not score (TRL reads NaN as None; here it is refused, since it is more often a bug)."
             )
 
 
