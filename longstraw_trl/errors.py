@@ -18,7 +18,8 @@ class LongStrawTrainingError(RuntimeError):
 
 
 class RewardFunctionError(LongStrawTrainingError):
-    """A reward function raised; the message names it."""
+    """A reward function raised, or returned something other than one finite float (or None) per completion; the
+    message names it (and the row, for a bad value)."""
 
 
 class NonFiniteLossError(LongStrawTrainingError):

@@ -318,6 +318,63 @@ class PromptStates:
         self.cache.clear()
         self.train_keys = set()
 
+    # --- checkpoints --------------------------------------------------------------------------------------------------
+    def checkpoint_summary(self) -> dict:
+        """What a checkpoint leaves out of the cache: the states held now (count, prompt tokens, bytes, and the
+        steps that captured them). Checkpoints hold no prompt state (a million-token state is gigabytes); a resume
+        re-captures each prompt at its next use (:meth:`resume`)."""
+        held = [e for e in self.cache.entries.values() if e.state is not None]
+        return {
+            "saved": False,
+            "states": len(held),
+            "tokens": sum(int(e.prompt_ids.numel()) for e in held),
+            "bytes": self.cache.nbytes(),
+            "captured_at": sorted({int(e.captured_at) for e in held}),
+        }
+
+    def resume(self, checkpoint: str, step: int, summary: dict | None) -> None:
+        """Resuming from ``checkpoint`` (optimizer step ``step``): start with an empty cache, and say what that
+        changes. Under ``recapture`` nothing: no state is used in a step after the one that captured it. Under
+        ``reuse`` / ``adaptive`` the states the checkpoint left out (``summary``, from :meth:`checkpoint_summary`)
+        are captured again, with the restored weights, where the uninterrupted run would have reused them stale:
+        the resumed run is the uninterrupted run with its cache cleared after step ``step``, not that run itself."""
+        self.free()
+        policy = self.refresh_policy.policy
+        if summary is None:
+            logger.warning(
+                "LongStraw resume from %s (step %d): the checkpoint has no prompt-cache record (saved by another "
+                "trainer or an older version); prompt states start empty and every prompt is captured again at its "
+                "next use.",
+                checkpoint,
+                step,
+            )
+            return
+        states = int(summary.get("states", 0))
+        if policy == "recapture" or states == 0:
+            logger.info(
+                "LongStraw resume from %s (step %d): no prompt state crosses a step under refresh_policy=%r: the "
+                "resumed run equals the uninterrupted one.",
+                checkpoint,
+                step,
+                policy,
+            )
+            return
+        logger.warning(
+            "LongStraw resume from %s (step %d): checkpoints hold no prompt state; the %d state(s) cached when it was "
+            "saved (%d prompt tokens, %.3g MiB, captured at step(s) %s) are captured again, with the restored "
+            "weights, at their next use. Under refresh_policy=%r the uninterrupted run would have reused them "
+            "stale: from here the run equals an uninterrupted one whose prompt cache was cleared after step %d, not "
+            "that run itself (the refresh policy's counters, interval and drift history are restored).",
+            checkpoint,
+            step,
+            states,
+            int(summary.get("tokens", 0)),
+            int(summary.get("bytes", 0)) / 2**20,
+            ", ".join(str(s) for s in summary.get("captured_at", ())) or "-",
+            policy,
+            step,
+        )
+
     def nbytes(self) -> int:
         """Bytes of the prompt states held (forks' shared pages counted once)."""
         return self.cache.nbytes()

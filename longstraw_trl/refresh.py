@@ -14,7 +14,8 @@ needed, from its *age* (optimizer steps since its capture):
   interval is halved, otherwise it grows by one, capped at ``max_interval`` (additive increase, multiplicative
   decrease).
 
-The policy holds no tensors; its counters are saved with the Trainer's checkpoints (:meth:`state_dict`).
+The policy holds no tensors; its counters, interval and drift history are saved with the Trainer's checkpoints
+(:meth:`state_dict`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class RefreshPolicy:
         self.stale_uses = 0  # stale decisions so far (the probe clock of "adaptive")
         self.counts = dict.fromkeys(ACTIONS, 0)
         self.last_drift: float | None = None
+        self.drifts: list[float] = []  # every drift recorded, in order (checkpointed with the rest)
 
     def decide(self, age: int) -> RefreshDecision:
         """The action for a state captured ``age`` optimizer steps ago (``age == 0``: captured with these weights)."""
@@ -101,6 +103,7 @@ class RefreshPolicy:
     def record_drift(self, drift: float) -> int:
         """Feed the drift measured by a probe; returns the new interval (``"adaptive"`` adapts it)."""
         self.last_drift = float(drift)
+        self.drifts.append(self.last_drift)
         if self.policy == "adaptive":
             old = self.interval
             if drift > self.drift_threshold:
@@ -125,6 +128,7 @@ class RefreshPolicy:
             "stale_uses": self.stale_uses,
             "counts": dict(self.counts),
             "last_drift": self.last_drift,
+            "drifts": list(self.drifts),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -140,6 +144,7 @@ class RefreshPolicy:
         self.stale_uses = int(state["stale_uses"])
         self.counts.update(state.get("counts", {}))
         self.last_drift = state.get("last_drift")
+        self.drifts = [float(d) for d in state.get("drifts", ())]
 
     def __repr__(self) -> str:
         return (

@@ -53,6 +53,8 @@ class CachedPrompt:
         captured_at: the optimizer step whose weights captured the oldest part of the state.
         probe_stale: ``"adaptive"`` refresh: the stale state kept until the drift is measured.
         last_used: the cache's clock at the last lookup (least recently used states are evicted first).
+        built_at: the optimizer step whose lookup built the current state (captured or extended it).
+        reused_at: the last step whose lookups counted the state's tokens as reused (once a step).
     """
 
     key: str
@@ -61,6 +63,8 @@ class CachedPrompt:
     captured_at: int
     probe_stale: PromptState | None = None
     last_used: int = 0
+    built_at: int = 0
+    reused_at: int | None = None
     parent: str | None = field(default=None, repr=False)  # the prefix it was extended from, if any
 
 
@@ -104,7 +108,10 @@ class PromptStateCache:
         self.pinned: set[str] = set()
         self._clock = 0
         self.tokens_captured = 0  # prompt tokens prefilled (whole captures and extensions), since `pop_stats`
-        self.tokens_reused = 0  # prompt tokens served from an existing state without prefill
+        # prompt tokens served without prefill: an exact hit on a state built in an earlier step (counted once a
+        # step: the loss's lookups of the state its own step captured or already served are not reuse), and the
+        # prefix of an extension
+        self.tokens_reused = 0
 
     # --- lookup -----------------------------------------------------------------------------------------------------
     def get(
@@ -120,7 +127,9 @@ class PromptStateCache:
             entry.last_used = self._clock
             decision = self.policy.decide(step - entry.captured_at)
             if not decision.needs_capture:
-                self.tokens_reused += ids.numel()
+                if entry.built_at < step and entry.reused_at != step:
+                    self.tokens_reused += ids.numel()
+                    entry.reused_at = step
                 return Lookup(entry, decision.action, decision.age)
             stale, entry.state = entry.state, None
             entry.probe_stale = stale if decision.action == PROBE else None
@@ -154,13 +163,13 @@ class PromptStateCache:
         prefix = self._usable_prefix(entry, step, fresh_only)
         if prefix is None:
             entry.state = self._capture(entry.prompt_ids)
-            entry.captured_at, entry.parent = step, None
+            entry.captured_at, entry.built_at, entry.parent = step, step, None
             self.tokens_captured += entry.prompt_ids.numel()
             return CAPTURE
         n = prefix.prompt_ids.numel()
         prefix.last_used = self._clock
         entry.state = self._extend(prefix.state, entry.prompt_ids[n:])
-        entry.captured_at, entry.parent = prefix.captured_at, prefix.key
+        entry.captured_at, entry.built_at, entry.parent = prefix.captured_at, step, prefix.key
         self.tokens_reused += n
         self.tokens_captured += entry.prompt_ids.numel() - n
         logger.info(
@@ -233,7 +242,9 @@ class PromptStateCache:
         self.pinned = set()
 
     def pop_stats(self) -> dict[str, int]:
-        """Tokens captured and reused since the last call."""
+        """Prompt tokens prefilled (``tokens_captured``: captures and extensions) and served without prefill
+        (``tokens_reused``: states built in an earlier step, once a step, and extensions' prefixes) since the last
+        call."""
         out = {"tokens_captured": self.tokens_captured, "tokens_reused": self.tokens_reused}
         self.tokens_captured = self.tokens_reused = 0
         return out

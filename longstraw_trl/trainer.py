@@ -72,11 +72,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import numbers
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from accelerate.utils.memory import clear_device_cache
@@ -120,8 +125,55 @@ logger = logging.getLogger(__name__)
 REFRESH_STATE_FILE = "longstraw_refresh.json"
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _check_reward_output(name: str, output: Any, kwargs: dict) -> None:
+    """What TRL needs from a reward function: one float (or None: not scored) per completion, finite. Raises
+    :class:`RewardFunctionError` naming the function, what it returned and, for a bad value, the row."""
+    completions = kwargs.get("completions")
+    expected = "one float or None per completion"
+    if completions is not None:
+        expected += f" (a list of {len(completions)})"
+    if isinstance(output, torch.Tensor | np.ndarray) and output.ndim == 1:
+        values = output.tolist()
+    elif isinstance(output, list | tuple):
+        values = output
+    else:
+        raise RewardFunctionError(
+            f"reward function {name!r} returned {type(output).__name__} {_short(output)}; expected {expected}."
+        )
+    if completions is not None and len(values) != len(completions):
+        raise RewardFunctionError(
+            f"reward function {name!r} returned {len(values)} values for {len(completions)} completions; expected "
+            f"{expected}."
+        )
+    for row, value in enumerate(values):
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor | np.ndarray) and value.ndim == 0:
+            value = value.item()
+        if not isinstance(value, numbers.Real):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {type(value).__name__} {_short(value)} for row {row}; expected "
+                f"{expected}."
+            )
+        if not math.isfinite(value):
+            where = f"row {row}"
+            if completions is not None:
+                where += f" (completion {_short(completions[row])})"
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {value} for {where}: rewards must be finite (with an infinite "
+                "reward stock TRL trains on with a zero loss and gradient). Return None for a completion the function "
+                "does not score (TRL reads NaN as None; here it is refused, since it is more often a bug)."
+            )
+
+
 def _named_reward_function(func: Callable, name: str) -> Callable:
-    """Wrap a reward function so that an exception says which function raised it."""
+    """Wrap a reward function so that an exception, or an output TRL cannot use (`_check_reward_output`), says
+    which function it came from."""
 
     def fail(exc: Exception):
         return RewardFunctionError(
@@ -134,21 +186,25 @@ def _named_reward_function(func: Callable, name: str) -> Callable:
 
         async def wrapped(*args, **kwargs):
             try:
-                return await func(*args, **kwargs)
+                output = await func(*args, **kwargs)
             except RewardFunctionError:
                 raise
             except Exception as exc:
                 raise fail(exc) from exc
+            _check_reward_output(name, output, kwargs)
+            return output
 
     else:
 
         def wrapped(*args, **kwargs):
             try:
-                return func(*args, **kwargs)
+                output = func(*args, **kwargs)
             except RewardFunctionError:
                 raise
             except Exception as exc:
                 raise fail(exc) from exc
+            _check_reward_output(name, output, kwargs)
+            return output
 
     wrapped.__name__ = getattr(func, "__name__", name)
     wrapped.__qualname__ = getattr(func, "__qualname__", name)
@@ -177,6 +233,41 @@ def _check_prompt_column(dataset, name: str) -> None:
             "prompt per row in a column named 'prompt': a string, or a list of chat messages (the chat template is "
             "then applied as in TRL). Rename your column, e.g. dataset.rename_column('text', 'prompt')."
         )
+
+
+def _check_prompts(dataset, name: str, batch_size: int = 1024) -> None:
+    """Refuse an empty prompt (``None``, ``""``, ``[]``) now, naming its row, where the dataset can be read without
+    its strings (a map-style ``datasets.Dataset``: Arrow lengths, batch by batch); streamed datasets are checked at
+    their first step (`_tokenize_prompts`)."""
+    if dataset is None:
+        return
+    if isinstance(dataset, dict):
+        for split, ds in dataset.items():
+            _check_prompts(ds, f"{name}[{split!r}]", batch_size)
+        return
+    if not (
+        hasattr(dataset, "select_columns") and hasattr(dataset, "with_format") and hasattr(dataset, "__len__")
+    ):
+        return
+    if "prompt" not in (_dataset_columns(dataset) or ()):
+        return
+    column = dataset.select_columns(["prompt"]).with_format("arrow")
+    for start in range(0, len(column), batch_size):
+        values = column[start : start + batch_size]["prompt"]
+        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+            lengths = pc.utf8_length(values)
+        elif pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+            lengths = pc.list_value_length(values)
+        else:
+            return
+        empty = pc.or_kleene(pc.is_null(lengths), pc.equal(lengths, 0))
+        if pc.any(empty).as_py():
+            row = start + pc.index(empty, True).as_py()
+            raise LongStrawError(
+                f"{name} row {row}: column 'prompt' is empty ({dataset[row]['prompt']!r}). Every row needs a prompt "
+                "(a non-empty string, or a non-empty list of chat messages); drop the row, e.g. "
+                "dataset.filter(lambda row: bool(row['prompt']))."
+            )
 
 
 def _check_model(model) -> None:
@@ -277,8 +368,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "e.g. LongStrawGRPOConfig(**your_grpo_kwargs)."
             )
         args.check_supported(tools, rollout_func, environment_factory, processing_class)
-        _check_prompt_column(train_dataset, "train_dataset")
-        _check_prompt_column(eval_dataset, "eval_dataset")
+        for dataset, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")):
+            _check_prompt_column(dataset, name)
+            _check_prompts(dataset, name)
         if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
             raise UnsupportedModelError(
                 f"{type(peft_config).__name__} is a prompt-learning PEFT method (virtual tokens or prefix K/V), which "
@@ -461,6 +553,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 self._batch_environments = envs
         if images is not None or multimodal_fields:
             raise LongStrawError("LongStrawGRPOTrainer does not support images in prompts; use text prompts.")
+        for j, ids in enumerate(prompt_ids):
+            if len(ids) == 0:
+                row = index.index(j)
+                raise LongStrawError(
+                    f"row {row} of this batch (global step {self.state.global_step}): column 'prompt' "
+                    f"({_short(unique[j])}) tokenizes to no token. Every row needs a non-empty prompt; drop the row, "
+                    "e.g. dataset.filter(lambda row: bool(row['prompt']))."
+                )
         return [prompt_ids[j] for j in index], None, {}
 
     def _generate_single_turn(
@@ -686,6 +786,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         if eval_dataset is not None and not isinstance(eval_dataset, str):
             _check_prompt_column(eval_dataset, "eval_dataset")
+            _check_prompts(eval_dataset, "eval_dataset")
         return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -713,18 +814,47 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._buffered_inputs = None
 
     def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint plus the refresh policy's state and a record of the prompt states it leaves out
+        (`REFRESH_STATE_FILE`; README, "Checkpoints and resuming")."""
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
+            record = {
+                **self.refresh_policy.state_dict(),
+                "prompt_cache": self.prompt_states.checkpoint_summary(),
+            }
             with open(os.path.join(folder, REFRESH_STATE_FILE), "w") as f:
-                json.dump(self.refresh_policy.state_dict(), f)
+                json.dump(record, f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        """TRL's resume, then the refresh policy's state; the prompt states start empty (`PromptStates.resume`)."""
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            path = os.path.join(checkpoint, REFRESH_STATE_FILE)
-            if os.path.exists(path):
-                with open(path) as f:
-                    self.refresh_policy.load_state_dict(json.load(f))
+        if checkpoint is None:
+            return
+        record = None
+        path = os.path.join(checkpoint, REFRESH_STATE_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                record = json.load(f)
+            self.refresh_policy.load_state_dict(record)
+        self.prompt_states.resume(
+            checkpoint, self.state.global_step, None if record is None else record.get("prompt_cache")
+        )
+        micro_steps = self.state.global_step * self.args.gradient_accumulation_steps
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if micro_steps % generate_every:
+            logger.warning(
+                "LongStraw resume from %s (step %d): the checkpoint falls inside a generation batch (one every %d "
+                "micro-steps: steps_per_generation=%d x num_iterations=%d); checkpoints hold neither TRL's buffered "
+                "batch nor its micro-step counter, so the resumed run generates a new batch at once where the "
+                "uninterrupted one replays the buffered batch (TRL's behaviour). Choose save_steps so that "
+                "save_steps x gradient_accumulation_steps is a multiple of %d for an exact resume.",
+                checkpoint,
+                self.state.global_step,
+                generate_every,
+                self.args.steps_per_generation,
+                self.num_iterations,
+                generate_every,
+            )

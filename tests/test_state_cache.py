@@ -145,4 +145,36 @@ def test_trainer_extends_a_history_within_one_batch():
     n_short, n_long = (len(tokenizer(p)["input_ids"]) for p in rows)
     assert logs[0]["longstraw/refresh/capture"] == 1 and logs[0]["longstraw/refresh/extend"] == 1
     assert math.isclose(logs[0]["longstraw/tokens_captured"], n_long)  # n_short + (n_long - n_short)
-    assert logs[0]["longstraw/tokens_reused"] >= n_short
+    # the extension's prefix only: the loss's own lookups of the states this step built are not reuse
+    assert logs[0]["longstraw/tokens_reused"] == n_short
+
+
+def test_tokens_reused_counts_states_of_earlier_steps_once_a_step():
+    """A brand-new prompt is captured, not reused, however often its step looks it up (generation, then the
+    loss); a state reused from an earlier step counts its tokens once that step."""
+    cache, calls = _cache(build("qwen3"), policy="reuse", interval=2)
+    history = _history(30)
+    assert cache.get(history, step=0).action == "capture"
+    assert cache.get(history, step=0).action == "fresh"  # the loss's lookup, same step
+    assert cache.pop_stats() == {"tokens_captured": 30, "tokens_reused": 0}
+    assert [cache.get(history, step=1).action for _ in range(3)] == ["reuse"] * 3
+    assert cache.pop_stats() == {"tokens_captured": 0, "tokens_reused": 30}
+    assert cache.get(history, step=3).action == "recapture" and cache.get(history, step=3).action == "fresh"
+    assert cache.pop_stats() == {"tokens_captured": 30, "tokens_reused": 0} and calls.captured == [30, 30]
+
+
+def test_trainer_logs_no_reuse_for_a_new_prompt():
+    """num_iterations=2 under "reuse": step 1 captures (nothing reused), step 2 replays on the step-old state."""
+    trainer = make_tiny_longstraw_trainer(
+        train_dataset=Dataset.from_dict({"prompt": ["a b c d e f g h"] * 4}),
+        gradient_accumulation_steps=1,
+        num_iterations=2,
+        refresh_policy="reuse",
+        refresh_interval=1,
+        max_steps=2,
+    )
+    trainer.train()
+    first, second = (h for h in trainer.state.log_history if "longstraw/tokens_reused" in h)
+    n = len(trainer.processing_class("a b c d e f g h")["input_ids"])
+    assert (first["longstraw/tokens_captured"], first["longstraw/tokens_reused"]) == (n, 0)
+    assert (second["longstraw/tokens_captured"], second["longstraw/tokens_reused"]) == (0, n)

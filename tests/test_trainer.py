@@ -11,6 +11,7 @@ import math
 import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from _trl_helpers import TINY_VOCAB, make_tiny_grpo_trainer, make_tiny_longstraw_trainer, tiny_model_dir
@@ -415,6 +416,83 @@ def test_reward_function_that_raises_is_named():
 
     with pytest.raises(RewardFunctionError, match=r"reward function 'broken_needle_reward' raised KeyError"):
         _train(max_steps=1, reward_funcs=broken_needle_reward)
+
+
+def test_empty_prompt_is_refused_at_construction_naming_the_row():
+    prompts = Dataset.from_dict({"prompt": [PROMPTS[0], PROMPTS[1], "", PROMPTS[0]]})
+    with pytest.raises(LongStrawError, match=r"train_dataset row 2: column 'prompt' is empty \(''\)"):
+        make_tiny_longstraw_trainer(train_dataset=prompts)
+    chats = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}], []]})
+    with pytest.raises(LongStrawError, match=r"eval_dataset row 1: column 'prompt' is empty \(\[\]\)"):
+        make_tiny_longstraw_trainer(eval_dataset=chats)
+
+
+def test_empty_prompt_of_a_streamed_dataset_is_named_at_its_first_step():
+    from datasets import IterableDataset
+
+    def rows():
+        yield from ({"prompt": p} for p in ["", "", "", "", PROMPTS[0], PROMPTS[0], PROMPTS[0], PROMPTS[0]])
+
+    trainer = make_tiny_longstraw_trainer(
+        train_dataset=IterableDataset.from_generator(rows), max_steps=2, gradient_accumulation_steps=1
+    )
+    with pytest.raises(
+        LongStrawError, match=r"row 0 of this batch \(global step 0\): column 'prompt' \(''\)"
+    ):
+        trainer.train()
+
+
+def _scalar_reward(completions, **kwargs):
+    return 1.0
+
+
+def _string_reward(completions, **kwargs):
+    return ["1.0" for _ in completions]
+
+
+def _short_reward(completions, **kwargs):
+    return [1.0]
+
+
+def _inf_reward(completions, **kwargs):
+    return [float("inf") if i == 2 else 0.0 for i in range(len(completions))]
+
+
+def _nan_reward(completions, **kwargs):
+    return torch.tensor([0.0, 1.0, 0.5, float("nan")])
+
+
+async def _async_inf_reward(completions, **kwargs):
+    return [float("-inf")] + [0.0] * (len(completions) - 1)
+
+
+@pytest.mark.parametrize(
+    "func,match",
+    [
+        (
+            _scalar_reward,
+            r"'_scalar_reward' returned float 1.0; expected one float or None per completion \(a list of 4\)",
+        ),
+        (_string_reward, r"'_string_reward' returned str '1.0' for row 0; expected one float or None"),
+        (_short_reward, r"'_short_reward' returned 1 values for 4 completions"),
+        (_inf_reward, r"'_inf_reward' returned inf for row 2 \(completion .*\): rewards must be finite"),
+        (_nan_reward, r"'_nan_reward' returned nan for row 3 .*Return None for a completion"),
+        (_async_inf_reward, r"'_async_inf_reward' returned -inf for row 0"),
+    ],
+    ids=["scalar", "strings", "wrong_length", "inf", "nan_tensor", "async_inf"],
+)
+def test_reward_function_output_is_checked(func, match):
+    with pytest.raises(RewardFunctionError, match=match):
+        _train(max_steps=1, reward_funcs=func, gradient_accumulation_steps=1)
+
+
+def test_reward_function_may_return_none_numpy_and_tensors():
+    def mixed_reward(completions, **kwargs):
+        values = [np.float32(1.0), None, torch.tensor(2.0), 3]
+        return [values[i % 4] for i in range(len(completions))]
+
+    _, logs = _train(max_steps=1, reward_funcs=mixed_reward, gradient_accumulation_steps=1)
+    assert math.isfinite(logs[0]["loss"]) and logs[0]["reward"] > 0
 
 
 def test_nan_loss_stops_training_naming_step_and_group():
