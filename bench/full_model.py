@@ -383,6 +383,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         replay_batch_tokens=args.replay_batch_tokens,
         # the replay's layers are recomputed in backward under TRL's gradient checkpointing (its default)
         checkpoint_layers=bool(trainer.args.gradient_checkpointing or trainer.args.replay_checkpoint_layers),
+        gradient_mode=trainer.args.gradient_mode,
     )
     return {
         "ok": True,
