@@ -271,6 +271,35 @@ class PromptStates:
             "LongStraw refresh: prompt %s drift %.4g nats/token, interval now %d", entry.key, drift, interval
         )
 
+    def batch_logprobs(
+        self,
+        model: nn.Module,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        temperature: float,
+        reference: bool = False,
+    ) -> torch.Tensor:
+        """``[B, R]`` log-probs of the generation batch's completions (rows in :attr:`batch_groups` order, zero on
+        padding) as graph-free replays on each group's state: the old policy's, or, with ``reference``, a capture of
+        each group's prompt by ``model`` (the reference model, or the policy with its adapters off)."""
+        groups = self.batch_groups
+        size = ids.size(0) // len(groups)
+        out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        start = time.perf_counter()
+        for g, key in enumerate(groups):
+            rows = slice(g * size, (g + 1) * size)
+            length = int((mask[rows].sum(0) > 0).sum())  # right padding: the longest row of the group
+            if length == 0:
+                continue
+            entry = self.cache[key]
+            state = self.capture(model, entry.prompt_ids, role="reference") if reference else entry.state
+            with self.host.graph_free(model):
+                logps = state.logprobs(model, ids[rows, :length], mask[rows, :length], temperature)
+            out[rows, :length] = logps.to(out.device) * mask[rows, :length]
+            del state, logps
+        self.host.phase_metrics()["longstraw/logprob_replay_seconds"].append(time.perf_counter() - start)
+        return out
+
     # --- batches and tool turns ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def generation_batch(self):

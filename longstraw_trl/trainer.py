@@ -622,30 +622,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "TRL's full-sequence MoE aux-loss path is not used here: the trainer streams the load-balancing loss "
                 "per response (longstraw_trl.streamed_loss, longstraw_trl.router_aux)"
             )
-        ids = input_ids[:, -logits_to_keep:]
-        mask = attention_mask[:, -logits_to_keep:]
-        groups = self.prompt_states.batch_groups
-        size = ids.size(0) // len(groups)
+        ids, mask = input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
         reference = self._is_reference_call(model)
-        out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-        start = time.perf_counter()
-        for g, key in enumerate(groups):
-            rows = slice(g * size, (g + 1) * size)
-            length = int((mask[rows].sum(0) > 0).sum())  # right padding: the longest row of the group
-            if length == 0:
-                continue
-            entry = self.prompt_states[key]
-            state = (
-                self.prompt_states.capture(model, entry.prompt_ids, role="reference")
-                if reference
-                else entry.state
-            )
-            with self.graph_free(model):
-                logps = state.logprobs(model, ids[rows, :length], mask[rows, :length], self.temperature)
-            out[rows, :length] = logps.to(out.device) * mask[rows, :length]
-            del state, logps
-        self.phase_metrics()["longstraw/logprob_replay_seconds"].append(time.perf_counter() - start)
-        return out, None, None
+        return self.prompt_states.batch_logprobs(model, ids, mask, self.temperature, reference), None, None
 
     def _generate_and_score_completions(self, inputs):
         if inputs and "prompt" not in inputs[0]:
