@@ -392,7 +392,7 @@ def _length_reward(completion_ids, **kwargs):
     return [float(len(c)) for c in completion_ids]
 
 
-def _train_both(**overrides):
+def _train_both(peft_config=None, **overrides):
     """Stock GRPOTrainer and ours, from one tiny model, trained with the same scripted draws under TRL's defaults
     for HF gradient checkpointing (on) with plain SGD (an update is the gradient times the learning rate, so the
     weights compare the gradients). Returns both final state dicts and both trainers."""
@@ -439,12 +439,14 @@ def _train_both(**overrides):
         atexit.register(shutil.rmtree, out, ignore_errors=True)
         args = config_cls(output_dir=out, **common, **extra)
         assert args.gradient_checkpointing  # TRL's default
+        torch.manual_seed(11)  # the same LoRA initialisation on both sides
         trainer = cls(
             model=Qwen3ForCausalLM.from_pretrained(tiny_model_dir()),
             reward_funcs=_length_reward,
             args=args,
             train_dataset=dataset,
             processing_class=build_toy_tokenizer(TINY_VOCAB),
+            peft_config=peft_config,
         )
         trainers.append(trainer)
     stock, ours = trainers
@@ -452,24 +454,29 @@ def _train_both(**overrides):
     def generate(input_ids, attention_mask=None, **kwargs):
         return torch.cat([input_ids, _scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
 
+    start = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in trainers]
+    for n, p in start[0].items():  # both sides start from the same weights, LoRA factors included
+        assert torch.equal(p, start[1][n]), n
     stock.model.generate = generate
     ours.rollout.sample_group = lambda state, g, *a, **k: _scripted_rows(g)
     for trainer in trainers:
         trainer.train()
-    return {n: p.detach().clone() for n, p in stock.model.named_parameters()}, ours
+    return start[0], {n: p.detach().clone() for n, p in stock.model.named_parameters()}, ours
 
 
-def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer():
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer(lora):
     """`gradient_mode="full"` through `trainer.train()` with TRL's default HF gradient checkpointing, the reference
     model (beta), two iterations per generation: the weight updates of two SGD steps equal stock GRPOTrainer's.
     (Before the fix: `CheckpointError: A different number of tensors was saved`, HF's checkpoint nested in the
     engine's on the replays' recompute.)"""
-    from _trl_helpers import tiny_model_dir
-    from transformers import Qwen3ForCausalLM
+    from peft import LoraConfig
 
-    start = dict(Qwen3ForCausalLM.from_pretrained(tiny_model_dir()).named_parameters())
-    stock_weights, ours = _train_both()
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
+    start, stock_weights, ours = _train_both(peft_config if lora else None)
     assert ours.state.global_step == 2 and ours.args.gradient_mode == "full"
+    if lora:
+        assert any("lora_" in n for n in start)
     stock_update = {n: w - start[n].detach() for n, w in stock_weights.items()}
     ours_update = {n: p.detach() - start[n].detach() for n, p in ours.model.named_parameters()}
     scale = max(u.abs().max() for u in stock_update.values())
