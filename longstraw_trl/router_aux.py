@@ -53,7 +53,7 @@ __all__ = [
     "replay_inputs",
 ]
 
-AUX_LOSS_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+AUX_LOSS_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
 """Model types whose HF forward returns the Switch load-balancing ``aux_loss`` (``load_balancing_loss_func``)."""
 
 
@@ -111,7 +111,8 @@ class RouterLoadBalancing:
             raise UnsupportedModelError(
                 f"{type(base).__name__} has no {recorder.target_class.__name__} modules"
             )
-        self.num_experts = config.num_experts
+        # GPT-OSS names it num_local_experts (its forward passes that to load_balancing_loss_func)
+        self.num_experts = getattr(config, "num_experts", None) or config.num_local_experts
         self.top_k = config.num_experts_per_tok
         self._sink = None  # where router logits go during a call: a list (stash) or a callable (stats)
 

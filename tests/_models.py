@@ -68,10 +68,10 @@ def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
 
 @torch.no_grad()
 def sharp_routers(model, scale: float = 30.0):
-    """Sharpen the softmax routers (``mlp.gate.weight``): at HF's init every token routes almost uniformly and the
+    """Sharpen the softmax routers (``mlp.gate.weight``, GPT-OSS's ``mlp.router.weight``): at HF's init every token routes almost uniformly and the
     load-balancing gradients are tiny. Returns the model."""
     for name, param in model.named_parameters():
-        if name.endswith("mlp.gate.weight"):
+        if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # GPT-OSS: mlp.router
             param.mul_(scale)
     return model
 

@@ -153,16 +153,20 @@ def _reference_aux(model, prompt, comps, mask):
     lb = sys.modules[type(model).__module__].load_balancing_loss_func
     cfg = model.config.get_text_config()
     model.zero_grad()
-    lb(layers, cfg.num_experts, cfg.num_experts_per_tok, attention).backward()
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts  # GPT-OSS's name
+    lb(layers, experts, cfg.num_experts_per_tok, attention).backward()
     return full, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next", "gpt_oss"])
 def test_engine_shares_match_transformers_aux_loss(family):
-    from _models import build_hybrid, sharp_routers
+    from _models import build_hybrid, build_window, sharp_routers
     from _reference import assert_grads_close, padded_completions
 
-    model = sharp_routers(build(family) if family == "qwen3_moe" else build_hybrid(family))
+    if family == "gpt_oss":
+        model = sharp_routers(build_window(family))
+    else:
+        model = sharp_routers(build(family) if family == "qwen3_moe" else build_hybrid(family))
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 97, (21,), generator=gen)
     comps, mask = padded_completions([7, 0, 4], gen)

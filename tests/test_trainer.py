@@ -556,3 +556,17 @@ def test_plain_grpo_config_is_refused(tmp_path):
             train_dataset=_dataset(),
             processing_class=build_toy_tokenizer(TINY_VOCAB),
         )
+
+
+def test_train_gpt_oss_with_its_config_aux_loss_coefficient():
+    """GPT-OSS's HF forward computes the Switch load-balancing loss (transformers 5.23; its config declares
+    `output_router_logits` and a coefficient), so TRL weights it by default: so does the trainer, exactly
+    (tests/test_router_aux.py compares the shares with transformers' own function), instead of refusing it."""
+    from _models import build_window
+    from _trl_helpers import TINY_VOCAB
+
+    model = build_window("gpt_oss", vocab_size=TINY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    coef = model.config.router_aux_loss_coef
+    trainer, logs = _train(model=model, max_completion_length=6)
+    assert coef > 0 and trainer.loss_spec.router_aux_loss_coef == coef and trainer.router_aux is not None
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) and h["aux_loss"] > 0 for h in logs)
