@@ -58,6 +58,10 @@ class MemoryPlan:
     kept_boundaries: int = 0
     #: ``gradient_mode="full"``: one layer's pages' dK/dV in fp32 while a replay's backward computes them
     page_grad_workspace: int = 0
+    #: ``gradient_mode="full"``: the prompt backward's segment (one capture chunk) recomputed under autograd: its
+    #: graph (with layer checkpointing: every layer's input, plus one layer's graph) and the K/V it hands back with
+    #: their fp32 gradients
+    prompt_backward_graph: int = 0
     #: ``offload="cpu"``: the part of the state kept in pinned host memory (the rest stays on the device)
     host_state: int = 0
     #: ``offload="cpu"``: device bytes the running layer holds of its streamed-back state (the largest layer's)
@@ -105,8 +109,24 @@ class MemoryPlan:
         )
 
     @property
+    def prompt_backward_peak(self) -> int:
+        """Peak while the full gradient's prompt backward recomputes a segment (0 in response-only mode)."""
+        if not self.prompt_backward_graph:
+            return 0
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.device_state
+            + self.offload_workspace
+            + self.gradient_buffers
+            + self.kept_boundaries
+            + self.prompt_backward_graph
+        )
+
+    @property
     def peak(self) -> int:
-        return max(self.capture_peak, self.replay_peak)
+        return max(self.capture_peak, self.replay_peak, self.prompt_backward_peak)
 
     @property
     def fits_gpu(self) -> bool:
@@ -370,6 +390,16 @@ def plan_memory(
         plan.gradient_buffers, plan.kept_boundaries, plan.page_grad_workspace = full_gradient_bytes(
             config, prompt_tokens, cp_size, page_size, dtype_bytes, capture_chunk_size
         )
+        segment = min(capture_chunk_size, max(prompt_tokens - 1, 1))
+        if checkpoint_layers:
+            segment_graph = len(types) * segment * config.hidden_size * dtype_bytes + max(
+                _layer_graph_bytes(config, t, segment, dtype_bytes) for t in set(types)
+            )
+        else:
+            segment_graph = sum(_layer_graph_bytes(config, t, segment, dtype_bytes) for t in types)
+        kv = config.num_key_value_heads * head_dim
+        handed_back = sum(t == "full_attention" for t in types) * segment * 2 * kv * (dtype_bytes + 4)
+        plan.prompt_backward_graph = segment_graph + handed_back
         plan.notes.append("gradient_mode='full': dK/dV buffers, kept GDN boundary states, one layer's dK/dV")
     elif gradient_mode != "response_only":
         raise LongStrawError(f"gradient_mode must be 'response_only' or 'full', got {gradient_mode!r}")
@@ -578,10 +608,12 @@ def format_plan(plan: MemoryPlan) -> str:
             f"  full-grad buffers {g(plan.gradient_buffers)}",
             f"  kept boundaries   {g(plan.kept_boundaries)}",
             f"  page dK/dV temp   {g(plan.page_grad_workspace)}",
+            f"  prompt bwd graph  {g(plan.prompt_backward_graph)}",
         ]
     lines += [
         f"capture peak        {g(plan.capture_peak)}",
         f"replay peak         {g(plan.replay_peak)}",
+        *([f"prompt bwd peak     {g(plan.prompt_backward_peak)}"] if plan.prompt_backward_graph else []),
         f"GPU memory          {g(plan.gpu_bytes)}  ->  {'FITS' if plan.fits_gpu else 'DOES NOT FIT'}",
     ]
     if plan.host_state:

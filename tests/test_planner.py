@@ -351,3 +351,30 @@ def test_full_gradient_plan_refuses_a_kind_without_one():
         plan_memory(preset_config("glm-5", 4), 65536, gradient_mode="full")
     with pytest.raises(LongStrawError, match="gradient_mode"):
         plan_memory(preset_config("qwen3-8b", 2), 65536, gradient_mode="exact")
+
+
+def test_plan_reproduces_the_whole_model_full_gradient_peak():
+    """`gradient_mode="full"` through `train()` on the whole Qwen3.6-27B (LoRA r=64, P = 64K, TRL's checkpointing;
+    `bench/results/full_model_qwen3.6-27b_full_P64K.json`, session 10): the step's peak is the prompt backward's
+    segment (every layer's checkpointed input over a 16K chunk, one layer's graph, the K/V handed back with their
+    gradients), within 10%; the response-only step of the same run too."""
+    data = json.loads((RESULTS[0].parent / "full_model_qwen3.6-27b_full_P64K.json").read_text())
+    for run in data["longstraw"]:
+        plan = plan_memory(
+            preset_config(data["preset"]),
+            run["prompt_tokens"],
+            num_generations=data["generations"],
+            response_tokens=data["response_tokens"],
+            lora_rank=64,
+            capture_chunk_size=data["capture_chunk_size"],
+            page_size=data["page_size"],
+            checkpoint_layers=True,
+            gradient_mode=run["gradient_mode"],
+        )
+        if run["gradient_mode"] == "full":
+            assert plan.peak == plan.prompt_backward_peak > plan.replay_peak
+        assert abs(plan.peak / GiB - run["peak_gib"]) <= 0.10 * run["peak_gib"], (
+            run["gradient_mode"],
+            plan.peak / GiB,
+            run["peak_gib"],
+        )
