@@ -90,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="0: re-capture a document after every optimizer step (exact); N: reuse its state for N steps",
     )
+    train.add_argument(
+        "--no-activation-checkpointing",
+        action="store_true",
+        help="turn off TRL's activation checkpointing (on by default)",
+    )
     train.add_argument("--threads", type=int, default=1, help="CPU threads (see the module docstring)")
     train.add_argument("--seed", type=int, default=0, help="seed of the data, the LoRA init and the sampling")
     out = ap.add_argument_group("output")
@@ -252,6 +257,7 @@ def build_trainer(args, model, tokenizer, train_rows: list[dict], callbacks=()):
         save_strategy="no",
         disable_tqdm=True,
         gradient_mode=args.gradient_mode,
+        **({"activation_checkpointing": False} if args.no_activation_checkpointing else {}),
         refresh_policy=policy,
         **({"refresh_interval": args.refresh_interval} if policy == "reuse" else {}),
     )
