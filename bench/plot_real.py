@@ -4,7 +4,7 @@
 
 Left: training reward per step of stock GRPOTrainer, gradient_mode="full" and the response-only default
 (real_modes_smollm2.json; thin lines: seeds, thick: their mean). Middle: seconds per step of each. Right: cosine of
-the response-only gradient to the full one against the prompt length (real_cosine_smollm2.json).
+the response-only gradient to the full one against the prompt length (real_cosine_smollm2*.json; hollow: a group with equal rewards, centred ranks as advantages).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ COLORS = {"stock": "tab:gray", "full": "tab:blue", "response_only": "tab:red"}
 
 def main():
     modes = json.loads((RESULTS / "real_modes_smollm2.json").read_text())
-    cosine = json.loads((RESULTS / "real_cosine_smollm2.json").read_text())
+    cosines = [json.loads(f.read_text()) for f in sorted(RESULTS.glob("real_cosine_smollm2*.json"))]
     fig, (ax_r, ax_t, ax_c) = plt.subplots(1, 3, figsize=(15, 4.2))
     for mode, color in COLORS.items():
         runs = [r for r in modes if r["mode"] == mode]
@@ -41,8 +41,17 @@ def main():
     ax_r.set(xlabel="optimizer step", ylabel="training reward", title=f"locker task, {p}-token prompts")
     ax_r.legend()
     ax_t.set(ylabel="seconds per step (median)", title="time per step, CPU, 1 thread")
-    rows = cosine["rows"]
-    ax_c.plot([r["prompt_tokens"] for r in rows], [r["cosine"] for r in rows], "o-", color="tab:purple")
+    for cosine in cosines:
+        rows = cosine["rows"]
+        seed = cosine["args"]["seed"]
+        ax_c.plot([r["prompt_tokens"] for r in rows], [r["cosine"] for r in rows], "o-", label=f"seed {seed}")
+        for r in rows:  # hollow: the group's rewards were all equal, centred ranks stood in for advantages
+            if r.get("advantages") != "grpo":
+                ax_c.plot(r["prompt_tokens"], r["cosine"], "o", mfc="white", color="k")
+    ticks = [512, 1024, 2048, 4096, 8192]
+    ax_c.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
+    ax_c.minorticks_off()
+    ax_c.legend()
     ax_c.set(
         xscale="log",
         xlabel="prompt tokens",
