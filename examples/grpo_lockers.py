@@ -17,10 +17,11 @@ sampled from that state and replayed on it under autograd with LoRA. Held-out ev
 API (``capture_prompt`` once per document, ``extend`` per question, greedy ``generate``). It prints prompt tokens
 captured against reused.
 
-Dtype: fp32 with ``bf16=False``. TRL's default ``bf16=True`` turns on CPU autocast, which on this CPU runs the matmuls
-slower than fp32 and rounds the gradient; the model is small, so fp32 costs nothing in memory. Threads: one by default,
-because on a shared 2-core machine two intra-op threads were 2x slower than one (thread wake-ups; measure with
-``--threads 2``).
+Dtype: fp32 with ``bf16=False``. TRL's default ``bf16=True`` turns on CPU autocast, which rounds the forward and
+the gradient to bf16 and, on this CPU (no native bf16), ran SmolLM2's forward 3.8x to 11x slower than fp32
+(``bench/cpu_autocast.py``); the model is small, so fp32 costs nothing in memory. Threads: one by default, because on
+a shared 2-core machine two intra-op threads ran the capture and decoding about 2x slower than one (thread
+wake-ups; measure with ``--threads 2``).
 """
 
 from __future__ import annotations
