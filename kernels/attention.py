@@ -14,9 +14,13 @@ Layouts: queries ``[B, Hq, T, D]``; response keys/values ``[B, Hkv, T, D]``; pro
 ``[Hkv, L, D]`` shared by the whole batch. Grouped-query heads are folded into the query axis for the
 prompt part (no mask there, so the ``Hq / Hkv`` query heads of one group are just more rows).
 
-``*_reference`` functions are the plain torch math (used on CPU and as the test oracle); on CUDA the
-forward uses PyTorch's cuDNN attention op for calls with many queries and its flash-attention op for
-decode (both return the LSE), the backward the flash backward.
+``*_reference`` functions are the plain torch math (the test oracle, and the path for soft-capped scores);
+on CUDA the forward uses PyTorch's cuDNN attention op for calls with many queries and its flash-attention
+op for decode (both return the LSE), the backward the flash backward. On CPU, forward and backward use
+PyTorch's CPU flash-attention ops (``_scaled_dot_product_flash_attention_for_cpu``: the LSE is natural-log,
+fp32, ``[B, H, T]``; it reads grouped K/V heads itself, takes any head dim, and its causal flag is
+top-left aligned, so a causal call with fewer queries than keys passes an additive mask instead);
+``LONGSTRAW_CPU_FLASH=0`` takes the plain math.
 """
 
 from __future__ import annotations
@@ -218,6 +222,60 @@ def cudnn_attention_ok(q: torch.Tensor) -> bool:
     return _CUDNN_OK[key]
 
 
+# ----------------------------------------------------------------------------------------------------
+# CPU fast path: PyTorch's CPU flash-attention ops return the LSE and take it back in backward
+# ----------------------------------------------------------------------------------------------------
+def _cpu_flash_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    # (no keys or no queries: the op divides by zero, SIGFPE; the value head dim must equal the query's)
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and q.shape[-2] > 0
+        and k.shape[-2] > 0
+        and v.shape[-1] == q.shape[-1] == k.shape[-1]
+        and q.dim() == 4
+        and switch("LONGSTRAW_CPU_FLASH")
+    )
+
+
+def _causal_offset_mask(t: int, length: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive mask for queries that are the last ``t`` of ``length`` keys (``None`` when ``t == length``:
+    the op's own top-left causal flag is then the same)."""
+    if t == length:
+        return None
+    keep = torch.ones(t, length, dtype=torch.bool).tril(length - t)
+    return torch.zeros(t, length, dtype=dtype).masked_fill(~keep, float("-inf"))
+
+
+def _cpu_flash_lse(q, k, v, scale, causal):
+    mask = _causal_offset_mask(q.shape[-2], k.shape[-2], q.dtype) if causal else None
+    flag = causal and mask is None
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, flag, attn_mask=mask, scale=scale
+    )
+    return out.float(), lse.float()
+
+
+def _cpu_flash_grads(q, k, v, out, lse, dout, scale, causal):
+    mask = _causal_offset_mask(q.shape[-2], k.shape[-2], q.dtype) if causal else None
+    flag = causal and mask is None
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(q.dtype).contiguous(),
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        out.to(q.dtype).contiguous(),
+        lse.float().contiguous(),
+        0.0,
+        flag,
+        attn_mask=mask,
+        scale=scale,
+    )
+    return dq.float(), dk.float(), dv.float()
+
+
 def attention_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -230,8 +288,8 @@ def attention_lse(
 
     ``causal`` aligns the last query with the last key (queries are the last ``T`` of the keys). On CUDA:
     cuDNN for calls of many query rows (prefill chunks, replays), flash for few (decode), both verified
-    against the plain math once; the plain math elsewhere, and always with ``softcap`` (neither op
-    soft-caps scores).
+    against the plain math once; on CPU, PyTorch's CPU flash op (:func:`_cpu_flash_ok`); the plain math
+    elsewhere, and always with ``softcap`` (no op soft-caps scores).
     """
     if causal and q.shape[-2] == 1:
         causal = False  # one query after all its keys sees every key
@@ -243,6 +301,8 @@ def attention_lse(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, False, scale=scale
         )[:2]
         return out.float(), lse.float()
+    if softcap is None and _cpu_flash_ok(q, k, v):
+        return _cpu_flash_lse(q, k, v, scale, causal)
     offset = k.shape[-2] - q.shape[-2] if causal else 0
     return attention_lse_reference(q, k, v, scale, causal=causal, q_offset=offset, softcap=softcap)
 
@@ -345,6 +405,9 @@ def attention_grads(q, k, v, out, lse, dout, scale, causal=False, need_kv=True, 
     ``softcap`` always takes the plain math)."""
     if softcap is None and _flash_ok(q, k) and flash_backward_ok(q):
         dq, dk, dv = _flash_grads(q, k, v, out, lse, dout, scale, causal)
+        return (dq, dk, dv) if need_kv else (dq, None, None)
+    if softcap is None and _cpu_flash_ok(q, k, v):
+        dq, dk, dv = _cpu_flash_grads(q, k, v, out, lse, dout, scale, causal)
         return (dq, dk, dv) if need_kv else (dq, None, None)
     return attention_grad_reference(
         q, k, v, out, lse, dout, scale, causal=causal, need_kv=need_kv, softcap=softcap

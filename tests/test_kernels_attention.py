@@ -168,6 +168,60 @@ def test_flash_path_matches_math_on_cuda(dtype, forward):
     assert max(errors) <= 1e-2, errors
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 72, 256])
+@pytest.mark.parametrize("t,p", [(9, 0), (9, 13), (1, 40), (33, 200)])
+def test_cpu_flash_path_matches_math(dtype, d, t, p):
+    """The CPU flash ops (forward with LSE, backward from the final out/LSE) against the fp32 math with autograd:
+    grouped heads, odd head dims, a non-default scale, prompt pages, decode (one query) and causal self-attention
+    whose queries are the last T of their keys. The math path is disabled, so a silent fallback fails."""
+    gen = torch.Generator().manual_seed(t + p + d)
+    b, hq, hkv = 2, 6, 2
+    q, k, v = (torch.randn(b, h, t, d, generator=gen).to(dtype).requires_grad_() for h in (hq, hkv, hkv))
+    kp, vp = (torch.randn(1, hkv, p, d, generator=gen).to(dtype) for _ in range(2))
+    scale = 0.7 * d**-0.5
+
+    def pages():
+        return [(kp[0, :, s : s + 16], vp[0, :, s : s + 16]) for s in range(0, p, 16)]
+
+    assert attn._cpu_flash_ok(q, k, v)
+    with pytest.MonkeyPatch.context() as m:
+        for name in ("attention_lse_reference", "attention_grad_reference"):
+            m.setattr(attn, name, _math_path_called(name))
+        out = prompt_response_attention(q, k, v, pages, scale)
+        dout = torch.randn(out.shape, generator=gen).to(dtype)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        # the forward's LSE (natural log) and a causal call with fewer queries than keys (the additive mask)
+        lse_q, lse_k = q[:, :2].detach(), k.detach()
+        got_causal = attn.attention_lse(lse_q, lse_k, lse_k, scale, causal=True)
+    args = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = full_softmax_reference(args[0], kp.float(), vp.float(), args[1], args[2], scale)
+    ref_grads = torch.autograd.grad(ref, args, dout.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, r in zip((out, *grads), (ref, *ref_grads), strict=True):
+        assert ((a.float() - r).norm() / r.norm()).item() <= tol
+    ref_causal = attn.attention_lse_reference(lse_q, lse_k, lse_k, scale, causal=True, q_offset=0)
+    for a, r in zip(got_causal, ref_causal, strict=True):
+        assert (a - r).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
+    if t > 1:
+        few = lse_q[:, :, -3:]
+        got = attn.attention_lse(few, lse_k, lse_k, scale, causal=True)
+        want = attn.attention_lse_reference(few, lse_k, lse_k, scale, causal=True, q_offset=t - 3)
+        for a, r in zip(got, want, strict=True):
+            assert (a - r).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_cpu_flash_switch_and_guards(monkeypatch):
+    """``LONGSTRAW_CPU_FLASH=0`` takes the plain math; no keys (the op would divide by zero) and value head dims other
+    than the query's never reach the op."""
+    q = torch.randn(1, 2, 3, 8)
+    assert attn._cpu_flash_ok(q, q, q)
+    assert not attn._cpu_flash_ok(q, q[:, :, :0], q[:, :, :0])
+    assert not attn._cpu_flash_ok(q, q, torch.randn(1, 2, 3, 4))
+    monkeypatch.setenv("LONGSTRAW_CPU_FLASH", "0")
+    assert not attn._cpu_flash_ok(q, q, q)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Soft-capped scores, attention sinks, sliding windows: against dense softmax with autograd (HF's eager
 # formulas: soft-cap before the mask, the sink as one more softmax column that is then dropped)

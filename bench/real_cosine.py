@@ -1,0 +1,134 @@
+"""Cosine between the response-only and the full-sequence gradient on a real model, over prompt lengths (CPU, fp32).
+
+    python bench/real_cosine.py --lengths 512 1024 2048 4096 --out bench/results/real_cosine_smollm2.json
+
+For each length: a locker-notes document of that many tokens (examples/grpo_lockers.py's task) and a question; G
+completions sampled from the captured state (temperature 1); GRPO advantages from the task's reward (reward minus the
+group mean, over the group's standard deviation); the DAPO-weighted sum of the completions' log-probs is
+back-propagated (LoRA r=16 on every linear layer, B initialised randomly so that every LoRA factor has a gradient)
+twice on the same state: replays only (the response-only objective, the default) and replays + ``prompt_backward``
+(``gradient_mode="full"``, equal to the stock full-sequence gradient: tests/test_pretrained.py). Prints and saves the
+cosine and the norms of the two gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+from grpo_lockers import FILLER, FIRST_NAMES, digit_score, question, token_ids  # noqa: E402
+
+from longstraw_trl import capture_prompt  # noqa: E402
+from longstraw_trl.engine import StateGrads, prompt_backward  # noqa: E402
+from longstraw_trl.pretrained import load_pretrained  # noqa: E402
+
+
+def document_of_length(tokenizer, rng: random.Random, length: int) -> tuple[str, dict[str, str]]:
+    """Locker notes grown fact by fact (names may repeat with a suffix) until ``length`` tokens."""
+    head = "<|im_start|>system\nYou are a helpful assistant. Here are the office notes.\n"
+    lines, table, i = [], {}, 0
+    while True:
+        name = FIRST_NAMES[i % len(FIRST_NAMES)] + (
+            "" if i < len(FIRST_NAMES) else f" {i // len(FIRST_NAMES)}"
+        )
+        value = str(rng.randrange(1000, 10000))
+        trial = lines + [f"The locker number of {name} is {value}.", rng.choice(FILLER)]
+        if token_ids(tokenizer, head + "\n".join(trial) + "<|im_end|>\n").numel() > length:
+            break
+        lines, table[name] = trial, value
+        i += 1
+    return head + "\n".join(lines) + "<|im_end|>\n", table
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8128])
+    ap.add_argument("--generations", type=int, default=4)
+    ap.add_argument("--completion-tokens", type=int, default=6)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/real_cosine_smollm2.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from peft import LoraConfig, get_peft_model
+
+    base, tokenizer = load_pretrained(args.model)
+    torch.manual_seed(args.seed)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(
+        base, LoraConfig(r=16, lora_alpha=32, target_modules=targets, init_lora_weights=False)
+    )
+    with torch.no_grad():  # small random B: the model stays close to the pretrained one
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.01)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for length in args.lengths:
+        rng = random.Random(args.seed * 7919 + length)
+        doc, table = document_of_length(tokenizer, rng, length)
+        name = rng.choice(sorted(table))
+        prompt = torch.cat([token_ids(tokenizer, doc), token_ids(tokenizer, question(name))])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            state = capture_prompt(
+                model, prompt, chunk_size=args.chunk, page_size=args.chunk, keep_boundaries=True
+            )
+            ids = state.generate(
+                model, args.generations, args.completion_tokens, temperature=1.0, do_sample=True
+            )
+        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in ids]
+        rewards = torch.tensor([digit_score(t, table[name]) for t in texts])
+        adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+        advantages = "grpo"
+        if (
+            adv.abs().max() == 0
+        ):  # a group without reward variance has no GRPO gradient: centred ranks instead
+            adv, advantages = torch.linspace(-1, 1, len(texts)), "ranks (equal rewards)"
+        n_tokens = ids.numel()
+        grads = {}
+        for mode in ("response_only", "full"):
+            model.zero_grad()
+            sg = StateGrads(state) if mode == "full" else None
+            for i in range(ids.shape[0]):
+                lp = state.logprobs(model, ids[i : i + 1], grad=True, **({"grads": sg} if sg else {}))[0]
+                (lp.sum() * adv[i] / n_tokens).backward()
+            if mode == "full":
+                prompt_backward(state, model, sg)
+            grads[mode] = torch.cat([p.grad.flatten() for p in params]).clone()
+        ro, full = grads["response_only"], grads["full"]
+        cos = torch.nn.functional.cosine_similarity(ro, full, dim=0).item()
+        row = {
+            "prompt_tokens": prompt.numel(),
+            "cosine": cos,
+            "norm_response_only": ro.norm().item(),
+            "norm_full": full.norm().item(),
+            "rewards": rewards.tolist(),
+            "advantages": advantages,
+            "completions": texts,
+            "answer": table[name],
+            "seconds": time.perf_counter() - t0,
+        }
+        rows.append(row)
+        print(
+            f"P={row['prompt_tokens']:>5}: cosine {cos:.3f}, |g_ro| {row['norm_response_only']:.3e}, "
+            f"|g_full| {row['norm_full']:.3e}, rewards {row['rewards']} ({advantages}), {row['seconds']:.0f} s",
+            flush=True,
+        )
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:  # after every length: a long run keeps what it measured
+            json.dump({"model": args.model, "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
