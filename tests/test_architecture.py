@@ -67,7 +67,10 @@ MODULES = _modules()
 def _layer(module: str) -> int:
     if module in LAYERS:
         return LAYERS[module]
-    for package in ("longstraw_trl.kernels", "longstraw_trl.model_patches"):  # a subpackage's modules: its layer
+    for package in (
+        "longstraw_trl.kernels",
+        "longstraw_trl.model_patches",
+    ):  # a subpackage's modules: its layer
         if module.startswith(package + "."):
             return LAYERS[package]
     raise AssertionError(

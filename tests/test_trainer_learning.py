@@ -113,6 +113,7 @@ def curve(rewards, bucket=20):
     ]
 
 
+@pytest.mark.slow  # 55 s: make test keeps within 15 minutes; make demo shows learning on a real model
 def test_longstraw_learns_long_context_copy(tmp_path):
     ours, ours_s = run(LongStrawGRPOTrainer, LongStrawGRPOConfig, str(tmp_path / "ours"))
     stock, stock_s = run(GRPOTrainer, GRPOConfig, str(tmp_path / "stock"))
