@@ -336,3 +336,18 @@ def patch_response_only_logps(trainer: GRPOTrainer, prompt_ids: torch.Tensor) ->
         return torch.cat(logps), torch.cat(entropies), aux_loss
 
     trainer._get_per_token_logps_and_entropies = response_only
+
+
+def assert_micro_batch_matches_stock(trl: GRPOTrainer, ours, inputs: dict, ours_inputs: dict) -> None:
+    """One micro-batch in train mode: TRL's `_compute_loss` + backward against ours (`micro_batch_loss`, back-propagated
+    per response) on the same rows: the loss to 1e-5 and every parameter gradient (`assert_grads_close`)."""
+    from _reference import assert_grads_close, param_grads
+
+    for t in (trl, ours):
+        t.model.train()
+        t.model.zero_grad()
+    ref_loss = trl._compute_loss(trl.model, inputs)
+    ref_loss.backward()
+    loss = ours.micro_batch_loss(ours.model, ours_inputs, backward=True)
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
+    assert_grads_close(param_grads(ours.model), param_grads(trl.model))

@@ -20,7 +20,13 @@ import pytest
 import torch
 from _models import HYBRID_COMMON, MROPE_INTERLEAVED, build, build_hybrid, build_window
 from _reference import VOCAB, assert_grads_close, param_grads, with_lora
-from _trl_helpers import TINY_VOCAB, make_tiny_grpo_trainer, make_tiny_longstraw_trainer, random_grpo_inputs
+from _trl_helpers import (
+    TINY_VOCAB,
+    assert_micro_batch_matches_stock,
+    make_tiny_grpo_trainer,
+    make_tiny_longstraw_trainer,
+    random_grpo_inputs,
+)
 
 from longstraw_trl import LongStrawError, capture_prompt
 from longstraw_trl.engine import StateGrads, prompt_backward, replay_blocks_backward
@@ -290,17 +296,6 @@ def _batch(seed: int, beta: float):
     return inputs, ours
 
 
-def _step(trl, ours, inputs, ours_inputs):
-    for t in (trl, ours):
-        t.model.train()
-        t.model.zero_grad()
-    ref_loss = trl._compute_loss(trl.model, inputs)
-    ref_loss.backward()
-    loss = ours.micro_batch_loss(ours.model, ours_inputs, backward=True)
-    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
-    assert_grads_close(param_grads(ours.model), param_grads(trl.model))
-
-
 @pytest.mark.parametrize(
     "family,lora,loss_type,level",
     [
@@ -322,7 +317,7 @@ def test_trainer_full_gradient_matches_stock_grpo_trainer(family, lora, loss_typ
     if checkpointing:
         ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     inputs, ours_inputs = _batch(3, 0.04)
-    _step(trl, ours, inputs, ours_inputs)
+    assert_micro_batch_matches_stock(trl, ours, inputs, ours_inputs)
     assert ours._metrics["train"]["longstraw/prompt_backward_seconds"]
 
 
@@ -331,7 +326,7 @@ def test_trainer_full_gradient_with_reverse_block_replay(family):
     kwargs = dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence")
     trl, ours = _trainer_pair(family, replay_block_size=3, **kwargs)
     inputs, ours_inputs = _batch(4, 0.04)
-    _step(trl, ours, inputs, ours_inputs)
+    assert_micro_batch_matches_stock(trl, ours, inputs, ours_inputs)
 
 
 @pytest.mark.parametrize("extra", [{}, {"entropy_coef": 0.05}])

@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 from _reference import assert_grads_close, response_only_reference
+from _trl_helpers import assert_micro_batch_matches_stock
 
 from longstraw_trl import capture_prompt
 from longstraw_trl.pretrained import MODELS, _package_dir, load_pretrained
@@ -196,19 +197,6 @@ def _trainer_pair_and_batch(model, tokenizer, prompt_len: int, **ours_kwargs):
     return trl, ours, inputs, ours_inputs, prompt
 
 
-def _trainer_step_grads(trl, ours, inputs, ours_inputs):
-    from _reference import param_grads
-
-    for t in (trl, ours):
-        t.model.train()
-        t.model.zero_grad()
-    ref_loss = trl._compute_loss(trl.model, inputs)
-    ref_loss.backward()
-    loss = ours.micro_batch_loss(ours.model, ours_inputs, backward=True)
-    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
-    assert_grads_close(param_grads(ours.model), param_grads(trl.model))
-
-
 @pytest.mark.slow
 def test_smollm2_trainer_response_only_matches_stock_grpo_trainer(smollm2):
     """The default mode through LongStrawGRPOTrainer against TRL's GRPOTrainer whose log-probs are the stock
@@ -217,7 +205,7 @@ def test_smollm2_trainer_response_only_matches_stock_grpo_trainer(smollm2):
 
     trl, ours, inputs, ours_inputs, prompt = _trainer_pair_and_batch(*smollm2, prompt_len=400)
     patch_response_only_logps(trl, prompt)
-    _trainer_step_grads(trl, ours, inputs, ours_inputs)
+    assert_micro_batch_matches_stock(trl, ours, inputs, ours_inputs)
 
 
 @pytest.mark.slow
@@ -234,4 +222,4 @@ def test_smollm2_full_gradient_matches_stock_grpo_trainer(smollm2):
     trl, ours, inputs, ours_inputs, _ = _trainer_pair_and_batch(
         *smollm2, prompt_len=400, gradient_mode="full"
     )
-    _trainer_step_grads(trl, ours, inputs, ours_inputs)
+    assert_micro_batch_matches_stock(trl, ours, inputs, ours_inputs)
