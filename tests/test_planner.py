@@ -201,6 +201,20 @@ def test_plan_reproduces_trainer_peaks(path):
         assert abs(plan.peak / GiB - peak) <= 0.10 * peak, (r["prompt_tokens"], plan.peak / GiB, peak)
 
 
+def _plan_whole_model_run(data: dict, run: dict, **options):
+    """The plan of one `bench/full_model.py` step (LoRA r=64) from its JSON, with the run's own options."""
+    return plan_memory(
+        preset_config(data["preset"]),
+        run["prompt_tokens"],
+        num_generations=data["generations"],
+        response_tokens=data["response_tokens"],
+        lora_rank=64,
+        capture_chunk_size=data["capture_chunk_size"],
+        page_size=data["page_size"],
+        **options,
+    )
+
+
 @pytest.mark.parametrize(
     ("name", "replay_options"),
     [
@@ -215,16 +229,7 @@ def test_plan_reproduces_the_whole_model_peak(name, replay_options):
     Qwen3.6-27B with LoRA r=64 on the H200 (`bench/full_model.py`), within 10%; the state bytes exactly."""
     data = json.loads((RESULTS[0].parent / f"{name}.json").read_text())
     run = data["longstraw"][0]
-    plan = plan_memory(
-        preset_config(data["preset"]),
-        run["prompt_tokens"],
-        num_generations=data["generations"],
-        response_tokens=data["response_tokens"],
-        lora_rank=64,
-        capture_chunk_size=data["capture_chunk_size"],
-        page_size=data["page_size"],
-        **replay_options,
-    )
+    plan = _plan_whole_model_run(data, run, **replay_options)
     assert (
         _planned_state(preset_config(data["preset"]), data, run["prompt_tokens"])
         == run["state_bytes_by_kind"]
@@ -360,17 +365,7 @@ def test_plan_reproduces_the_whole_model_full_gradient_peak():
     gradients), within 10%; the response-only step of the same run too."""
     data = json.loads((RESULTS[0].parent / "full_model_qwen3.6-27b_full_P64K.json").read_text())
     for run in data["longstraw"]:
-        plan = plan_memory(
-            preset_config(data["preset"]),
-            run["prompt_tokens"],
-            num_generations=data["generations"],
-            response_tokens=data["response_tokens"],
-            lora_rank=64,
-            capture_chunk_size=data["capture_chunk_size"],
-            page_size=data["page_size"],
-            checkpoint_layers=True,
-            gradient_mode=run["gradient_mode"],
-        )
+        plan = _plan_whole_model_run(data, run, checkpoint_layers=True, gradient_mode=run["gradient_mode"])
         if run["gradient_mode"] == "full":
             assert plan.peak == plan.prompt_backward_peak > plan.replay_peak
         assert abs(plan.peak / GiB - run["peak_gib"]) <= 0.10 * run["peak_gib"], (
