@@ -16,7 +16,6 @@ import logging
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -407,6 +406,3 @@ class PromptStates:
     def nbytes(self) -> int:
         """Bytes of the prompt states held (forks' shared pages counted once)."""
         return self.cache.nbytes()
-
-    def keys(self) -> Iterable[str]:
-        return self.cache.entries.keys()
