@@ -22,6 +22,7 @@ Results go to ``full_gradient_<preset>_<L>L<tag>.json`` after each measurement (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -64,6 +65,28 @@ def check_full_gradient(model, vocab: int, dev: str, prompt_len: int, r: int, ch
     return out
 
 
+def _profiler():
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
+
+
+def _top_kernels(prof, top: int) -> list[dict]:
+    """The ``top`` device kernels (CPU ops on CPU) by self time: where the prompt backward's seconds go."""
+    cuda = torch.cuda.is_available()
+    rows = []
+    for e in prof.key_averages():
+        self_us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if self_us > 0 and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA):
+            rows.append({"name": e.key[:120], "self_s": self_us / 1e6, "calls": e.count})
+    rows.sort(key=lambda r: -r["self_s"])
+    total = sum(r["self_s"] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r["self_s"] / total
+    return rows[:top]
+
+
 def step(model, config, args, prompt_len: int, dev: str, mode: str) -> dict:
     """One step (capture, G replays with backward, and for ``full`` the prompt backward): seconds and peaks."""
     model.zero_grad(set_to_none=True)
@@ -104,9 +127,13 @@ def step(model, config, args, prompt_len: int, dev: str, mode: str) -> dict:
     if full:
         out["gradient_buffer_bytes"] = grads.nbytes()
         reset_peak()
-        with Timer() as t_back:
+        profiler = _profiler() if args.profile else contextlib.nullcontext()
+        with profiler as prof, Timer() as t_back:
             prompt_backward(state, model, grads, progress=False)
         out["prompt_backward_s"] = t_back.seconds
+        if args.profile:
+            out["prompt_backward_profile"] = _top_kernels(prof, args.profile)
+            args.profile = 0  # the first full step only: the profiler slows what it watches
         out["prompt_backward_peak_gib"] = peak_gib()
     out["step_s"] = out["capture_s"] + out["replay_s_total"] + out["prompt_backward_s"]
     del state, grads
@@ -160,6 +187,12 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16384)
     ap.add_argument("--check", type=int, default=4096, help="prompt tokens of the bf16 check (0: skip)")
     ap.add_argument("--tag", default="")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="profile the first full-mode prompt backward: print its top N kernels",
+    )
     ap.add_argument("--smoke", action="store_true", help="dry run on CPU with tiny dimensions")
     args = ap.parse_args()
     if args.smoke:  # every size small: the whole script in seconds on a CPU
@@ -244,6 +277,15 @@ def main() -> None:
             for r in payload["long_response"]
         ]
     )
+    for s in payload["steps"]:
+        if s.get("prompt_backward_profile"):
+            print(f"prompt backward, P={s['prompt_tokens']}: top kernels by device time")
+            print_table(
+                [
+                    {**r, "self_s": f"{r['self_s']:.2f}", "share": f"{r['share']:.1%}"}
+                    for r in s["prompt_backward_profile"]
+                ]
+            )
     print(f"wrote {path} in {time.perf_counter() - t0:.0f}s")
 
 

@@ -22,6 +22,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v4      # offload GPU tests, the GLM-5 slice at 1M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gather-probe # the host gather's tiles and row orders
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh layers      # every GPU test (session 10's reorganisation)
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad-profile --prompt 65536  # the full-mode prompt backward's kernels
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -74,6 +75,13 @@ full-memory)  # issue 25: where gradient_mode='full' runs out of memory on the w
   shift
   cd bench && PYTHONPATH=/tmp/site timeout 400 python3 -u full_mode_memory.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/full_memory.log" | tail -30
+  ;;
+grad-profile)  # issue 25: where the full-mode prompt backward's time goes (whole 27B at 64K: 145 s, floor 12 s),
+              # 4-layer slice, fla on the path as in a whole-model run; top kernels of the first prompt backward
+  shift
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 400 python3 -u full_gradient.py --check 0 --modes full \
+    --groups 2 --response 256 --chunk 16384 --page 16384 --profile 25 "$@" 2>&1 | grep -v -i warn \
+    | tee "$OUT/grad_profile.log" | tail -45
   ;;
 layers)  # session 10: every GPU test after the runtime-layer reorganisation (context / hooks / Mode, the decode
          # buffers and GDN running state now written through ReplayContext), fla on the path as in v4
