@@ -22,6 +22,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v4      # offload GPU tests, the GLM-5 slice at 1M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gather-probe # the host gather's tiles and row orders
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh layers      # every GPU test (session 10's reorganisation)
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-start   # a fresh process's first step, cold and disk-cached
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad-profile --prompt 65536  # the full-mode prompt backward's kernels
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
@@ -75,6 +76,12 @@ full-memory)  # issue 25: where gradient_mode='full' runs out of memory on the w
   shift
   cd bench && PYTHONPATH=/tmp/site timeout 400 python3 -u full_mode_memory.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/full_memory.log" | tail -30
+  ;;
+cold-start)  # issue 29: the whole 27B's train() step in fresh processes: an empty Triton cache, then the same cache
+            # from disk (bench/cold_start.py); run it first on a fresh machine
+  shift
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 560 python3 -u cold_start.py "$@" 2>&1 | grep -v -i warn \
+    | tee "$OUT/cold_start.log" | tail -12
   ;;
 grad-profile)  # issue 25: where the full-mode prompt backward's time goes (whole 27B at 64K: 145 s, floor 12 s),
               # 4-layer slice, fla on the path as in a whole-model run; top kernels of the first prompt backward

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parent.parent / "bench"
 
 
@@ -244,3 +246,13 @@ def test_full_model_step_cut_short_leaves_its_finished_phases(tmp_path, monkeypa
     assert (
         len(partial["longstraw/capture_seconds"]) == 1 and len(partial["longstraw/generation_seconds"]) == 1
     )
+
+
+@pytest.mark.slow  # two full_model.py --tiny processes: ~3 min on 2 cores
+def test_cold_start_dry_run(tmp_path):
+    _run(tmp_path, "cold_start.py", "--tiny")
+    data = json.loads((tmp_path / "cold_start_qwen3.6-27b.json").read_text())
+    assert [c["case"] for c in data["cases"]] == ["cold", "disk cache"]
+    for case in data["cases"]:
+        assert case["returncode"] == 0 and len(case["steps"]) == 2 and all(s["ok"] for s in case["steps"])
+        assert case["steps"][0]["phases"]["capture"]["seconds"] > 0

@@ -1,0 +1,171 @@
+"""What a cold first step pays (issue 29): the whole Qwen3.6-27B's ``train()`` step in fresh processes.
+
+Runs ``full_model.py`` (LoRA, ``LongStrawGRPOTrainer.train()``, no warm-up step) twice as new processes, each doing
+the same step twice (``--prompts P P``):
+
+- ``cold``: an empty Triton cache directory, as on a fresh machine or container: the first step compiles every
+  Triton kernel (ours and fla's) and autotunes them; the second step in the same process is warm;
+- ``disk cache``: a new process on the same cache directory (what a persistent ``TRITON_CACHE_DIR`` /
+  ``~/.triton`` gives a restarted job): compiled kernels and autotune results (fla caches them, ``cache_results``)
+  are read from disk; what it still pays is process-level (CUDA context, cuBLAS / cuDNN plans, Python imports).
+
+Each child counts, through Triton's autotuner, the configurations it benchmarked and the seconds spent there
+(compiling and timing them), and the kernels compiled into the cache directory. A short table last; the JSON
+(``cold_start_<preset>.json``) has each child's full_model.py result.
+
+    python bench/cold_start.py --prompt 32768
+    python bench/cold_start.py --tiny     # CPU dry run of the orchestration (tests/test_bench_scripts.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import print_table, write_result
+
+HERE = Path(__file__).parent
+STATS_PREFIX = "COLD_START_STATS "
+
+
+def _count_compiled(cache_dir: Path) -> int:
+    """Kernels compiled into a Triton cache directory (one folder per kernel binary, holding its ``.json``)."""
+    if not cache_dir.exists():
+        return 0
+    return sum(1 for d in cache_dir.iterdir() if d.is_dir() and any(d.glob("*.json")))
+
+
+def child(argv: list[str]) -> None:
+    """Run full_model.py in this process with Triton's autotuner instrumented; print the counts last."""
+    stats = {"autotune_configs_benchmarked": 0, "autotune_s": 0.0, "autotuned_kernels": []}
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:  # CPU machine without Triton: nothing to count
+        Autotuner = None
+    if Autotuner is not None:
+        bench = Autotuner._bench
+
+        def timed_bench(self, *args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return bench(self, *args, **kwargs)
+            finally:
+                stats["autotune_s"] += time.perf_counter() - t
+                stats["autotune_configs_benchmarked"] += 1
+                name = getattr(getattr(self, "fn", None), "__name__", "?")
+                if name not in stats["autotuned_kernels"]:
+                    stats["autotuned_kernels"].append(name)
+
+        Autotuner._bench = timed_bench
+    t0 = time.perf_counter()
+    sys.argv = [str(HERE / "full_model.py"), *argv]
+    try:
+        runpy.run_path(str(HERE / "full_model.py"), run_name="__main__")
+    finally:
+        stats["process_s"] = time.perf_counter() - t0
+        print(STATS_PREFIX + json.dumps(stats), flush=True)
+
+
+def run_case(name: str, cache_dir: Path, args, out_dir: Path) -> dict:
+    """One fresh process of full_model.py on ``cache_dir``: its step results and the child's counts."""
+    before = _count_compiled(cache_dir)
+    tag = f"_cold_start_{name.replace(' ', '_')}"
+    cmd = [
+        sys.executable,
+        "-u",
+        __file__,
+        "--child",
+        "--",
+        "--skip-stock",
+        "--warmup-prompt",
+        "0",
+        "--tag",
+        tag,
+    ]
+    cmd += ["--prompts", str(args.prompt), str(args.prompt), "--response", str(args.response)]
+    cmd += ["--generations", str(args.generations), "--budget-s", str(args.budget_s)]
+    if args.tiny:
+        cmd.append("--tiny")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "OUT": str(out_dir)}
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=HERE)
+    wall = time.perf_counter() - t
+    lines = proc.stdout.splitlines()
+    stats = next((json.loads(x[len(STATS_PREFIX) :]) for x in lines if x.startswith(STATS_PREFIX)), {})
+    result_file = out_dir / f"full_model_{args.preset}{'_tiny' if args.tiny else ''}{tag}.json"
+    result = json.loads(result_file.read_text()) if result_file.exists() else {}
+    if proc.returncode != 0 or not result:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", flush=True)
+    return {
+        "case": name,
+        "returncode": proc.returncode,
+        "wall_s": wall,
+        "kernels_compiled": _count_compiled(cache_dir) - before,
+        **stats,
+        "steps": result.get("longstraw", []),
+    }
+
+
+def _phase(step: dict, name: str) -> str:
+    seconds = step.get("phases", {}).get(name, {}).get("seconds")
+    return "-" if seconds is None else f"{seconds:.1f}"
+
+
+def main() -> None:
+    if "--child" in sys.argv:
+        child(sys.argv[sys.argv.index("--") + 1 :])
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen3.6-27b")
+    ap.add_argument("--prompt", type=int, default=32768)
+    ap.add_argument("--response", type=int, default=64)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--budget-s", type=float, default=260.0, help="each child's full_model.py budget")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run (full_model.py --tiny)")
+    args = ap.parse_args()
+    if args.tiny:
+        args.prompt, args.response, args.generations = 512, 4, 2
+    payload = {
+        "model": f"{args.preset}, whole model, random init, LoRA (full_model.py), one train() step twice per process",
+        "prompt_tokens": args.prompt,
+        "response_tokens": args.response,
+        "generations": args.generations,
+        "cases": [],
+    }
+    out_dir = Path(os.environ.get("OUT") or HERE / "results")
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as children_out:
+        cache_dir = Path(tmp) / "triton"
+        for name in ("cold", "disk cache"):
+            payload["cases"].append(run_case(name, cache_dir, args, Path(children_out)))
+            write_result(f"cold_start_{args.preset}", payload)
+    rows = []
+    for case in payload["cases"]:
+        for i, s in enumerate(case["steps"]):
+            rows.append(
+                {
+                    "case": case["case"],
+                    "step": i + 1,
+                    "ok": s.get("ok"),
+                    "step s": f"{s.get('trainer_step_time_s', float('nan')):.1f}",
+                    "capture s": _phase(s, "capture"),
+                    "generation s": _phase(s, "generation"),
+                    "replay s": _phase(s, "replay"),
+                    "autotune s (process)": f"{case.get('autotune_s', 0):.1f}" if i == 0 else "",
+                    "configs timed": case.get("autotune_configs_benchmarked", 0) if i == 0 else "",
+                    "kernels compiled": case["kernels_compiled"] if i == 0 else "",
+                }
+            )
+    print_table(rows)
+    print(f"wrote {out_dir / f'cold_start_{args.preset}.json'}")
+    sys.exit(0 if all(c["returncode"] == 0 and c["steps"] for c in payload["cases"]) else 1)
+
+
+if __name__ == "__main__":
+    main()
