@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from .autotune import autotune
 from .switches import kernel_builds, switch
 
 KERNEL_ENV = "LONGSTRAW_INDEXER_KERNEL"
@@ -147,7 +148,7 @@ def _kernel():
     configs = [
         triton.Config({"BLOCK_T": bt, "BLOCK_L": bl}, num_warps=w, num_stages=s) for bt, bl, w, s in _LARGE
     ]
-    tuned = triton.autotune(configs=configs, key=["D", "ROWS_BUCKET", "HAS_MASK"])(scores_kernel)
+    tuned = autotune(triton, configs, key=["D", "ROWS_BUCKET", "HAS_MASK"])(scores_kernel)
     return triton, tuned, scores_kernel
 
 

@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from .autotune import autotune
 from .switches import kernel_builds
 
 
@@ -50,7 +51,7 @@ def _kernel():
         for bm, bn, w, s in ((64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2))
     ]
 
-    @triton.autotune(configs=configs, key=["D", "M_BUCKET"])
+    @autotune(triton, configs, key=["D", "M_BUCKET"])
     @triton.jit
     def dq_kernel(
         Q,

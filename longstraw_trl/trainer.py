@@ -104,6 +104,7 @@ from .errors import (
 )
 from .fused_forwards import fused_elementwise_forwards
 from .generation import SamplingParams
+from .kernels.autotune import use_kernel_cache
 from .loss import GRPOLossSpec, adaptive_entropy_coef, applied_entropy_coef
 from .model_patches import patch_model, unwrap_model
 from .prompt_states import CaptureOptions, PromptStates, peak_memory_gib
@@ -410,6 +411,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             RouterLoadBalancing(self.model) if self.loss_spec.router_aux_loss_coef != 0.0 else None
         )
         self.cp_group = self._context_parallel_group(args.cp_size)
+        kernel_cache = use_kernel_cache(args.kernel_cache_dir)
+        if torch.cuda.is_available():
+            logger.info(
+                "Triton kernel cache: %s (an empty cache makes the first step compile and autotune the GPU kernels, "
+                "~100 s on an H200; a restarted job that finds it again skips that)",
+                kernel_cache or "Triton's default, ~/.triton/cache",
+            )
         self.refresh_policy = RefreshPolicy(
             args.refresh_policy,
             args.refresh_interval,
