@@ -9,11 +9,17 @@ the same step twice (``--prompts P P``):
   ``~/.triton`` gives a restarted job): compiled kernels and autotune results (fla caches them, ``cache_results``)
   are read from disk; what it still pays is process-level (CUDA context, cuBLAS / cuDNN plans, Python imports).
 
+With ``--pins``: a ``tune`` process (one step at ``--tune-prompt`` on an empty cache) writes the choices Triton's
+autotuner made as this GPU's pin file (``kernels/autotune_pins/<GPU>.json``, see kernels/autotune.py), then a
+``pinned`` process on another empty cache, as a fresh machine with the pins installed, takes two steps at
+``--prompt``: its first against its second is what a cold start costs with the pins.
+
 Each child counts, through Triton's autotuner, the configurations it benchmarked and the seconds spent there
 (compiling and timing them), and the kernels compiled into the cache directory. A short table last; the JSON
 (``cold_start_<preset>.json``) has each child's full_model.py result.
 
     python bench/cold_start.py --prompt 32768
+    python bench/cold_start.py --pins --prompt 524288   # measure this GPU's autotune pins, then a pinned cold step
     python bench/cold_start.py --tiny     # CPU dry run of the orchestration (tests/test_bench_scripts.py)
 """
 
@@ -32,6 +38,7 @@ from pathlib import Path
 from common import print_table, write_result
 
 HERE = Path(__file__).parent
+PINS_DIR = HERE.parent / "kernels" / "autotune_pins"
 STATS_PREFIX = "COLD_START_STATS "
 
 
@@ -42,8 +49,9 @@ def _count_compiled(cache_dir: Path) -> int:
     return sum(1 for d in cache_dir.iterdir() if d.is_dir() and any(d.glob("*.json")))
 
 
-def child(argv: list[str]) -> None:
-    """Run full_model.py in this process with Triton's autotuner instrumented; print the counts last."""
+def child(argv: list[str], dump_pins: str | None) -> None:
+    """Run full_model.py in this process with Triton's autotuner instrumented; print the counts last, and with
+    ``dump_pins`` write the autotuners' choices as this GPU's pin file (kernels/autotune.py)."""
     stats = {"autotune_configs_benchmarked": 0, "autotune_s": 0.0, "autotuned_kernels": []}
     try:
         from triton.runtime.autotuner import Autotuner
@@ -70,26 +78,22 @@ def child(argv: list[str]) -> None:
         runpy.run_path(str(HERE / "full_model.py"), run_name="__main__")
     finally:
         stats["process_s"] = time.perf_counter() - t0
+        if dump_pins:
+            from longstraw_trl.kernels.autotune import dump_autotune_choices
+
+            stats["pins_written"] = dump_autotune_choices(dump_pins)
         print(STATS_PREFIX + json.dumps(stats), flush=True)
 
 
-def run_case(name: str, cache_dir: Path, args, out_dir: Path) -> dict:
+def run_case(
+    name: str, cache_dir: Path, args, out_dir: Path, prompts: list[int], dump_pins: Path | None = None
+) -> dict:
     """One fresh process of full_model.py on ``cache_dir``: its step results and the child's counts."""
     before = _count_compiled(cache_dir)
     tag = f"_cold_start_{name.replace(' ', '_')}"
-    cmd = [
-        sys.executable,
-        "-u",
-        __file__,
-        "--child",
-        "--",
-        "--skip-stock",
-        "--warmup-prompt",
-        "0",
-        "--tag",
-        tag,
-    ]
-    cmd += ["--prompts", str(args.prompt), str(args.prompt), "--response", str(args.response)]
+    cmd = [sys.executable, "-u", __file__, "--child", *(["--dump-pins", str(dump_pins)] if dump_pins else [])]
+    cmd += ["--", "--skip-stock", "--warmup-prompt", "0", "--tag", tag]
+    cmd += ["--prompts", *map(str, prompts), "--response", str(args.response)]
     cmd += ["--generations", str(args.generations), "--budget-s", str(args.budget_s)]
     if args.tiny:
         cmd.append("--tiny")
@@ -120,7 +124,8 @@ def _phase(step: dict, name: str) -> str:
 
 def main() -> None:
     if "--child" in sys.argv:
-        child(sys.argv[sys.argv.index("--") + 1 :])
+        pins = sys.argv[sys.argv.index("--dump-pins") + 1] if "--dump-pins" in sys.argv else None
+        child(sys.argv[sys.argv.index("--") + 1 :], pins)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen3.6-27b")
@@ -128,10 +133,17 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=64)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=260.0, help="each child's full_model.py budget")
+    ap.add_argument(
+        "--pins",
+        action="store_true",
+        help="instead: a 'tune' process at --tune-prompt writes this GPU's autotune pins into kernels/autotune_pins/ "
+        "(and $OUT), then a 'pinned' process on another empty cache takes two steps at --prompt",
+    )
+    ap.add_argument("--tune-prompt", type=int, default=32768)
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (full_model.py --tiny)")
     args = ap.parse_args()
     if args.tiny:
-        args.prompt, args.response, args.generations = 512, 4, 2
+        args.prompt, args.tune_prompt, args.response, args.generations = 512, 512, 4, 2
     payload = {
         "model": f"{args.preset}, whole model, random init, LoRA (full_model.py), one train() step twice per process",
         "prompt_tokens": args.prompt,
@@ -140,11 +152,29 @@ def main() -> None:
         "cases": [],
     }
     out_dir = Path(os.environ.get("OUT") or HERE / "results")
+    name = f"cold_start_{args.preset}{'_pins' if args.pins else ''}"
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as children_out:
-        cache_dir = Path(tmp) / "triton"
-        for name in ("cold", "disk cache"):
-            payload["cases"].append(run_case(name, cache_dir, args, Path(children_out)))
-            write_result(f"cold_start_{args.preset}", payload)
+        if args.pins:
+            pins = out_dir / "autotune_pins.json"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            tune = run_case("tune", Path(tmp) / "tune", args, Path(children_out), [args.tune_prompt], pins)
+            payload["cases"].append(tune)
+            payload["pins"] = json.loads(pins.read_text()) if pins.exists() else None
+            if payload["pins"] and payload["pins"]["gpu"]:  # where the library looks for them
+                PINS_DIR.mkdir(exist_ok=True)
+                (PINS_DIR / f"{payload['pins']['gpu']}.json").write_text(pins.read_text())
+            write_result(name, payload)
+            payload["cases"].append(
+                run_case("pinned", Path(tmp) / "pinned", args, Path(children_out), [args.prompt] * 2)
+            )
+        else:
+            cache_dir = Path(tmp) / "triton"
+            for case in ("cold", "disk cache"):
+                payload["cases"].append(
+                    run_case(case, cache_dir, args, Path(children_out), [args.prompt] * 2)
+                )
+                write_result(name, payload)
+        write_result(name, payload)
     rows = []
     for case in payload["cases"]:
         for i, s in enumerate(case["steps"]):
@@ -163,7 +193,7 @@ def main() -> None:
                 }
             )
     print_table(rows)
-    print(f"wrote {out_dir / f'cold_start_{args.preset}.json'}")
+    print(f"wrote {out_dir / f'{name}.json'}")
     sys.exit(0 if all(c["returncode"] == 0 and c["steps"] for c in payload["cases"]) else 1)
 
 

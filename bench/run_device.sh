@@ -23,6 +23,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gather-probe # the host gather's tiles and row orders
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh layers      # every GPU test (session 10's reorganisation)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-start   # a fresh process's first step, cold and disk-cached
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-pins    # this GPU's autotune pins, then a pinned cold 512K step
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad-profile --prompt 65536  # the full-mode prompt backward's kernels
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
@@ -82,6 +83,12 @@ cold-start)  # issue 29: the whole 27B's train() step in fresh processes: an emp
   shift
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 560 python3 -u cold_start.py "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/cold_start.log" | tail -12
+  ;;
+cold-pins)  # issue 29: measure this GPU's autotune pins (a 32K step), then a fresh process on an empty cache with the
+           # pins: two whole-27B steps at --prompt (default 512K), the cold one against the warm one
+  shift
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 580 python3 -u cold_start.py --pins --prompt 524288 --budget-s 420 \
+    "$@" 2>&1 | grep -v -i warn | tee "$OUT/cold_pins.log" | tail -12
   ;;
 grad-profile)  # issue 25: where the full-mode prompt backward's time goes (whole 27B at 64K: 145 s, floor 12 s),
               # 4-layer slice, fla on the path as in a whole-model run; top kernels of the first prompt backward

@@ -18,6 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .autotune import pin_autotune_choices
 from .switches import switch
 
 __all__ = ["causal_conv1d_with_state"]
@@ -103,6 +104,7 @@ def _fla_conv_fn():
         from fla.modules.causal_conv1d import causal_conv1d
     except Exception:  # not installed, or no triton / no GPU build
         return None
+    pin_autotune_choices()  # see kernels/autotune.py
     return causal_conv1d
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from .autotune import pin_autotune_choices
 from .gated_delta_rule_naive import l2norm
 from .switches import switch
 
@@ -235,6 +236,7 @@ def _fla_chunk_fn():
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # not installed, or no triton / no GPU build
         return None
+    pin_autotune_choices()  # fla's kernels exist now: this GPU's measured choices spare a fresh machine the tuning
     return chunk_gated_delta_rule
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 
 import pytest
@@ -55,3 +56,48 @@ def test_our_autotuned_kernels_cache_their_choice(monkeypatch):
         finally:
             module._kernel.cache_clear()
     assert len(calls) == 2 and all(kw.get("cache_results") for kw in calls), calls
+
+
+def _tiny_autotuned_kernel(triton, tl):
+    @triton.jit
+    def pinned_probe_kernel(X, N: tl.constexpr):
+        pass
+
+    configs = [triton.Config({"B": 1}), triton.Config({"B": 2}, num_warps=8), triton.Config({"B": 4})]
+    return configs, pinned_probe_kernel
+
+
+def test_pinned_choices_reach_a_fresh_autotuner(monkeypatch, tmp_path):
+    """A choice dumped on one machine is in a new autotuner's cache before its first call: nothing is timed."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    from longstraw_trl.kernels import autotune as at
+
+    monkeypatch.setattr(at, "_gpu_name", lambda: "TEST_GPU")
+    monkeypatch.setattr(at, "PINS_DIR", tmp_path)
+    monkeypatch.setattr(at, "_OURS", [])
+    at._pins.cache_clear()
+    configs, kernel = _tiny_autotuned_kernel(triton, tl)
+    tuned = at.autotune(triton, configs, key=["N"])(kernel)
+    assert not tuned.cache  # no pin file yet
+    key = (64, "torch.bfloat16")
+    tuned.cache[key] = configs[1]  # what the autotuner would have chosen
+    assert at.dump_autotune_choices(tmp_path / "TEST_GPU.json") == 1
+    at._pins.cache_clear()
+    configs2, kernel2 = _tiny_autotuned_kernel(triton, tl)
+    fresh = at.autotune(triton, configs2, key=["N"])(kernel2)
+    assert str(fresh.cache[key]) == str(configs[1]) and fresh.cache[key] in configs2
+    # pins made with another Triton are ignored
+    pins = json.loads((tmp_path / "TEST_GPU.json").read_text())
+    (tmp_path / "TEST_GPU.json").write_text(json.dumps({**pins, "triton": "0.0"}))
+    at._pins.cache_clear()
+    configs3, kernel3 = _tiny_autotuned_kernel(triton, tl)
+    assert not at.autotune(triton, configs3, key=["N"])(kernel3).cache
+    # and LONGSTRAW_AUTOTUNE_PINS=0 turns pinning off
+    (tmp_path / "TEST_GPU.json").write_text(json.dumps(pins))
+    at._pins.cache_clear()
+    monkeypatch.setenv(at.PINS_SWITCH, "0")
+    configs4, kernel4 = _tiny_autotuned_kernel(triton, tl)
+    assert not at.autotune(triton, configs4, key=["N"])(kernel4).cache
+    at._pins.cache_clear()
