@@ -6,9 +6,11 @@
   recompute each block in backward (``checkpoint``) instead of keeping all of its intermediates.
   The initial state is a constant: it is detached, never written, and gets no gradient.
 * :func:`gated_delta_step`: one token without autograd (decoding), fixed shapes, CUDA-graph safe.
-* :func:`gated_delta_rule`: dispatcher (one graph-free token: the step). flash-linear-attention on CUDA for graph-free calls (and for
-  calls that need backward only when ``LONGSTRAW_FLA_BACKWARD=1`` and the installed Triton is not in fla's
-  Hopper miscompile range); the torch chunked rule otherwise.
+* :func:`gated_delta_rule`: dispatcher (one graph-free token: the step). flash-linear-attention on CUDA for
+  graph-free calls and for calls that need backward: fla's chunked backward with our torch ``chunk_bwd_dqkwg``
+  (kernels/gdn_chunk_backward.py, registered as an fla backend) in place of the one fla kernel refused on Hopper
+  with Triton 3.4-3.7.0 (``LONGSTRAW_GDN_BACKWARD=0``: the torch chunked rule; ``LONGSTRAW_FLA_BACKWARD=1``: fla's
+  own kernel where its Triton allows it); the torch chunked rule otherwise.
 
 Layouts (HF and fla agree): q, k ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``; g (log decay, <= 0) and beta
 ``[B, T, Hv]``; states ``[B, Hv, K, V]`` in fp32. ``Hv`` may be a multiple of ``Hk`` (grouped value
@@ -472,9 +474,9 @@ def gated_delta_rule(
     :func:`chunk_gated_delta_rule_torch`); picks fla or the torch chunked rule.
 
     ``backend``: ``"auto"`` (fla on CUDA for bf16/fp16 inputs when no gradient is needed, or when
-    :func:`fla_backward_allowed`; torch otherwise), ``"fla"`` (force; raises if unavailable), ``"torch"``.
-    Shapes and returns as :func:`chunk_gated_delta_rule_torch`. The initial state is never written and
-    gets no gradient on either path.
+    :func:`fla_backward_allowed` or :func:`fla_chunk_backward_ready`; torch otherwise), ``"fla"`` (force; raises
+    if unavailable), ``"torch"``. Shapes and returns as :func:`chunk_gated_delta_rule_torch`. The initial state is
+    never written, and gets a gradient only with ``state_grad`` (both paths).
     """
     _, T, _, K, _, _ = _check_shapes(q, k, v, g, beta, initial_state)
     if backend not in ("auto", "fla", "torch"):
