@@ -72,11 +72,11 @@ gpu_tests() {
 case "$1" in
 gdn-bwd)  # issue 25: the GDN backward through fla with our torch chunk_bwd_dqkwg (LONGSTRAW_GDN_BACKWARD): its GPU
           # tests and the GDN kernels' (their backward now takes it too), then the probe at the capture chunk
-  PYTHONPATH=/tmp/site:/tmp/fla timeout 240 python3 -m pytest -v -rfE -m gpu --durations 10 \
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 300 python3 -m pytest -v -rfE -m gpu --durations 10 \
     tests/test_kernels_gdn_backward.py tests/test_kernels_gdn.py > "$OUT/pytest_gpu_gdn_bwd.log" 2>&1
   echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_gdn_bwd.log") passed"
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR|passed|failed" "$OUT/pytest_gpu_gdn_bwd.log" | tail -12
-  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 300 python3 -u gdn_backward_probe.py --tokens 16384 65536 2>&1 \
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 240 python3 -u gdn_backward_probe.py --tokens 16384 65536 2>&1 \
     | grep -v -i warn | tee "$OUT/gdn_backward_probe.log" | tail -6
   ;;
 full-memory)  # issue 25: where gradient_mode='full' runs out of memory on the whole 27B (train() OOMed at P = 16K,

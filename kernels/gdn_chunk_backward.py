@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["chunk_bwd_dqkwg_reference", "chunk_bwd_dqkwg_torch"]
 
@@ -50,12 +49,28 @@ def _check(q, k, v, do, h, dh, w, g, g_gamma, dv, cu_seqlens, chunk_size):
     return B, T, H, K, HV, V, NT
 
 
-def _chunks(x: torch.Tensor, t0: int, t1: int, chunk_size: int) -> torch.Tensor:
-    """``x[:, t0:t1]`` ``[B, t, heads, D]`` as fp32 chunks ``[B, n, chunk_size, heads, D]``, zero rows past the
-    end (they contribute nothing)."""
-    pad = (-(t1 - t0)) % chunk_size
-    x = F.pad(x[:, t0:t1].float(), (0, 0, 0, 0, 0, pad))
-    return x.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
+def _heads_first(x: torch.Tensor, t0: int, t1: int, chunk_size: int) -> torch.Tensor:
+    """``x[:, t0:t1]`` ``[B, t, heads, D]`` as contiguous fp32 chunks ``[B, n, heads, chunk_size, D]`` (one copy),
+    zero rows past the end (they contribute nothing)."""
+    B, heads, D = x.shape[0], x.shape[2], x.shape[3]
+    n = -(-(t1 - t0) // chunk_size)
+    full, rest = divmod(t1 - t0, chunk_size)
+    y = (torch.zeros if rest else torch.empty)(
+        B, n, heads, chunk_size, D, dtype=torch.float32, device=x.device
+    )
+    y[:, :full].transpose(2, 3).copy_(x[:, t0 : t0 + full * chunk_size].unflatten(1, (full, chunk_size)))
+    if rest:
+        y[:, full, :, :rest].copy_(x[:, t1 - rest : t1].transpose(1, 2))
+    return y
+
+
+def _store(dst: torch.Tensor, t0: int, t1: int, x: torch.Tensor) -> None:
+    """Write chunks ``x`` ``[B, n, heads, C, D]`` into ``dst[:, t0:t1]`` ``[B, t, heads, D]`` (casting)."""
+    rows = x.transpose(2, 3)  # [B, n, C, heads, D]
+    if rows.shape[1] * rows.shape[2] == t1 - t0:
+        dst[:, t0:t1].unflatten(1, rows.shape[1:3]).copy_(rows)
+    else:  # the partial last chunk
+        dst[:, t0:t1].copy_(rows.flatten(1, 2)[:, : t1 - t0])
 
 
 def chunk_bwd_dqkwg_torch(
@@ -100,51 +115,48 @@ def chunk_bwd_dqkwg_torch(
     dw = torch.empty_like(w) if w is not None else None
     dg = torch.empty(B, T, HV, dtype=torch.float32, device=g.device)
     step = max(1, tokens_per_pass // C)
+    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     for n0 in range(0, NT, step):
         n1 = min(NT, n0 + step)
         t0, t1 = n0 * C, min(T, n1 * C)
-        nb, pad = n1 - n0, (n1 - n0) * C - (t1 - t0)
-
-        qc, kc = (_chunks(x, t0, t1, C) for x in (q, k))  # [B, nb, C, H, K]
-        vc, doc = (_chunks(x, t0, t1, C).reshape(B, nb, C, H, R, V) for x in (v, do))
-        gs = g[:, t0:t1].float()
-        # pad the decay with its last value: g_L is then the last row of every chunk, the last valid one included
-        gs = torch.cat([gs, gs[:, -1:].expand(B, pad, HV)], dim=1) if pad else gs
-        gc = gs.reshape(B, nb, C, H, R)
-        hc, dhc = (x[:, n0:n1].float().reshape(B, nb, H, R, *x.shape[-2:]) for x in (h, dh))
-        if state_v_first:  # [V, K] -> [K, V]
+        nb = n1 - n0
+        # head-first fp32 chunks: [B, nb, H, C, K] for q/k, [B, nb, H, R, C, D] for the value heads (R per q/k head)
+        qc, kc = (_heads_first(x, t0, t1, C) for x in (q, k))
+        vc, doc = (_heads_first(x, t0, t1, C).view(B, nb, H, R, C, V) for x in (v, do))
+        # the decay, padded with its last value: g_L is then the last row of every chunk, the last valid one too
+        gc = _heads_first(g.unsqueeze(-1), t0, t1, C).view(B, nb, H, R, C)
+        if (t1 - t0) % C:
+            gc[:, -1, ..., (t1 - t0) % C :] = gc[:, -1, ..., (t1 - t0) % C - 1 : (t1 - t0) % C]
+        hc, dhc = (x[:, n0:n1].float().view(B, nb, H, R, *x.shape[-2:]) for x in (h, dh))
+        if not state_v_first:  # the matmuls below take the states as [V, K]
             hc, dhc = hc.transpose(-1, -2), dhc.transpose(-1, -2)
-        g_last = gc[:, :, -1]  # [B, nb, H, R]
+        g_last = gc[..., -1]  # [B, nb, H, R]
 
         # the state terms: o reads 2^g_i q_i h; h' gets 2^{g_L - g_j} k_j v_j^T; v_new = u - w h
-        dq_c = torch.einsum("bnihrv,bnhrkv->bnihrk", doc, hc) * (torch.exp2(gc) * scale).unsqueeze(-1)
-        to_end = torch.exp2(g_last.unsqueeze(2) - gc).unsqueeze(
-            -1
-        )  # decay from each position to the chunk end
-        dk_c = torch.einsum("bnihrv,bnhrkv->bnihrk", vc, dhc) * to_end
-        dg_last = (hc * dhc).sum((-2, -1)) * torch.exp2(g_last) + torch.einsum("bnihrk,bnihk->bnhr", dk_c, kc)
+        dq_c = (doc @ hc).mul_((torch.exp2(gc) * scale).unsqueeze(-1))  # [B, nb, H, R, C, K]
+        dk_c = (vc @ dhc).mul_(torch.exp2(g_last.unsqueeze(-1) - gc).unsqueeze(-1))
+        dg_last = torch.einsum("bnhrvk,bnhrvk->bnhr", hc, dhc) * torch.exp2(g_last)
+        dg_last += torch.einsum("bnhrik,bnhik->bnhr", dk_c, kc)
         if w is not None:
-            dvc = _chunks(dv, t0, t1, C).reshape(B, nb, C, H, R, V)
-            dw_c = -torch.einsum("bnihrv,bnhrkv->bnihrk", dvc, hc)
-            dw[:, t0:t1] = dw_c.reshape(B, nb * C, HV, K)[:, : t1 - t0].to(dw.dtype)
-            del dw_c
+            dvc = _heads_first(dv, t0, t1, C).view(B, nb, H, R, C, V)
+            _store(dw, t0, t1, (dvc @ hc).neg_().view(B, nb, HV, C, K))
+            del dvc
         # the intra-chunk scores: ds_ij = scale 2^{g_i - g_j} do_i . v_j for j <= i
-        gt = gc.permute(0, 1, 3, 4, 2)  # [B, nb, H, R, C]
-        upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
-        decay = (gt.unsqueeze(-1) - gt.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp2()
-        ds = torch.einsum("bnihrv,bnjhrv->bnhrij", doc, vc) * decay * scale
+        decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp2_()
+        ds = (doc @ vc.transpose(-1, -2)).mul_(decay).mul_(scale)  # [B, nb, H, R, C, C]
         del decay
-        dq_c = dq_c + torch.einsum("bnhrij,bnjhk->bnihrk", ds, kc)
-        dk_c = dk_c + torch.einsum("bnhrij,bnihk->bnjhrk", ds, qc)
+        dq_c += (ds.view(B, nb, H, R * C, C) @ kc).view(B, nb, H, R, C, K)
+        dk_c += torch.einsum("bnhrij,bnhik->bnhrjk", ds, qc)
         del ds
-        dg_c = torch.einsum("bnihrk,bnihk->bnihr", dq_c, qc) - torch.einsum("bnihrk,bnihk->bnihr", dk_c, kc)
-        dg_c = dg_c.reshape(B, nb * C, HV)
+        dg_c = torch.einsum("bnhrik,bnhik->bnhri", dq_c, qc) - torch.einsum("bnhrik,bnhik->bnhri", dk_c, kc)
         # g_L is the last valid position of each chunk: its gradient collects the state terms' decay
-        last_rows = (torch.arange(nb, device=q.device) * C + C - 1).clamp_max(t1 - t0 - 1)
-        dg_c[:, last_rows] += dg_last.reshape(B, nb, HV)
-        dg[:, t0:t1] = dg_c[:, : t1 - t0]
-        dq[:, t0:t1] = dq_c.sum(4).reshape(B, nb * C, H, K)[:, : t1 - t0].to(dq.dtype)
-        dk[:, t0:t1] = dk_c.sum(4).reshape(B, nb * C, H, K)[:, : t1 - t0].to(dk.dtype)
+        dg_c[..., -1] += dg_last
+        if (t1 - t0) % C:  # the partial last chunk's g_L is its last valid row, not its padded last row
+            dg_c[:, -1, ..., (t1 - t0) % C - 1] += dg_last[:, -1]
+            dg_c[:, -1, ..., -1] -= dg_last[:, -1]
+        _store(dg.unsqueeze(-1), t0, t1, dg_c.reshape(B, nb, HV, C, 1))
+        _store(dq, t0, t1, dq_c.sum(3))
+        _store(dk, t0, t1, dk_c.sum(3))
     return dq, dk, dw, dg
 
 
