@@ -71,9 +71,11 @@ gpu_tests() {
 }
 case "$1" in
 gdn-bwd)  # issue 25: the GDN backward through fla with our torch chunk_bwd_dqkwg (LONGSTRAW_GDN_BACKWARD): its GPU
-          # tests and the GDN kernels' (their backward now takes it too), then the probe at the capture chunk
+          # tests, the GDN kernels' and the engine's full gradient on CUDA (their backward takes it now), then the
+          # probe at the capture chunk (16K) and at 64K
   PYTHONPATH=/tmp/site:/tmp/fla timeout 300 python3 -m pytest -v -rfE -m gpu --durations 10 \
-    tests/test_kernels_gdn_backward.py tests/test_kernels_gdn.py > "$OUT/pytest_gpu_gdn_bwd.log" 2>&1
+    tests/test_kernels_gdn_backward.py tests/test_kernels_gdn.py tests/test_full_gradient.py::test_full_gradient_on_cuda_bf16 \
+    > "$OUT/pytest_gpu_gdn_bwd.log" 2>&1
   echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_gdn_bwd.log") passed"
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR|passed|failed" "$OUT/pytest_gpu_gdn_bwd.log" | tail -12
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 240 python3 -u gdn_backward_probe.py --tokens 16384 65536 2>&1 \
