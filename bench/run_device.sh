@@ -25,6 +25,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-start   # a fresh process's first step, cold and disk-cached
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-pins    # this GPU's autotune pins, then a pinned cold 512K step
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad-profile --prompt 65536  # the full-mode prompt backward's kernels
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gdn-bwd     # issue 25: GDN backward via fla + our dqkwg
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -72,6 +73,17 @@ gpu_tests() {
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$log" | tail -8
 }
 case "$1" in
+gdn-bwd)  # issue 25: the GDN backward through fla with our torch chunk_bwd_dqkwg (LONGSTRAW_GDN_BACKWARD): its GPU
+          # tests, the GDN kernels' and the engine's full gradient on CUDA (their backward takes it now), then the
+          # probe at the capture chunk (16K) and at 64K
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 300 python3 -m pytest -v -rfE -m gpu --durations 10 \
+    tests/test_kernels_gdn_backward.py tests/test_kernels_gdn.py tests/test_full_gradient.py::test_full_gradient_on_cuda_bf16 \
+    > "$OUT/pytest_gpu_gdn_bwd.log" 2>&1
+  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_gdn_bwd.log") passed"
+  grep -E " (FAILED|ERROR)|^FAILED|^ERROR|passed|failed" "$OUT/pytest_gpu_gdn_bwd.log" | tail -12
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 240 python3 -u gdn_backward_probe.py --tokens 16384 65536 2>&1 \
+    | grep -v -i warn | tee "$OUT/gdn_backward_probe.log" | tail -6
+  ;;
 full-memory)  # issue 25: where gradient_mode='full' runs out of memory on the whole 27B (train() OOMed at P = 16K,
               # R = 32, where response-only peaked at 58.7 GiB): the engine's phases one by one; args to the script
   shift

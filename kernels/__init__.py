@@ -5,6 +5,7 @@ from .gated_delta_rule import (
     chunk_gated_delta_rule_torch,
     fla_available,
     fla_backward_allowed,
+    fla_chunk_backward_ready,
     gated_delta_rule,
 )
 from .gated_delta_rule_naive import recurrent_gated_delta_rule_ref
@@ -14,6 +15,7 @@ __all__ = [
     "chunk_gated_delta_rule_torch",
     "fla_available",
     "fla_backward_allowed",
+    "fla_chunk_backward_ready",
     "gated_delta_rule",
     "recurrent_gated_delta_rule_ref",
 ]

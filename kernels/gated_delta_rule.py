@@ -6,9 +6,11 @@
   recompute each block in backward (``checkpoint``) instead of keeping all of its intermediates.
   The initial state is a constant: it is detached, never written, and gets no gradient.
 * :func:`gated_delta_step`: one token without autograd (decoding), fixed shapes, CUDA-graph safe.
-* :func:`gated_delta_rule`: dispatcher (one graph-free token: the step). flash-linear-attention on CUDA for graph-free calls (and for
-  calls that need backward only when ``LONGSTRAW_FLA_BACKWARD=1`` and the installed Triton is not in fla's
-  Hopper miscompile range); the torch chunked rule otherwise.
+* :func:`gated_delta_rule`: dispatcher (one graph-free token: the step). flash-linear-attention on CUDA for
+  graph-free calls and for calls that need backward: fla's chunked backward with our torch ``chunk_bwd_dqkwg``
+  (kernels/gdn_chunk_backward.py, registered as an fla backend) in place of the one fla kernel refused on Hopper
+  with Triton 3.4-3.7.0 (``LONGSTRAW_GDN_BACKWARD=0``: the torch chunked rule; ``LONGSTRAW_FLA_BACKWARD=1``: fla's
+  own kernel where its Triton allows it); the torch chunked rule otherwise.
 
 Layouts (HF and fla agree): q, k ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``; g (log decay, <= 0) and beta
 ``[B, T, Hv]``; states ``[B, Hv, K, V]`` in fp32. ``Hv`` may be a multiple of ``Hk`` (grouped value
@@ -20,6 +22,7 @@ The output has q's dtype; the final state is fp32.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import torch
@@ -28,12 +31,14 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .autotune import pin_autotune_choices
 from .gated_delta_rule_naive import l2norm
+from .gdn_chunk_backward import chunk_bwd_dqkwg_torch
 from .switches import switch
 
 __all__ = [
     "chunk_gated_delta_rule_torch",
     "fla_available",
     "fla_backward_allowed",
+    "fla_chunk_backward_ready",
     "gated_delta_rule",
     "gated_delta_step",
 ]
@@ -43,6 +48,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 2048  # tokens per block of chunks (a multiple of chunk_size is used)
 FLA_MAX_TOKENS_PER_CALL = 16384  # fla keeps [B, T/64, H, K, V] per call: split long no-grad calls
 FLA_BACKWARD_ENV = "LONGSTRAW_FLA_BACKWARD"
+GDN_BACKWARD_ENV = "LONGSTRAW_GDN_BACKWARD"  # on: fla's chunked backward with our torch chunk_bwd_dqkwg
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -272,29 +278,77 @@ def _triton_version() -> tuple[int, ...] | None:
     return _version_tuple(triton.__version__)
 
 
-def fla_backward_allowed(device: torch.device | None = None) -> bool:
-    """May fla's chunked backward be used? Conservative: only with ``LONGSTRAW_FLA_BACKWARD=1``.
+def _fla_dqkwg_miscompiled(device: torch.device | None = None) -> bool:
+    """Hopper (sm_90) with ``3.4.0 <= Triton < 3.7.1``: fla's own gated ``chunk_bwd_dqkwg`` raises there (a
+    Triton miscompile gives wrong gradients, fla issue #640, guard relaxed in fla PR #983)."""
+    tv = _triton_version()
+    major, _ = torch.cuda.get_device_capability(device)
+    return tv is not None and major == 9 and (3, 4, 0) <= tv < (3, 7, 1)
 
-    Even when opted in, it is refused on Hopper (sm_90) with ``3.4.0 <= Triton < 3.7.1``: fla raises there
-    itself (a Triton miscompile gives wrong db/dg, fla issue #640, guard relaxed in fla PR #983).
+
+def fla_backward_allowed(device: torch.device | None = None) -> bool:
+    """May fla's chunked backward run on its own kernels only? Conservative: only with
+    ``LONGSTRAW_FLA_BACKWARD=1``, and never where fla's gated ``chunk_bwd_dqkwg`` is miscompiled (Hopper,
+    ``3.4.0 <= Triton < 3.7.1``). Otherwise a call that needs backward takes :func:`fla_chunk_backward_ready`'s
+    path (fla with our torch ``chunk_bwd_dqkwg``) or the torch chunked rule.
     """
     if not switch(FLA_BACKWARD_ENV, default=False):
         return False
-    if not fla_available() or not torch.cuda.is_available():
+    if not fla_available() or not torch.cuda.is_available() or _triton_version() is None:
         return False
-    major, _ = torch.cuda.get_device_capability(device)
-    tv = _triton_version()
-    if tv is None:
-        return False
-    if major == 9 and (3, 4, 0) <= tv < (3, 7, 1):
-        logger.warning(
-            "%s=1 but Triton %s on Hopper is in fla's backward miscompile range [3.4.0, 3.7.1): "
-            "using the torch chunked rule for backward",
+    if _fla_dqkwg_miscompiled(device):
+        logger.info(
+            "%s=1 but Triton %s on Hopper is in fla's backward miscompile range [3.4.0, 3.7.1): fla's gated "
+            "chunk_bwd_dqkwg is ours (unless %s=0, then the torch chunked rule serves)",
             FLA_BACKWARD_ENV,
-            ".".join(map(str, tv)),
+            ".".join(map(str, _triton_version())),
+            GDN_BACKWARD_ENV,
         )
         return False
     return True
+
+
+def _own_dqkwg_accepts(*args, **kwargs) -> tuple[bool, str | None]:
+    """fla backend verifier: the gated, equal-length calls our torch ``chunk_bwd_dqkwg`` serves, unless the user
+    asked for fla's own kernel where it is not miscompiled (``LONGSTRAW_FLA_BACKWARD=1``)."""
+    bound = inspect.signature(chunk_bwd_dqkwg_torch).bind(*args, **kwargs).arguments
+    if bound.get("g") is None or bound.get("g_gamma") is not None or bound.get("cu_seqlens") is not None:
+        return False, "LongStraw's torch chunk_bwd_dqkwg serves gated, equal-length calls only"
+    if fla_backward_allowed(bound["q"].device):
+        return False, f"{FLA_BACKWARD_ENV}=1 and fla's own kernel is outside its miscompile range"
+    return True, None
+
+
+@functools.cache
+def _register_own_dqkwg() -> bool:
+    """Register :func:`chunk_bwd_dqkwg_torch` as an fla backend of ``fla.ops.common.chunk_o.chunk_bwd_dqkwg``
+    (fla's ``@dispatch('common')`` registry, tried before fla's Triton kernel). Process-wide and once; it serves
+    while ``LONGSTRAW_GDN_BACKWARD`` is on. False when fla (or its backend registry) is missing."""
+    try:
+        from fla.backends import BaseBackend, register
+        from fla.ops.common import chunk_o  # noqa: F401 - loads the 'common' registry
+    except Exception:  # noqa: BLE001 - no fla, or an fla without backend dispatch: the torch rule serves
+        return False
+    backend = type(
+        "LongStrawDqkwgBackend",
+        (BaseBackend,),
+        {
+            "backend_type": "longstraw_torch",
+            "priority": 4,  # before TileLang's (5): the path our tests check; after Ascend's NPU backend (0)
+            "is_enabled": lambda self: switch(GDN_BACKWARD_ENV),
+            "chunk_bwd_dqkwg": staticmethod(chunk_bwd_dqkwg_torch),
+            "chunk_bwd_dqkwg_verifier": staticmethod(_own_dqkwg_accepts),
+        },
+    )
+    register("common")(backend)
+    return True
+
+
+def fla_chunk_backward_ready() -> bool:
+    """Can a call that needs backward run on fla's chunked forward/backward with our torch ``chunk_bwd_dqkwg``
+    in place of fla's guarded Triton kernel? ``LONGSTRAW_GDN_BACKWARD`` on (default), fla importable with its
+    backend registry (the registration happens here, once)."""
+    return switch(GDN_BACKWARD_ENV) and fla_available() and _register_own_dqkwg()
 
 
 def _fla_call(
@@ -322,6 +376,8 @@ def _fla_call(
     T = q.shape[1]
     inputs = (q, k, v, g, beta) + ((state,) if state is not None else ())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if needs_grad:
+        fla_chunk_backward_ready()  # registers our chunk_bwd_dqkwg (if switched on) before fla's backward runs
     if needs_grad or T <= max_tokens:
         o, final = fn(
             q,
@@ -420,9 +476,9 @@ def gated_delta_rule(
     :func:`chunk_gated_delta_rule_torch`); picks fla or the torch chunked rule.
 
     ``backend``: ``"auto"`` (fla on CUDA for bf16/fp16 inputs when no gradient is needed, or when
-    :func:`fla_backward_allowed`; torch otherwise), ``"fla"`` (force; raises if unavailable), ``"torch"``.
-    Shapes and returns as :func:`chunk_gated_delta_rule_torch`. The initial state is never written and
-    gets no gradient on either path.
+    :func:`fla_backward_allowed` or :func:`fla_chunk_backward_ready`; torch otherwise), ``"fla"`` (force; raises
+    if unavailable), ``"torch"``. Shapes and returns as :func:`chunk_gated_delta_rule_torch`. The initial state is
+    never written, and gets a gradient only with ``state_grad`` (both paths).
     """
     _, T, _, K, _, _ = _check_shapes(q, k, v, g, beta, initial_state)
     if backend not in ("auto", "fla", "torch"):
@@ -441,7 +497,7 @@ def gated_delta_rule(
             and q.dtype in (torch.bfloat16, torch.float16)
             and q.dtype == k.dtype == v.dtype
             and fla_available()
-            and (not needs_grad or fla_backward_allowed(q.device))
+            and (not needs_grad or fla_backward_allowed(q.device) or fla_chunk_backward_ready())
         )
     if use_fla:
         if not fla_available():

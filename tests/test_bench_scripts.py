@@ -130,6 +130,17 @@ def test_full_gradient_smoke(tmp_path):
     assert all(r["ok"] for r in data["long_response"])
 
 
+def test_gdn_backward_probe_smoke(tmp_path):
+    _run(tmp_path, "gdn_backward_probe.py", "--smoke")
+    data = json.loads((tmp_path / "gdn_backward_probe_smoke.json").read_text())
+    (row,) = data["rows"]
+    assert data["new_path"] is False and "fla_ours_s" not in row  # fla's path needs CUDA
+    assert row["torch_rule_s"] > 0 and row["dqkwg_step_s"] > 0
+    errors = row["torch_rule_bf16_errors_vs_fp32"]
+    assert set(errors) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
+    assert 0 < errors["o"]["rel_l2"] < 1e-2  # bf16 rounding of the output, nothing more
+
+
 def test_glm_slice_smoke(tmp_path):
     _run(tmp_path, "glm_slice.py", "--smoke", "--prompt", "300", "--response", "12", "--groups", "2",
          "--chunk", "128", "--page", "128", "--offload-gen-tokens", "3", "--warmup-prompt", "200",
