@@ -397,9 +397,8 @@ class LongStrawGRPOConfig(GRPOConfig):
                 "router_aux_loss_coef != 0 is not supported with context parallelism (cp_size > 1) yet; set "
                 "router_aux_loss_coef=0.0 or cp_size=1."
             )
-        if self.gradient_mode == "full" or self.replay_block_size is not None:
+        if self.replay_block_size is not None:
             raise LongStrawError(
-                "router_aux_loss_coef != 0 is not supported with gradient_mode='full' or replay_block_size (the "
-                "router loss of the prompt's tokens would need its own gradient). Set router_aux_loss_coef=0.0, "
-                "or gradient_mode='response_only' and replay_block_size=None."
+                "router_aux_loss_coef != 0 is not supported with replay_block_size (a response's router loss would "
+                "need to be split over its blocks). Set router_aux_loss_coef=0.0 or replay_block_size=None."
             )

@@ -32,7 +32,7 @@ synchronisation per layer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -222,6 +222,22 @@ class MicroBatchRouterAux:
             part = (probs * mask.to(probs.device).unsqueeze(-1)).sum(0) @ scale
             total = part if total is None else total + part
         return total
+
+
+    @contextlib.contextmanager
+    def prompt_segment(self, weight: float) -> Iterator[Callable[[], torch.Tensor]]:
+        """The full gradient: around a recomputed chunk of captured prompt tokens (``prompt_backward``'s
+        ``segment_loss``), yields a function giving ``weight`` times the chunk's share of ``aux_loss``,
+        differentiable in its router logits (every token counts: TRL's mask covers the prompt). ``weight``: the
+        rows of the micro-batch holding this prompt, times the loss's coefficient and normaliser."""
+        with self.lb.stash() as router_logits:
+
+            def share() -> torch.Tensor:
+                tokens = router_logits[0].shape[0] if router_logits else 0
+                mask = torch.ones(tokens, device=router_logits[0].device if router_logits else None)
+                return weight * self.term(router_logits, mask)
+
+            yield share
 
 
 def replay_inputs(

@@ -560,14 +560,36 @@ class KVGrad:
             if self._buffer(j) is None:
                 return None
 
-            def add(dk: torch.Tensor, dv: torch.Tensor) -> None:
+            def add(dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
                 bk, bv = self._buffer(j)
-                bk[:, s:e] += dk.to(bk.device, torch.float32)
-                bv[:, s:e] += dv.to(bv.device, torch.float32)
+                if dk is not None:
+                    bk[:, s:e] += dk.to(bk.device, torch.float32)
+                if dv is not None:
+                    bv[:, s:e] += dv.to(bv.device, torch.float32)
 
             return add
 
         return for_block
+
+    def sink_joined(self, view: KVPages) -> Callable[[torch.Tensor | None, torch.Tensor | None], None]:
+        """:meth:`sink` for a kernel that reads ``view``'s blocks joined into one table (in ``view.stream``
+        order): the returned function takes the table's ``(dk [Hkv, N, D], dv)`` (either ``None``: no gradient
+        there) and hands each block its rows."""
+        blocks = list(view.blocks())
+        for_block = self.sink(view)
+
+        def add(dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
+            at = 0
+            for i, (_, s, e) in enumerate(blocks):
+                sink = for_block(i)
+                if sink is not None:
+                    sink(
+                        None if dk is None else dk[:, at : at + e - s],
+                        None if dv is None else dv[:, at : at + e - s],
+                    )
+                at += e - s
+
+        return add
 
     def take(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The accumulated ``(dk [Hkv, T, D], dv)`` of global tokens ``[start, end)`` on ``device``: this
@@ -622,17 +644,38 @@ class WindowKV(LayerState):
     @torch.no_grad()
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one chunk's ``k [Hkv, T, D]``, ``v [Hkv, T, Dv]`` and keep the last ``window - 1``."""
-        self.num_tokens += k.shape[1]
-        v = v.to(k.dtype)  # one dtype for K and V, as KVPages (under autocast RoPE can leave K in fp32)
-        if self.k is not None:
-            k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
-        start = max(k.shape[1] - (self.window - 1), 0)
+        after = self.extended(k, v)
+        self.num_tokens = after.num_tokens
         # a copy of the tail, so the chunk's K/V (and the old window) are freed
-        self.k, self.v = k[:, start:].clone(), v[:, start:].clone()
+        self.k, self.v = after.k.clone(), after.v.clone()
 
     def fork(self) -> WindowKV:
         new = WindowKV(self.window, self.k, self.v)
         new.num_tokens = self.num_tokens
+        return new
+
+    # the full gradient: the window at a boundary is a leaf (its K/V, fixed size) whose gradient the segment that
+    # produced it takes back, as for GDN states; the window after a segment is `extended` under autograd
+    grad_kind = "leaf"
+
+    def grad_tensors(self) -> list[torch.Tensor | None]:
+        return [self.k, self.v]
+
+    def with_tensors(self, tensors: list[torch.Tensor | None]) -> WindowKV:
+        new = WindowKV(self.window, *tensors)
+        new.num_tokens = self.num_tokens
+        return new
+
+    def extended(self, k: torch.Tensor, v: torch.Tensor) -> WindowKV:
+        """This window after ``k [Hkv, T, D]``, ``v [Hkv, T, Dv]`` (differentiable in both and in this state's
+        tensors: what a recomputed segment hands to the gradient the next segment sent to the window)."""
+        num_tokens = self.num_tokens + k.shape[1]
+        v = v.to(k.dtype)  # one dtype for K and V, as KVPages (under autocast RoPE can leave K in fp32)
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
+        start = max(k.shape[1] - (self.window - 1), 0)
+        new = WindowKV(self.window, k[:, start:], v[:, start:])
+        new.num_tokens = num_tokens
         return new
 
     def stream(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
