@@ -400,7 +400,9 @@ def plan_memory(
         kv = config.num_key_value_heads * head_dim
         handed_back = sum(t == "full_attention" for t in types) * segment * 2 * kv * (dtype_bytes + 4)
         plan.prompt_backward_graph = segment_graph + handed_back
-        plan.notes.append("gradient_mode='full': dK/dV buffers, kept GDN boundary states, one layer's dK/dV")
+        plan.notes.append(
+            "gradient_mode='full': dK/dV buffers, kept GDN / window boundary states, one layer's dK/dV"
+        )
     elif gradient_mode != "response_only":
         raise LongStrawError(f"gradient_mode must be 'response_only' or 'full', got {gradient_mode!r}")
     if offload == "cpu":

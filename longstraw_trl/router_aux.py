@@ -18,6 +18,9 @@ differentiable in its own router probabilities and can be back-propagated with i
 ``P - 1`` tokens are part of the captured state (constants under the response-only gradient, as they are for
 the policy loss); their statistics are collected during the capture and enter ``C``, ``M`` and the value.
 Each of the ``G`` rows of a group holds the whole prompt in TRL, so the prompt statistics count ``G`` times.
+With ``gradient_mode="full"`` their share gets its gradient too: each capture chunk recomputed by the prompt
+backward adds ``G`` times its tokens' share (:meth:`MicroBatchRouterAux.prompt_segment`), and the responses'
+shares reach the prompt state through their replays like the policy loss.
 
 TRL's input row is ``prompt + completion`` (``P + n`` tokens under the mask); a replay runs
 ``[last prompt token, completion[:-1]]``, so with the auxiliary loss on, a response is replayed one position
@@ -222,7 +225,6 @@ class MicroBatchRouterAux:
             part = (probs * mask.to(probs.device).unsqueeze(-1)).sum(0) @ scale
             total = part if total is None else total + part
         return total
-
 
     @contextlib.contextmanager
     def prompt_segment(self, weight: float) -> Iterator[Callable[[], torch.Tensor]]:

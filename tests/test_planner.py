@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longstraw_trl.errors import LongStrawError, UnsupportedModelError
+from longstraw_trl.errors import LongStrawError
 from longstraw_trl.planner import GiB, largest_prompt, plan_memory, state_bytes
 from longstraw_trl.presets import preset_config
 
