@@ -650,7 +650,7 @@ class WindowKV(LayerState):
         self.k, self.v = after.k.clone(), after.v.clone()
 
     def fork(self) -> WindowKV:
-        new = WindowKV(self.window, self.k, self.v)
+        new = type(self)(self.window, self.k, self.v)  # the class included: a subclass stays one
         new.num_tokens = self.num_tokens
         return new
 
@@ -662,7 +662,7 @@ class WindowKV(LayerState):
         return [self.k, self.v]
 
     def with_tensors(self, tensors: list[torch.Tensor | None]) -> WindowKV:
-        new = WindowKV(self.window, *tensors)
+        new = type(self)(self.window, *tensors)
         new.num_tokens = self.num_tokens
         return new
 
@@ -674,7 +674,7 @@ class WindowKV(LayerState):
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
         start = max(k.shape[1] - (self.window - 1), 0)
-        new = WindowKV(self.window, k[:, start:], v[:, start:])
+        new = type(self)(self.window, k[:, start:], v[:, start:])
         new.num_tokens = num_tokens
         return new
 

@@ -207,3 +207,20 @@ def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer(famil
     if family == "qwen3_moe_router_aux":
         assert ours.aux_loss_enabled
     assert_updates_match(start, stock_weights, ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "glm_moe_dsa"])
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_full_gradient_on_cuda_bf16(family, offload):
+    """The CUDA paths in bf16 (window attention, soft-caps, sinks; the selected-keys kernels and the latent buffers,
+    pinned host buffers when offloaded) against the stock model's fp32 full gradient on the CPU."""
+    model = _build(family)
+    prompt, comps, weights = _data(prompt_len=61)
+    ref = stock_full_grads(model, prompt, comps, weights)
+    model = model.cuda().to(torch.bfloat16)
+    got = engine_full_grads(model, prompt.cuda(), comps.cuda(), weights.cuda(), block_size=4, offload=offload)
+    for name, g in ref.items():
+        rel = _rel(got[name].float().cpu(), g)
+        assert rel <= 5e-2, f"{name}: relative L2 {rel:.2e}"
