@@ -4,8 +4,9 @@ GPT-OSS's sinks), GLM-5's MLA latent under a DSA selection that drops keys, and 
 References (never the engine itself): the stock HF model's full forward + backward on ``prompt + completion`` (engine
 level), stock TRL ``GRPOTrainer`` unpatched (micro-batch and ``trainer.train()`` level, on the same completions).
 Every prompt is longer than the window (8) and than ``index_topk`` (6), so the window's and the selection's prompt
-keys decide the results; each test also checks that the response-only gradient differs there (the prompt path
-matters), so none could pass without the prompt state's gradient.
+keys decide the results; the engine test also checks that the response-only gradient differs there (the prompt path
+matters). Negative controls watched failing: the window's or the latent's gradient dropped, the window's gradient cut
+at chunk boundaries, the latent rows' value part dropped, the prompt tokens' router-loss share dropped or mis-weighted.
 """
 
 from __future__ import annotations
