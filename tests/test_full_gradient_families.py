@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 from _models import build_glm_dsa, build_window
 from _reference import (
     VOCAB,
@@ -24,6 +27,7 @@ from _reference import (
     param_grads,
     stock_full_grads,
 )
+from _spawn import exit_worker, run_processes
 from _trl_helpers import (
     TINY_VOCAB,
     assert_micro_batch_matches_stock,
@@ -225,3 +229,26 @@ def test_full_gradient_on_cuda_bf16(family, offload):
     for name, g in ref.items():
         rel = _rel(got[name].float().cpu(), g)
         assert rel <= 5e-2, f"{name}: relative L2 {rel:.2e}"
+
+
+def _cp_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        for family in ("gemma2", "glm_moe_dsa"):
+            model = _build(family)
+            prompt, comps, weights = _data()
+            ref = stock_full_grads(model, prompt, comps, weights)
+            got = engine_full_grads(model, prompt, comps, weights, cp_group=dist.group.WORLD)
+            assert_grads_close(got, ref)
+    finally:
+        dist.destroy_process_group()
+    exit_worker()
+
+
+@pytest.mark.slow
+def test_full_gradient_under_context_parallelism_matches_stock():
+    """Two gloo ranks, pages (full-attention K/V, GLM-5's latent) spread over them, the windows on both: every rank's
+    gradient is the stock full one."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_processes(_cp_worker, (2, os.path.join(tmp, "init")), nprocs=2)
