@@ -277,7 +277,7 @@ def full_gradient_bytes(
         cls = patch.layer_state_type(config, i)
         n = cls.planned_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
         if cls.grad_kind == "buffer":
-            fp32 = n * 4 // dtype_bytes
+            fp32 = cls.planned_grad_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
             buffers += fp32
             workspace = max(workspace, fp32)
         elif cls.grad_kind == "leaf":

@@ -443,6 +443,15 @@ class KVPages(LayerState):
         yield from prefetch_to_device(pieces, device, after=self._host_written)
 
     grad_kind = "buffer"
+    #: the full gradient: whether the values get a gradient buffer (False: a family whose "values" never take a
+    #: gradient, GLM-5's indexer keys, spares the buffer)
+    grad_values: ClassVar[bool] = True
+
+    @classmethod
+    def planned_grad_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        """The planner's formula: bytes of this layer's fp32 gradient buffers (:class:`KVGrad`) on a rank that stores
+        ``tokens_on_rank`` tokens."""
+        return cls.planned_bytes(config, layer_idx, tokens_on_rank, dtype_bytes) * 4 // dtype_bytes
 
     def boundary(self) -> None:
         return None  # the prefix is a view of the segments
@@ -536,19 +545,22 @@ class KVGrad:
         self.pages, self.shared, self.parent = pages, shared, parent
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _buffer(self, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _buffer(self, j: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         if j < self.shared:
             return None if self.parent is None else self.parent._buffer(j)
         if j not in self._buffers:
             kb, vb, filled = self.pages.segments[j]
-            self._buffers[j] = (
-                torch.zeros(kb.shape[0], filled, kb.shape[2], dtype=torch.float32, device=kb.device),
-                torch.zeros(vb.shape[0], filled, vb.shape[2], dtype=torch.float32, device=vb.device),
-            )
+            dv = None  # `grad_values` False: the values take no gradient
+            if self.pages.grad_values:
+                dv = torch.zeros(vb.shape[0], filled, vb.shape[2], dtype=torch.float32, device=vb.device)
+            dk = torch.zeros(kb.shape[0], filled, kb.shape[2], dtype=torch.float32, device=kb.device)
+            self._buffers[j] = (dk, dv)
         return self._buffers[j]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self._buffers.values() for t in pair)
+        return sum(
+            t.numel() * t.element_size() for pair in self._buffers.values() for t in pair if t is not None
+        )
 
     def sink(self, view: KVPages):
         """For the attention backward over ``view`` (this state or a :meth:`KVPages.prefix` of it): block
@@ -564,7 +576,7 @@ class KVGrad:
                 bk, bv = self._buffer(j)
                 if dk is not None:
                     bk[:, s:e] += dk.to(bk.device, torch.float32)
-                if dv is not None:
+                if dv is not None and bv is not None:
                     bv[:, s:e] += dv.to(bv.device, torch.float32)
 
             return add
@@ -615,7 +627,8 @@ class KVGrad:
                 if buf is not None:
                     dst = slice(out + lo - index, out + hi - index)
                     dk[:, dst] = buf[0][:, lo - base : hi - base].to(dk.device)
-                    dv[:, dst] = buf[1][:, lo - base : hi - base].to(dv.device)
+                    if buf[1] is not None:
+                        dv[:, dst] = buf[1][:, lo - base : hi - base].to(dv.device)
             base += filled
 
 

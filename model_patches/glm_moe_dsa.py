@@ -73,8 +73,9 @@ class DSAPages(KVPages):
 
     kind = "mla"
     # the full gradient: the latent's in the "keys" buffer (the prompt part's backward, `dsa_forward`); the indexer
-    # keys' buffer stays zero, as HF runs its indexer under no_grad (no gradient reaches them or the indexer)
+    # keys get none, as HF runs its indexer under no_grad (no gradient reaches them or the indexer): no buffer
     grad_kind = "buffer"
+    grad_values = False
 
     def nbytes_by_kind(self) -> dict[str, int]:
         n = self.stored_tokens() * self.num_kv_heads * self.dtype.itemsize
@@ -107,6 +108,12 @@ class DSAPages(KVPages):
     @classmethod
     def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
         return sum(cls.planned_bytes_by_kind(config, layer_idx, tokens_on_rank, dtype_bytes).values())
+
+    @classmethod
+    def planned_grad_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        """The latent's fp32 gradient buffer only (``grad_values`` False: the indexer keys take none)."""
+        mla = cls.planned_bytes_by_kind(config, layer_idx, tokens_on_rank, dtype_bytes)["mla"]
+        return mla * 4 // dtype_bytes
 
     @classmethod
     def planned_offload_workspace(

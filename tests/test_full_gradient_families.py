@@ -132,8 +132,8 @@ def test_glm_selection_drops_prompt_keys_and_the_latent_gets_their_gradient_only
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["gemma2", "glm_moe_dsa"])
 def test_planned_full_gradient_bytes_are_what_the_state_holds(family):
-    """Window leaves (their gradient, a snapshot at every chunk boundary) and the latent pages' fp32 buffers (the
-    indexer keys' included) as ``full_gradient_bytes`` counts them (fp32 model: 4 bytes a value)."""
+    """Window leaves (their gradient, a snapshot at every chunk boundary) and the latent pages' fp32 buffers (none for
+    the indexer keys, which take no gradient) as ``full_gradient_bytes`` counts them (fp32 model: 4 bytes a value)."""
     model = _build(family)
     prompt, comps, _ = _data(prompt_len=29)
     state = capture_prompt(model, prompt, chunk_size=8, page_size=6, keep_boundaries=True)
@@ -147,6 +147,8 @@ def test_planned_full_gradient_bytes_are_what_the_state_holds(family):
     assert held == kept
     kinds = {type(layer) for layer in state.layers.values()}
     assert kinds == ({WindowKV, KVPages} if family == "gemma2" else {DSAPages})
+    if family == "glm_moe_dsa":  # the latent's buffer only
+        assert buffers == state.nbytes_by_kind()["mla"] < state.nbytes()
     assert workspace == max(
         grads.kv(i).nbytes() for i, layer in state.layers.items() if layer.grad_kind == "buffer"
     )
