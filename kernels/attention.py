@@ -700,7 +700,9 @@ def window_attention(
     keys, values = repeat_kv(keys, rep), repeat_kv(values, rep)
     device = q.device
     k_pos = torch.arange(n + s_len, device=device) - n
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))
+    grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, sinks, prompt_k, prompt_v)
+    )
     outs = []
     for a in range(0, t, WINDOW_QUERY_BLOCK):
         e = min(t, a + WINDOW_QUERY_BLOCK)

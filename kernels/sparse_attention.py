@@ -234,9 +234,14 @@ def selected_attention_dq(
     dlse: torch.Tensor,
     scale: float,
     value_dim: int,
+    dtable: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dQ (fp32) of a selected-keys part from its ``out``/``lse`` (merged over ranks) and their gradients:
-    ``dS_ij = P_ij (dO_i . v_j - dO_i . O_i + dlse_i)``, ``dQ_i = scale * sum_j dS_ij k_j``."""
+    ``dS_ij = P_ij (dO_i . v_j - dO_i . O_i + dlse_i)``, ``dQ_i = scale * sum_j dS_ij k_j``.
+
+    ``dtable`` (fp32, ``table [N, D]``'s shape; the full gradient): the rows' gradient is added to it, the key's
+    ``dK_j = scale * sum_i dS_ij q_i`` on every column and the value's ``dV_j = sum_i P_ij dO_i`` on the first
+    ``value_dim`` (a row is both: MLA's latent)."""
     b, _, t, _ = q.shape
     tq = max(1, ATTENTION_QUERY_ROWS // b)
     dq = torch.zeros_like(q, dtype=torch.float32)
@@ -252,6 +257,11 @@ def selected_attention_dq(
         dp = _rows_matmul(do, kg[..., :value_dim].transpose(-1, -2))
         ds = p * (dp - delta + dlse[:, :, a:e, None].float())
         dq[:, :, a:e] = _rows_matmul(ds, kg) * scale
+        if dtable is not None:
+            d_rows = torch.einsum("bhtk,bhtd->btkd", ds, q[:, :, a:e].float()) * scale
+            d_rows[..., :value_dim] += torch.einsum("bhtk,bhtv->btkv", p, do)
+            d_rows = d_rows * valid[:, 0, :, :, None]  # slots without a row (-1) send nothing
+            dtable.index_add_(0, rows[:, a:e].clamp_min(0).reshape(-1), d_rows.reshape(-1, d_rows.shape[-1]))
     return dq
 
 
@@ -259,24 +269,34 @@ class SelectedKeysAttention(torch.autograd.Function):
     """The prompt part: ``q`` over chosen rows of a constant table (``table_fn()``, shared by the batch).
 
     Returns ``(out, lse)`` merged over context-parallel ranks by ``reduce_partial`` (every rank holds some
-    rows; the others are -1 here). Backward gives dQ only (the table is a constant), summed over ranks by
-    ``reduce_dq``; it calls ``table_fn`` again, so an offloaded table is streamed back, not kept.
+    rows; the others are -1 here). Backward gives dQ (the table is a constant for autograd), summed over ranks by
+    ``reduce_dq``; it calls ``table_fn`` again, so an offloaded table is streamed back, not kept. ``table_grad``
+    (the full gradient): backward also hands the table's gradient (fp32 ``[N, D]``, this rank's rows) to it.
     """
 
     @staticmethod
-    def forward(ctx, q, rows, table, table_fn, scale, value_dim, reduce_partial, reduce_dq):
+    def forward(ctx, q, rows, table, table_fn, scale, value_dim, reduce_partial, reduce_dq, table_grad):
         out, lse = selected_attention(q, table, rows, scale, value_dim)
         out, lse = reduce_partial(out, lse, q)
         ctx.save_for_backward(q, rows, out, lse)
         ctx.table_fn, ctx.scale, ctx.value_dim, ctx.reduce_dq = table_fn, scale, value_dim, reduce_dq
+        ctx.table_grad = table_grad
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, rows, out, lse = ctx.saved_tensors
-        dq = selected_attention_dq(q, ctx.table_fn(), rows, out, lse, dout, dlse, ctx.scale, ctx.value_dim)
+        table = ctx.table_fn()
+        dtable = None
+        if ctx.table_grad is not None:
+            dtable = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
+        dq = selected_attention_dq(
+            q, table, rows, out, lse, dout, dlse, ctx.scale, ctx.value_dim, dtable=dtable
+        )
+        if dtable is not None:
+            ctx.table_grad(dtable)
         dq = ctx.reduce_dq(dq, torch.zeros_like(dq))
-        return dq.to(q.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), None, None, None, None, None, None, None, None
 
 
 def prompt_selected_attention(
@@ -288,13 +308,15 @@ def prompt_selected_attention(
     value_dim: int,
     reduce_partial,
     reduce_dq,
+    table_grad: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``q [B, H, T, D]`` over its chosen rows of the constant ``table [N, D]``
     (differentiable in ``q`` under autograd: :class:`SelectedKeysAttention`; ``table_fn()`` gives the table
-    again in backward, so the graph does not keep it)."""
+    again in backward, so the graph does not keep it). ``table_grad``: where backward hands the table's
+    gradient (the full gradient; ``None``: the table is a constant)."""
     if torch.is_grad_enabled() and q.requires_grad:
         return SelectedKeysAttention.apply(
-            q, rows, table, table_fn, scale, value_dim, reduce_partial, reduce_dq
+            q, rows, table, table_fn, scale, value_dim, reduce_partial, reduce_dq, table_grad
         )
     out, lse = selected_attention(q, table, rows, scale, value_dim)
     return reduce_partial(out, lse, q)

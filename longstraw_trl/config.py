@@ -92,8 +92,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             accumulate the gradient of the prompt state (fp32 buffers the size of its K/V, and the GDN states), then
             the prompt's capture chunks are recomputed under autograd in reverse order, one chunk's graph at a time.
             The capture keeps every GDN layer's state at each chunk boundary (per boundary: the model's GDN state
-            bytes, e.g. 144 MiB for Qwen3.6-27B). Needs `refresh_policy="recapture"` (a stale state has no exact
-            gradient), no fp16 loss scaling and no MoE router auxiliary loss.
+            bytes, e.g. 144 MiB for Qwen3.6-27B; sliding-window layers: their window's K/V). Needs
+            `refresh_policy="recapture"` (a stale state has no exact gradient) and no fp16 loss scaling.
         replay_block_size (`int` or `None`, *optional*, defaults to `None`):
             Reverse block replay: replay each response in blocks of this many tokens, forward without autograd
             block by block keeping only the state at block boundaries (the response's K/V so far, the GDN states),
@@ -419,9 +419,8 @@ class LongStrawGRPOConfig(GRPOConfig):
                 "router_aux_loss_coef != 0 is not supported with context parallelism (cp_size > 1) yet; set "
                 "router_aux_loss_coef=0.0 or cp_size=1."
             )
-        if self.gradient_mode == "full" or self.replay_block_size is not None:
+        if self.replay_block_size is not None:
             raise LongStrawError(
-                "router_aux_loss_coef != 0 is not supported with gradient_mode='full' or replay_block_size (the "
-                "router loss of the prompt's tokens would need its own gradient). Set router_aux_loss_coef=0.0, "
-                "or gradient_mode='response_only' and replay_block_size=None."
+                "router_aux_loss_coef != 0 is not supported with replay_block_size (a response's router loss would "
+                "need to be split over its blocks). Set router_aux_loss_coef=0.0 or replay_block_size=None."
             )

@@ -310,7 +310,11 @@ class ReplayContext:
                 page_grads=page_grads,
                 prompt_part=self._prompt_part(idx, pages, scale, k.shape[1], softcap),
             )
-        self.keep_kv(idx, layer, k, v)
+        if sliding_window is not None and self.mode is Mode.SEGMENT:
+            # the window after the segment, under autograd: its gradient is what the next segment sent to the window
+            self.emit_state(idx, (layer or WindowKV(sliding_window)).extended(k[0], v[0]))
+        else:
+            self.keep_kv(idx, layer, k, v)
         return out.transpose(1, 2)
 
     # --- what each mode reads and writes (the families call these, never switch on the mode) --------------------

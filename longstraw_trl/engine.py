@@ -423,6 +423,7 @@ def prompt_backward(
     progress: bool | None = None,
     no_sync: Callable | None = None,
     sync_last: bool = False,
+    segment_loss: Callable[[], contextlib.AbstractContextManager[Callable[[], torch.Tensor]]] | None = None,
 ) -> None:
     """Carry the gradient the replays accumulated in ``grads`` into the prompt's tokens: the capture chunks are
     recomputed under autograd in reverse order, each receiving the gradient that later chunks and every
@@ -434,7 +435,9 @@ def prompt_backward(
     Context parallelism: every rank runs every chunk; the chunk's dK/dV are all-reduced before it runs.
     ``no_sync`` (DDP): a context factory the chunks' backward runs under, except, with ``sync_last``, the last
     one's (the first chunk), which then also scores its tokens with a zero weight, so that every parameter
-    (the output head too) takes part in the synchronising backward.
+    (the output head too) takes part in the synchronising backward. ``segment_loss``: a loss of the prompt's own
+    tokens (TRL's MoE router loss over the prompt), a context factory each chunk's recompute runs under, yielding
+    a function that gives the chunk's share of that loss once its forward has run; added to its backward.
     """
     if grads.state is not state:
         raise LongStrawError("grads belong to another prompt state: make them with StateGrads(state)")
@@ -456,9 +459,19 @@ def prompt_backward(
             sync = (
                 no_sync() if no_sync is not None and not (sync_last and s == 0) else contextlib.nullcontext()
             )
-            with sync:
+            own = segment_loss() if segment_loss is not None else contextlib.nullcontext()
+            with sync, own as own_loss:
+                if own_loss is not None:
+                    loss = _plus(loss, own_loss)
                 backward_segment(model, state, grads, ids, s, head, loss, checkpoint_layers)
             bar.update(ids.shape[1])
+
+
+def _plus(loss: Callable[[object], torch.Tensor] | None, extra: Callable[[], torch.Tensor]):
+    """``loss`` (of the head's result; ``None``: none) plus ``extra()``."""
+    if loss is None:
+        return lambda out: extra()
+    return lambda out: loss(out) + extra()
 
 
 def replay_blocks_backward(

@@ -277,7 +277,7 @@ def full_gradient_bytes(
         cls = patch.layer_state_type(config, i)
         n = cls.planned_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
         if cls.grad_kind == "buffer":
-            fp32 = n * 4 // dtype_bytes
+            fp32 = cls.planned_grad_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
             buffers += fp32
             workspace = max(workspace, fp32)
         elif cls.grad_kind == "leaf":
@@ -400,7 +400,9 @@ def plan_memory(
         kv = config.num_key_value_heads * head_dim
         handed_back = sum(t == "full_attention" for t in types) * segment * 2 * kv * (dtype_bytes + 4)
         plan.prompt_backward_graph = segment_graph + handed_back
-        plan.notes.append("gradient_mode='full': dK/dV buffers, kept GDN boundary states, one layer's dK/dV")
+        plan.notes.append(
+            "gradient_mode='full': dK/dV buffers, kept GDN / window boundary states, one layer's dK/dV"
+        )
     elif gradient_mode != "response_only":
         raise LongStrawError(f"gradient_mode must be 'response_only' or 'full', got {gradient_mode!r}")
     if offload == "cpu":

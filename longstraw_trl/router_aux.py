@@ -18,6 +18,9 @@ differentiable in its own router probabilities and can be back-propagated with i
 ``P - 1`` tokens are part of the captured state (constants under the response-only gradient, as they are for
 the policy loss); their statistics are collected during the capture and enter ``C``, ``M`` and the value.
 Each of the ``G`` rows of a group holds the whole prompt in TRL, so the prompt statistics count ``G`` times.
+With ``gradient_mode="full"`` their share gets its gradient too: each capture chunk recomputed by the prompt
+backward adds ``G`` times its tokens' share (:meth:`MicroBatchRouterAux.prompt_segment`), and the responses'
+shares reach the prompt state through their replays like the policy loss.
 
 TRL's input row is ``prompt + completion`` (``P + n`` tokens under the mask); a replay runs
 ``[last prompt token, completion[:-1]]``, so with the auxiliary loss on, a response is replayed one position
@@ -32,7 +35,7 @@ synchronisation per layer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -222,6 +225,21 @@ class MicroBatchRouterAux:
             part = (probs * mask.to(probs.device).unsqueeze(-1)).sum(0) @ scale
             total = part if total is None else total + part
         return total
+
+    @contextlib.contextmanager
+    def prompt_segment(self, weight: float) -> Iterator[Callable[[], torch.Tensor]]:
+        """The full gradient: around a recomputed chunk of captured prompt tokens (``prompt_backward``'s
+        ``segment_loss``), yields a function giving ``weight`` times the chunk's share of ``aux_loss``,
+        differentiable in its router logits (every token counts: TRL's mask covers the prompt). ``weight``: the
+        rows of the micro-batch holding this prompt, times the loss's coefficient and normaliser."""
+        with self.lb.stash() as router_logits:
+
+            def share() -> torch.Tensor:
+                tokens = router_logits[0].shape[0] if router_logits else 0
+                mask = torch.ones(tokens, device=router_logits[0].device if router_logits else None)
+                return weight * self.term(router_logits, mask)
+
+            yield share
 
 
 def replay_inputs(

@@ -443,6 +443,15 @@ class KVPages(LayerState):
         yield from prefetch_to_device(pieces, device, after=self._host_written)
 
     grad_kind = "buffer"
+    #: the full gradient: whether the values get a gradient buffer (False: a family whose "values" never take a
+    #: gradient, GLM-5's indexer keys, spares the buffer)
+    grad_values: ClassVar[bool] = True
+
+    @classmethod
+    def planned_grad_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        """The planner's formula: bytes of this layer's fp32 gradient buffers (:class:`KVGrad`) on a rank that stores
+        ``tokens_on_rank`` tokens."""
+        return cls.planned_bytes(config, layer_idx, tokens_on_rank, dtype_bytes) * 4 // dtype_bytes
 
     def boundary(self) -> None:
         return None  # the prefix is a view of the segments
@@ -536,19 +545,22 @@ class KVGrad:
         self.pages, self.shared, self.parent = pages, shared, parent
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _buffer(self, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _buffer(self, j: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         if j < self.shared:
             return None if self.parent is None else self.parent._buffer(j)
         if j not in self._buffers:
             kb, vb, filled = self.pages.segments[j]
-            self._buffers[j] = (
-                torch.zeros(kb.shape[0], filled, kb.shape[2], dtype=torch.float32, device=kb.device),
-                torch.zeros(vb.shape[0], filled, vb.shape[2], dtype=torch.float32, device=vb.device),
-            )
+            dv = None  # `grad_values` False: the values take no gradient
+            if self.pages.grad_values:
+                dv = torch.zeros(vb.shape[0], filled, vb.shape[2], dtype=torch.float32, device=vb.device)
+            dk = torch.zeros(kb.shape[0], filled, kb.shape[2], dtype=torch.float32, device=kb.device)
+            self._buffers[j] = (dk, dv)
         return self._buffers[j]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self._buffers.values() for t in pair)
+        return sum(
+            t.numel() * t.element_size() for pair in self._buffers.values() for t in pair if t is not None
+        )
 
     def sink(self, view: KVPages):
         """For the attention backward over ``view`` (this state or a :meth:`KVPages.prefix` of it): block
@@ -560,14 +572,36 @@ class KVGrad:
             if self._buffer(j) is None:
                 return None
 
-            def add(dk: torch.Tensor, dv: torch.Tensor) -> None:
+            def add(dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
                 bk, bv = self._buffer(j)
-                bk[:, s:e] += dk.to(bk.device, torch.float32)
-                bv[:, s:e] += dv.to(bv.device, torch.float32)
+                if dk is not None:
+                    bk[:, s:e] += dk.to(bk.device, torch.float32)
+                if dv is not None and bv is not None:
+                    bv[:, s:e] += dv.to(bv.device, torch.float32)
 
             return add
 
         return for_block
+
+    def sink_joined(self, view: KVPages) -> Callable[[torch.Tensor | None, torch.Tensor | None], None]:
+        """:meth:`sink` for a kernel that reads ``view``'s blocks joined into one table (in ``view.stream``
+        order): the returned function takes the table's ``(dk [Hkv, N, D], dv)`` (either ``None``: no gradient
+        there) and hands each block its rows."""
+        blocks = list(view.blocks())
+        for_block = self.sink(view)
+
+        def add(dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
+            at = 0
+            for i, (_, s, e) in enumerate(blocks):
+                sink = for_block(i)
+                if sink is not None:
+                    sink(
+                        None if dk is None else dk[:, at : at + e - s],
+                        None if dv is None else dv[:, at : at + e - s],
+                    )
+                at += e - s
+
+        return add
 
     def take(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The accumulated ``(dk [Hkv, T, D], dv)`` of global tokens ``[start, end)`` on ``device``: this
@@ -593,7 +627,8 @@ class KVGrad:
                 if buf is not None:
                     dst = slice(out + lo - index, out + hi - index)
                     dk[:, dst] = buf[0][:, lo - base : hi - base].to(dk.device)
-                    dv[:, dst] = buf[1][:, lo - base : hi - base].to(dv.device)
+                    if buf[1] is not None:
+                        dv[:, dst] = buf[1][:, lo - base : hi - base].to(dv.device)
             base += filled
 
 
@@ -622,17 +657,38 @@ class WindowKV(LayerState):
     @torch.no_grad()
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one chunk's ``k [Hkv, T, D]``, ``v [Hkv, T, Dv]`` and keep the last ``window - 1``."""
-        self.num_tokens += k.shape[1]
+        after = self.extended(k, v)
+        self.num_tokens = after.num_tokens
+        # a copy of the tail, so the chunk's K/V (and the old window) are freed
+        self.k, self.v = after.k.clone(), after.v.clone()
+
+    def fork(self) -> WindowKV:
+        new = type(self)(self.window, self.k, self.v)  # the class included: a subclass stays one
+        new.num_tokens = self.num_tokens
+        return new
+
+    # the full gradient: the window at a boundary is a leaf (its K/V, fixed size) whose gradient the segment that
+    # produced it takes back, as for GDN states; the window after a segment is `extended` under autograd
+    grad_kind = "leaf"
+
+    def grad_tensors(self) -> list[torch.Tensor | None]:
+        return [self.k, self.v]
+
+    def with_tensors(self, tensors: list[torch.Tensor | None]) -> WindowKV:
+        new = type(self)(self.window, *tensors)
+        new.num_tokens = self.num_tokens
+        return new
+
+    def extended(self, k: torch.Tensor, v: torch.Tensor) -> WindowKV:
+        """This window after ``k [Hkv, T, D]``, ``v [Hkv, T, Dv]`` (differentiable in both and in this state's
+        tensors: what a recomputed segment hands to the gradient the next segment sent to the window)."""
+        num_tokens = self.num_tokens + k.shape[1]
         v = v.to(k.dtype)  # one dtype for K and V, as KVPages (under autocast RoPE can leave K in fp32)
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
         start = max(k.shape[1] - (self.window - 1), 0)
-        # a copy of the tail, so the chunk's K/V (and the old window) are freed
-        self.k, self.v = k[:, start:].clone(), v[:, start:].clone()
-
-    def fork(self) -> WindowKV:
-        new = WindowKV(self.window, self.k, self.v)
-        new.num_tokens = self.num_tokens
+        new = type(self)(self.window, k[:, start:], v[:, start:])
+        new.num_tokens = num_tokens
         return new
 
     def stream(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -863,7 +919,7 @@ class StateGrads:
         if layer.grad_kind is None:
             raise LongStrawError(
                 f"layer {idx} keeps a {type(layer).__name__}, which has no full gradient (gradient_mode='full' "
-                "and reverse block replay support K/V pages and Gated DeltaNet states)"
+                "and reverse block replay support K/V pages and windows, MLA latent pages and Gated DeltaNet states)"
             )
 
     def kv(self, idx: int) -> KVGrad:

@@ -24,6 +24,7 @@ collectives (:class:`Collectives`: Accelerate's ``Accelerator`` is one; :class:`
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -398,14 +399,19 @@ class StreamedLoss:
             return prepare_micro_batch(self.router_aux, model, groups, self.options.capture_chunk_size)
 
     def _policy_replay_with_router_aux(
-        self, model, state, aux, ids, mask, length: int, entropy_grad: bool = False
+        self, model, state, aux, ids, mask, length: int, entropy_grad: bool = False, grads=None
     ):
         """:meth:`policy_replay` one position longer (``[last prompt token, completion]``: TRL routes every
         completion token under its mask), plus the response's differentiable share of the load-balancing loss."""
         ext_ids, router_mask, keep = replay_inputs(ids, mask, length)
         with self.router_aux.stash() as router_logits:
             logps, entropies = self.policy_replay(
-                model, state, ext_ids[None], torch.ones_like(ext_ids)[None], entropy_grad=entropy_grad
+                model,
+                state,
+                ext_ids[None],
+                torch.ones_like(ext_ids)[None],
+                entropy_grad=entropy_grad,
+                grads=grads,
             )
         return logps[0, :keep], entropies[0, :keep], aux.term(router_logits, router_mask)
 
@@ -538,6 +544,7 @@ class StreamedLoss:
                                 completion_mask[i],
                                 length,
                                 entropy_grad,
+                                grads,
                             )
                             length = max(length, 1)  # a row without completion tokens still routes its prompt
                         term, metrics = response_loss(
@@ -575,6 +582,10 @@ class StreamedLoss:
                         "gradient_mode='full' under DDP needs the last prompt of a micro-batch to have more than one "
                         "token (its prompt backward synchronises the gradients)."
                     )
+                segment_loss = None
+                if aux is not None:  # the prompt tokens' share of the router loss, with its gradient now
+                    weight = len(rows_of[g]) * spec.router_aux_loss_coef / ctx.ga_normalizer
+                    segment_loss = functools.partial(aux.prompt_segment, weight)
                 with self.segment_context(model):
                     prompt_backward(
                         entry.state,
@@ -583,6 +594,7 @@ class StreamedLoss:
                         checkpoint_layers=options.segment_checkpoint_layers,
                         no_sync=no_sync,
                         sync_last=last,
+                        segment_loss=segment_loss,
                     )
                 metrics_sink["longstraw/prompt_backward_seconds"].append(time.perf_counter() - start)
                 del grads

@@ -72,9 +72,10 @@ class DSAPages(KVPages):
     """
 
     kind = "mla"
-    # the latent attention's backward hands no dK/dV of the pages to the full gradient's buffers, and its segment
-    # recompute is not built: the full gradient and reverse block replay refuse these layers by name
-    grad_kind = None
+    # the full gradient: the latent's in the "keys" buffer (the prompt part's backward, `dsa_forward`); the indexer
+    # keys get none, as HF runs its indexer under no_grad (no gradient reaches them or the indexer): no buffer
+    grad_kind = "buffer"
+    grad_values = False
 
     def nbytes_by_kind(self) -> dict[str, int]:
         n = self.stored_tokens() * self.num_kv_heads * self.dtype.itemsize
@@ -107,6 +108,12 @@ class DSAPages(KVPages):
     @classmethod
     def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
         return sum(cls.planned_bytes_by_kind(config, layer_idx, tokens_on_rank, dtype_bytes).values())
+
+    @classmethod
+    def planned_grad_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
+        """The latent's fp32 gradient buffer only (``grad_values`` False: the indexer keys take none)."""
+        mla = cls.planned_bytes_by_kind(config, layer_idx, tokens_on_rank, dtype_bytes)["mla"]
+        return mla * 4 // dtype_bytes
 
     @classmethod
     def planned_offload_workspace(
@@ -170,16 +177,18 @@ def _prompt_indexer_keys(layer: DSAPages, ctx, idx: int, device: torch.device) -
     return ctx.prompt_copy(idx, lambda: _materialize(layer, device, 1))
 
 
-def _prompt_table(layer: DSAPages, sel: DSASelection, device: torch.device, decoding: bool):
+def _prompt_table(
+    layer: DSAPages, sel: DSASelection, device: torch.device, decoding: bool, whole: bool = False
+):
     """The prompt part's key table, the rows of it each query chose, and how to get the table again.
 
     Offloaded, when decoding (G queries x top-k slots; a decode step streams no pages, so that it can be one
     CUDA graph: :meth:`DSAPages.decode_streams`) or with fewer chosen slots than stored tokens: only the chosen
-    rows reach the device (:meth:`DSASelection.gather_index`); otherwise this rank's pages
-    (:func:`_materialize`).
+    rows reach the device (:meth:`DSASelection.gather_index`); otherwise, or with ``whole`` (the full gradient,
+    whose rows index the pages), this rank's pages (:func:`_materialize`).
     """
     rows = sel.prompt_rows
-    few = decoding or rows.numel() < layer.stored_tokens()
+    few = not whole and (decoding or rows.numel() < layer.stored_tokens())
     if layer.offloaded and len(layer.segments) == 1 and few:
         host = layer.segments[0][0][0]
         flat = sel.gather_index(host, device)
@@ -354,7 +363,13 @@ def dsa_forward(
     scale = module.scaling
     out_p = lse_p = None
     if resident:  # (every rank, pages or not: the merge over ranks is a collective)
-        table, rows, table_fn = _prompt_table(layer, sel, device, ctx.decoding)
+        # the full gradient: the latent rows' gradient goes to the pages' buffers (as K/V pages' dK/dV do)
+        grads = ctx.grads.kv(idx) if ctx.grads is not None else None
+        table, rows, table_fn = _prompt_table(layer, sel, device, ctx.decoding, whole=grads is not None)
+        table_grad = None
+        if grads is not None:
+            sink = grads.sink_joined(layer)
+            table_grad = lambda d_latent: sink(d_latent[None], None)  # noqa: E731
         out_p, lse_p = prompt_selected_attention(
             query,
             rows,
@@ -364,6 +379,7 @@ def dsa_forward(
             r,
             ctx.cp.reduce_partial,
             ctx.cp.reduce_dq,
+            table_grad=table_grad,
         )
     out_s, lse_s = selected_attention(query, self_kv, sel.self_rows, scale, r)
     out, _ = merge_partials(out_p, lse_p, out_s, lse_s)

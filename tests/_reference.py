@@ -9,6 +9,7 @@ from peft import LoraConfig, get_peft_model
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from longstraw_trl import capture_prompt
+from longstraw_trl.engine import StateGrads, prompt_backward, replay_blocks_backward
 
 VOCAB = 97
 
@@ -161,3 +162,32 @@ def check_logprobs_against_stock(model, prompt_len: int, chunk: int, page: int):
         assert (got[i : i + 1, :n] - ref).abs().max().item() <= 1e-4
     assert state.num_tokens == prompt_len
     return state
+
+
+def stock_full_grads(model, prompt, comps, weights):
+    """Gradient of sum_ij w_ij log p(c_ij | prompt, c_i<j) through the stock model's full forward (prompt live)."""
+    model.zero_grad()
+    p = prompt.numel()
+    for i in range(comps.shape[0]):
+        logits = model(torch.cat([prompt, comps[i]])[None]).logits.float()
+        logp = torch.log_softmax(logits[0, p - 1 : -1], -1).gather(-1, comps[i][:, None])[:, 0]
+        (logp * weights[i]).sum().backward()
+    return param_grads(model)
+
+
+def engine_full_grads(model, prompt, comps, weights, block_size=None, chunk_size=8, **capture):
+    """The engine's full gradient of the same sum: replays (reverse block replays with ``block_size``) accumulating the
+    prompt state's gradient, then the prompt backward (chunks of ``chunk_size``, pages of 6)."""
+    model.zero_grad()
+    state = capture_prompt(model, prompt, chunk_size=chunk_size, page_size=6, keep_boundaries=True, **capture)
+    grads = StateGrads(state)
+    for i in range(comps.shape[0]):
+        if block_size is None:
+            logp = state.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0]
+            (logp * weights[i]).sum().backward()
+        else:
+            replay_blocks_backward(
+                state, model, comps[i], block_size, lambda lp, h, w=weights[i]: (lp * w).sum(), grads=grads
+            )
+    prompt_backward(state, model, grads)
+    return param_grads(model)

@@ -351,3 +351,100 @@ def assert_micro_batch_matches_stock(trl: GRPOTrainer, ours, inputs: dict, ours_
     loss = ours.micro_batch_loss(ours.model, ours_inputs, backward=True)
     torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=0)
     assert_grads_close(param_grads(ours.model), param_grads(trl.model))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# train() under TRL's defaults, stock GRPOTrainer and ours in gradient_mode="full", on the same scripted draws
+# ----------------------------------------------------------------------------------------------------------------------
+SCRIPTED = [[5, 9, 11, 2], [6, 12, 2], [7, 13, 14, 15, 2], [8, 2]]  # the G = 4 draws of every group (EOS = 2)
+TRAIN_PROMPT = "the cat sat on the mat and the dog ran far away from it all"  # 59 toy tokens
+
+
+def scripted_rows(n: int) -> torch.Tensor:
+    """``n`` completions cycling through :data:`SCRIPTED`, right-padded with 0."""
+    rows = [SCRIPTED[i % len(SCRIPTED)] for i in range(n)]
+    out = torch.zeros(n, max(map(len, rows)), dtype=torch.long)  # pad 0
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r)
+    return out
+
+
+def _length_reward(completion_ids, **kwargs):
+    return [float(len(c)) for c in completion_ids]
+
+
+def train_stock_and_full(make_model=None, peft_config=None, full_overrides=None, **overrides):
+    """Stock GRPOTrainer and ours (``gradient_mode="full"``), each on a model from ``make_model()`` (default: the tiny
+    Qwen3), trained with the same scripted draws under TRL's defaults for HF gradient checkpointing (on) with plain
+    SGD (an update is the gradient times the learning rate, so the weights compare the gradients). ``overrides`` go to
+    both configs, ``full_overrides`` to ours only. Returns (start weights, stock's final weights, our trainer)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
+
+    if make_model is None:
+        make_model = lambda: Qwen3ForCausalLM.from_pretrained(tiny_model_dir())  # noqa: E731
+    common = dict(
+        report_to="none",
+        use_cpu=True,
+        bf16=False,  # the reference in fp32 (CPU autocast would make it a bf16 one)
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        num_iterations=2,
+        beta=0.04,
+        optim="sgd",
+        learning_rate=0.05,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=7,
+    )
+    common.update(overrides)
+    dataset = Dataset.from_dict({"prompt": [TRAIN_PROMPT] * 4})
+    full = dict(gradient_mode="full", capture_chunk_size=4, page_size=3, **(full_overrides or {}))
+    trainers = []
+    for cls, config_cls, extra in (
+        (GRPOTrainer, GRPOConfig, {}),
+        (LongStrawGRPOTrainer, LongStrawGRPOConfig, full),
+    ):
+        out = tempfile.mkdtemp(prefix="longstraw_train_both_")
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        args = config_cls(output_dir=out, **common, **extra)
+        assert args.gradient_checkpointing  # TRL's default
+        model = make_model()
+        torch.manual_seed(11)  # the same LoRA initialisation on both sides
+        trainer = cls(
+            model=model,
+            reward_funcs=_length_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=build_toy_tokenizer(TINY_VOCAB),
+            peft_config=peft_config,
+        )
+        trainers.append(trainer)
+    stock, ours = trainers
+
+    def generate(input_ids, attention_mask=None, **kwargs):
+        return torch.cat([input_ids, scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
+
+    start = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in trainers]
+    for n, p in start[0].items():  # both sides start from the same weights, LoRA factors included
+        assert torch.equal(p, start[1][n]), n
+    stock.model.generate = generate
+    ours.rollout.sample_group = lambda state, g, *a, **k: scripted_rows(g)
+    for trainer in trainers:
+        trainer.train()
+    return start[0], {n: p.detach().clone() for n, p in stock.model.named_parameters()}, ours
+
+
+def assert_updates_match(start: dict, stock_weights: dict, ours, tol: float = 1e-4) -> None:
+    """Our trainer's weight updates equal stock's (``train_stock_and_full``), to ``tol`` of stock's largest update."""
+    stock_update = {n: w - start[n].detach() for n, w in stock_weights.items()}
+    ours_update = {n: p.detach() - start[n].detach() for n, p in ours.model.named_parameters()}
+    scale = max(u.abs().max() for u in stock_update.values())
+    assert scale > 1e-3  # the steps moved the weights
+    for name, ref in stock_update.items():
+        torch.testing.assert_close(ours_update[name], ref, atol=tol * scale, rtol=0, msg=name)

@@ -509,24 +509,6 @@ def test_unsupported_options_raise(change, match):
         patch_model(build_glm_dsa(**change))
 
 
-def test_full_gradient_and_block_replay_are_refused():
-    """The latent attention hands no page dK/dV to the full gradient and has no segment recompute: a replay that
-    accumulates the prompt state's gradient, and a reverse block replay, are refused by name, not run wrong."""
-    from longstraw_trl import StateGrads, replay_blocks_backward
-
-    model = build_glm_dsa()
-    gen = torch.Generator().manual_seed(3)
-    prompt, completion = (
-        torch.randint(0, VOCAB, (20,), generator=gen),
-        torch.randint(0, VOCAB, (6,), generator=gen),
-    )
-    state = capture_prompt(model, prompt, chunk_size=8, page_size=4, keep_boundaries=True)
-    with pytest.raises(LongStrawError, match="DSAPages, which has no full gradient"):
-        state.logprobs(model, completion[None], grad=True, grads=StateGrads(state))
-    with pytest.raises(LongStrawError, match="no full gradient"):
-        replay_blocks_backward(state, model, completion, 3, lambda lp, h: lp.sum())
-
-
 def test_capture_compacts_the_chosen_rows_and_nothing_else_does(monkeypatch):
     """A capture chunk's selection keeps each query's chosen rows first, trimmed to the widest count (the same
     sets); generation and replays keep the full width (the compaction syncs with the host)."""

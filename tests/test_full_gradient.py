@@ -19,17 +19,27 @@ import tempfile
 import pytest
 import torch
 from _models import HYBRID_COMMON, MROPE_INTERLEAVED, build, build_hybrid, build_window
-from _reference import VOCAB, assert_grads_close, param_grads, with_lora
+from _reference import (
+    VOCAB,
+    assert_grads_close,
+    engine_full_grads,
+    param_grads,
+    stock_full_grads,
+    with_lora,
+)
 from _trl_helpers import (
     TINY_VOCAB,
     assert_micro_batch_matches_stock,
+    assert_updates_match,
     make_tiny_grpo_trainer,
     make_tiny_longstraw_trainer,
     random_grpo_inputs,
+    train_stock_and_full,
 )
 
 from longstraw_trl import LongStrawError, capture_prompt
 from longstraw_trl.engine import StateGrads, prompt_backward, replay_blocks_backward
+from longstraw_trl.state import WindowKV
 from longstraw_trl.state_cache import prompt_key
 
 FAMILIES = ["qwen3", "qwen3_5"]  # GQA; hybrid (GDN + gated full attention)
@@ -45,33 +55,6 @@ def _data(seed: int = 1, prompt_len: int = 29, g: int = 3, r: int = 11):
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
     comps = torch.randint(0, VOCAB, (g, r), generator=gen)
     return prompt, comps, torch.randn(g, r, generator=gen)
-
-
-def stock_full_grads(model, prompt, comps, weights):
-    """Gradient of sum_ij w_ij log p(c_ij | prompt, c_i<j) through the stock model's full forward (prompt live)."""
-    model.zero_grad()
-    p = prompt.numel()
-    for i in range(comps.shape[0]):
-        logits = model(torch.cat([prompt, comps[i]])[None]).logits.float()
-        logp = torch.log_softmax(logits[0, p - 1 : -1], -1).gather(-1, comps[i][:, None])[:, 0]
-        (logp * weights[i]).sum().backward()
-    return param_grads(model)
-
-
-def engine_full_grads(model, prompt, comps, weights, block_size=None, **capture):
-    model.zero_grad()
-    state = capture_prompt(model, prompt, chunk_size=8, page_size=6, keep_boundaries=True, **capture)
-    grads = StateGrads(state)
-    for i in range(comps.shape[0]):
-        if block_size is None:
-            logp = state.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0]
-            (logp * weights[i]).sum().backward()
-        else:
-            replay_blocks_backward(
-                state, model, comps[i], block_size, lambda lp, h, w=weights[i]: (lp * w).sum(), grads=grads
-            )
-    prompt_backward(state, model, grads)
-    return param_grads(model)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -193,10 +176,17 @@ def test_prompt_backward_needs_kept_boundaries():
         prompt_backward(other, model, grads)
 
 
+class WindowWithoutGradient(WindowKV):
+    """A layer kind that declares no full gradient (every built-in kind has one)."""
+
+    grad_kind = None
+
+
 def test_layer_kinds_without_a_full_gradient_are_refused():
     model = build_window("mistral")
     state = capture_prompt(model, torch.arange(20) % VOCAB, chunk_size=8, keep_boundaries=True)
-    with pytest.raises(LongStrawError, match="no full gradient"):
+    state.layers[0] = WindowWithoutGradient(state.layers[0].window, state.layers[0].k, state.layers[0].v)
+    with pytest.raises(LongStrawError, match="WindowWithoutGradient, which has no full gradient"):
         state.logprobs(model, torch.arange(5)[None], grad=True, grads=StateGrads(state))
     with pytest.raises(LongStrawError, match="no full gradient"):
         replay_blocks_backward(state, model, torch.arange(5), 2, lambda lp, h: lp.sum())
@@ -372,93 +362,6 @@ def test_full_gradient_on_cuda_bf16(family, offload, monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 # train() under TRL's defaults (HF gradient checkpointing on) against stock GRPOTrainer, on the same completions
 # ----------------------------------------------------------------------------------------------------
-SCRIPTED = [[5, 9, 11, 2], [6, 12, 2], [7, 13, 14, 15, 2], [8, 2]]  # the G = 4 draws of every group (EOS = 2)
-
-
-def _scripted_rows(n: int) -> torch.Tensor:
-    rows = [SCRIPTED[i % len(SCRIPTED)] for i in range(n)]
-    out = torch.zeros(n, max(map(len, rows)), dtype=torch.long)  # pad 0
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r)
-    return out
-
-
-def _length_reward(completion_ids, **kwargs):
-    return [float(len(c)) for c in completion_ids]
-
-
-def _train_both(peft_config=None, **overrides):
-    """Stock GRPOTrainer and ours, from one tiny model, trained with the same scripted draws under TRL's defaults
-    for HF gradient checkpointing (on) with plain SGD (an update is the gradient times the learning rate, so the
-    weights compare the gradients). Returns both final state dicts and both trainers."""
-    from _trl_helpers import tiny_model_dir
-    from datasets import Dataset
-    from transformers import Qwen3ForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
-
-    from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
-    from longstraw_trl.toy_tokenizer import build_toy_tokenizer
-
-    common = dict(
-        report_to="none",
-        use_cpu=True,
-        bf16=False,  # the reference in fp32 (CPU autocast would make it a bf16 one)
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=2,
-        num_iterations=2,
-        beta=0.04,
-        optim="sgd",
-        learning_rate=0.05,
-        lr_scheduler_type="constant",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=7,
-        **overrides,
-    )
-    dataset = Dataset.from_dict(
-        {"prompt": ["the cat sat on the mat and the dog ran far away from it all"] * 4}
-    )
-    trainers = []
-    for cls, config_cls, extra in (
-        (GRPOTrainer, GRPOConfig, {}),
-        (
-            LongStrawGRPOTrainer,
-            LongStrawGRPOConfig,
-            dict(gradient_mode="full", capture_chunk_size=4, page_size=3),
-        ),
-    ):
-        out = tempfile.mkdtemp(prefix="longstraw_train_both_")
-        atexit.register(shutil.rmtree, out, ignore_errors=True)
-        args = config_cls(output_dir=out, **common, **extra)
-        assert args.gradient_checkpointing  # TRL's default
-        torch.manual_seed(11)  # the same LoRA initialisation on both sides
-        trainer = cls(
-            model=Qwen3ForCausalLM.from_pretrained(tiny_model_dir()),
-            reward_funcs=_length_reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=build_toy_tokenizer(TINY_VOCAB),
-            peft_config=peft_config,
-        )
-        trainers.append(trainer)
-    stock, ours = trainers
-
-    def generate(input_ids, attention_mask=None, **kwargs):
-        return torch.cat([input_ids, _scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
-
-    start = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in trainers]
-    for n, p in start[0].items():  # both sides start from the same weights, LoRA factors included
-        assert torch.equal(p, start[1][n]), n
-    stock.model.generate = generate
-    ours.rollout.sample_group = lambda state, g, *a, **k: _scripted_rows(g)
-    for trainer in trainers:
-        trainer.train()
-    return start[0], {n: p.detach().clone() for n, p in stock.model.named_parameters()}, ours
-
-
 @pytest.mark.parametrize("lora", [False, True])
 def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer(lora):
     """`gradient_mode="full"` through `trainer.train()` with TRL's default HF gradient checkpointing, the reference
@@ -468,16 +371,11 @@ def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer(lora)
     from peft import LoraConfig
 
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
-    start, stock_weights, ours = _train_both(peft_config if lora else None)
+    start, stock_weights, ours = train_stock_and_full(peft_config=peft_config if lora else None)
     assert ours.state.global_step == 2 and ours.args.gradient_mode == "full"
     if lora:
         assert any("lora_" in n for n in start)
-    stock_update = {n: w - start[n].detach() for n, w in stock_weights.items()}
-    ours_update = {n: p.detach() - start[n].detach() for n, p in ours.model.named_parameters()}
-    scale = max(u.abs().max() for u in stock_update.values())
-    assert scale > 1e-3  # the steps moved the weights
-    for name, ref in stock_update.items():
-        torch.testing.assert_close(ours_update[name], ref, atol=1e-4 * scale, rtol=0, msg=name)
+    assert_updates_match(start, stock_weights, ours)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
