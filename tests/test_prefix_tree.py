@@ -1,0 +1,120 @@
+"""Prefix sharing: prompts that share any common prefix are captured once up to it, then extended.
+
+Within a generation batch the prompts' trie is known before capture (each trunk captured once, forked at its branch
+points); across steps a later prompt branches off any cached state it shares a prefix with (K/V pages shared up to the
+branch point; GDN and window states from the boundary kept at or before it, so at most one chunk is prefilled again).
+Every state is checked against the stock HF model's full forward and a fresh capture of the whole prompt.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _models import build, build_glm_dsa, build_hybrid, build_window
+from _reference import VOCAB, padded_completions, stock_logprobs
+from _trl_helpers import make_tiny_longstraw_trainer
+from datasets import Dataset
+from test_streamed_loss import Host
+
+from longstraw_trl import capture_prompt
+from longstraw_trl.prompt_states import CaptureOptions, PromptStates
+from longstraw_trl.refresh import RefreshPolicy
+from longstraw_trl.state_cache import branch_prefixes, prompt_key
+
+CHUNK = 8
+MODELS = {"qwen3": lambda: build("qwen3"), "qwen3_5": lambda: build_hybrid("qwen3_5")}
+
+
+def _ids(n, seed):
+    return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _decision_points(shared=37, seed=0):
+    """Three prompts of one history (``shared`` tokens) that are not prefixes of each other: two decision points
+    whose last turn renders differently, and a sibling branching inside the first one's branch."""
+    history, a, b = _ids(shared, seed), _ids(9, seed + 1), _ids(6, seed + 2)
+    b[0] = (a[0] + 1) % VOCAB  # the branches differ from their first token
+    sibling = torch.cat([a[:4], _ids(5, seed + 3)])
+    sibling[4] = (a[4] + 1) % VOCAB
+    return [torch.cat([history, a]), torch.cat([history, b]), torch.cat([history, sibling])]
+
+
+def _states(model, share=True, chunk=CHUNK):
+    host = Host()
+    options = CaptureOptions(chunk_size=chunk, page_size=4, share_prefixes=share)
+    return PromptStates(host, model, options, RefreshPolicy("reuse", 2)), host
+
+
+def _acquire(states, prompts):
+    with states.generation_batch():
+        keys, entries = states.acquire_groups(prompts, num_generations=1)
+    return [entries[k] for k in keys]
+
+
+def _assert_matches_stock(model, entry, seed=0):
+    comps, mask = padded_completions([5, 3], torch.Generator().manual_seed(seed))
+    got = entry.state.logprobs(model, comps, mask)
+    fresh = capture_prompt(model, entry.prompt_ids, chunk_size=CHUNK, page_size=4).logprobs(model, comps, mask)
+    stock = stock_logprobs(model, entry.prompt_ids, comps)
+    torch.testing.assert_close(got * mask, stock * mask, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got * mask, fresh * mask, atol=1e-4, rtol=0)
+
+
+def test_branch_prefixes_are_the_trie_branch_points():
+    h = torch.arange(10, 30)  # no id of x or y inside it
+    x, y = torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4])
+    prompts = [torch.cat([h, x]), torch.cat([h, y]), torch.cat([h, x, x]), h[:10], torch.cat([h[:12], y])]
+    trunks = branch_prefixes(prompts)
+    # h[:12] (h + ... against h[:12] + y) and h + [1, 2] (x against y); h + x is a whole prefix of h + x + x, and h[:10]
+    # of all: no trunk
+    assert [t.numel() for t in trunks] == [12, 22]
+    assert torch.equal(trunks[0], h[:12]) and torch.equal(trunks[1], torch.cat([h, x[:2]]))
+    assert branch_prefixes([h, h[:5]]) == []  # a whole prefix is extended as it is: no trunk
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_batch_trie_captures_the_shared_prefix_once(family):
+    model = MODELS[family]()
+    prompts = _decision_points()
+    states, host = _states(model)
+    entries = _acquire(states, prompts)
+    states.flush_counts("train", host.metrics)
+    # the history once, the first branch's first 4 tokens once, then each branch's own tokens
+    shared, fork = 37, 4
+    branches = sum(p.numel() for p in prompts) - 3 * shared - 2 * fork + fork
+    captured = host.metrics["longstraw/tokens_captured"][-1]
+    assert captured == shared + branches
+    # the trunks' and branches' prefixes: the history under the second trunk and the second branch, the first
+    # trunk under the two others
+    assert host.metrics["longstraw/tokens_reused"][-1] == 2 * shared + 2 * (shared + fork)
+    assert host.metrics["longstraw/prefix_trunks"][-1] == 2
+    for i, entry in enumerate(entries):
+        _assert_matches_stock(model, entry, seed=i)
+    # the states share the history's K/V pages: less than three whole captures
+    whole, whole_host = _states(model, share=False)
+    _acquire(whole, prompts)
+    whole.flush_counts("train", whole_host.metrics)
+    assert whole_host.metrics["longstraw/tokens_captured"][-1] == sum(p.numel() for p in prompts)
+    assert states.nbytes() < whole.nbytes()
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_later_prompt_branches_inside_a_cached_state(family):
+    model = MODELS[family]()
+    first, second, _ = _decision_points(shared=37)
+    states, host = _states(model)
+    _acquire(states, [first])
+    states.flush_counts("train", host.metrics)
+    host.global_step = 1  # the next step: the first prompt's state is cached (reuse, interval 2)
+    (entry,) = _acquire(states, [second])
+    states.flush_counts("train", host.metrics)
+    assert states.cache.entries[entry.key].parent == prompt_key(first)
+    captured = host.metrics["longstraw/tokens_captured"][-1]
+    branch = second.numel() - 37
+    # K/V only: from the branch point itself; GDN: from the last chunk boundary before it
+    assert captured == (branch if family == "qwen3" else second.numel() - 33)
+    assert captured <= branch + CHUNK
+    assert host.metrics["longstraw/tokens_reused"][-1] == second.numel() - captured
+    _assert_matches_stock(model, entry)
