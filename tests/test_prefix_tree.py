@@ -118,3 +118,30 @@ def test_later_prompt_branches_inside_a_cached_state(family):
     assert captured <= branch + CHUNK
     assert host.metrics["longstraw/tokens_reused"][-1] == second.numel() - captured
     _assert_matches_stock(model, entry)
+
+
+FAMILIES = {
+    "gemma3_text": lambda: build_window("gemma3_text"),  # sliding windows and full attention
+    "mistral": lambda: build_window("mistral"),  # every layer a sliding window
+    "glm_moe_dsa": lambda: build_glm_dsa(),  # MLA latent + DSA indexer keys (index_topk >= T: no tie to flip)
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_window_and_glm_states_branch_exactly(family):
+    """A batch trie and a later branch inside a cached state: window states come from the kept chunk boundaries,
+    MLA latent and indexer-key pages are shared up to the branch point."""
+    model = FAMILIES[family]()
+    first, second, sibling = _decision_points(shared=29)
+    states, host = _states(model)
+    entries = _acquire(states, [first, sibling])
+    host.global_step = 1
+    entries += _acquire(states, [second])
+    states.flush_counts("train", host.metrics)
+    assert host.metrics["longstraw/prefix_trunks"][-1] == 1
+    window = family != "glm_moe_dsa"  # the branch at 29 goes back to the boundary at 24 (window states)
+    branch_start = 25 if window else 29
+    expected = first.numel() + (sibling.numel() - 33) + (second.numel() - branch_start)
+    assert host.metrics["longstraw/tokens_captured"][-1] == expected
+    for i, entry in enumerate(entries):
+        _assert_matches_stock(model, entry, seed=i)
