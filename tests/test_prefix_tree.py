@@ -145,3 +145,53 @@ def test_window_and_glm_states_branch_exactly(family):
     assert host.metrics["longstraw/tokens_captured"][-1] == expected
     for i, entry in enumerate(entries):
         _assert_matches_stock(model, entry, seed=i)
+
+
+def _text_reward(completions, **kwargs):
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+def _train_one_step(share: bool, **options):
+    """One `trainer.train()` step (SGD, so the update is the gradient) on two decision points of one history whose last
+    turns differ: neither prompt is a prefix of the other."""
+    history = "a b c d e f g h i j k l m n o p q r s t"
+    rows = [history + " u v w", history + " x y"]
+    trainer = make_tiny_longstraw_trainer(
+        train_dataset=Dataset.from_dict({"prompt": rows * 2}),
+        reward_funcs=_text_reward,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        gradient_accumulation_steps=1,
+        max_steps=1,
+        logging_steps=1,
+        optim="sgd",
+        learning_rate=0.5,
+        activation_checkpointing=True,  # TRL's default
+        capture_chunk_size=8,
+        prompt_prefix_sharing=share,
+        seed=3,
+        **options,
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
+    (log,) = (h for h in trainer.state.log_history if "longstraw/tokens_captured" in h)
+    ids = [torch.tensor(trainer.processing_class(p)["input_ids"]) for p in rows]
+    return update, log, ids
+
+
+@pytest.mark.parametrize("gradient_mode", ["response_only", "full"])
+def test_train_step_with_a_shared_trunk_equals_capturing_each_prompt_whole(gradient_mode):
+    """The full gradient's prompt backward of each branch recomputes the shared trunk's chunks of its own state (its
+    token ids and boundaries are the trunk's, then its own), so it reaches the trunk as a whole capture's does."""
+    shared_update, shared_log, (a, b) = _train_one_step(True, gradient_mode=gradient_mode)
+    whole_update, whole_log, _ = _train_one_step(False, gradient_mode=gradient_mode)
+    trunk = next(i for i in range(min(a.numel(), b.numel())) if a[i] != b[i])
+    assert trunk > 16 and shared_log["longstraw/prefix_trunks"] == 1
+    assert shared_log["longstraw/tokens_captured"] == a.numel() + b.numel() - trunk
+    assert shared_log["longstraw/tokens_reused"] == 2 * trunk
+    assert whole_log["longstraw/tokens_captured"] == a.numel() + b.numel()
+    assert math.isclose(shared_log["loss"], whole_log["loss"], rel_tol=1e-5, abs_tol=1e-6)
+    norm = torch.sqrt(sum((u.double() ** 2).sum() for u in whole_update.values()))
+    diff = torch.sqrt(sum(((shared_update[n] - u).double() ** 2).sum() for n, u in whole_update.items()))
+    assert norm > 1e-3 and diff <= 1e-4 * norm, (float(diff), float(norm))
