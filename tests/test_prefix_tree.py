@@ -195,3 +195,30 @@ def test_train_step_with_a_shared_trunk_equals_capturing_each_prompt_whole(gradi
     norm = torch.sqrt(sum((u.double() ** 2).sum() for u in whole_update.values()))
     diff = torch.sqrt(sum(((shared_update[n] - u).double() ** 2).sum() for n, u in whole_update.items()))
     assert norm > 1e-3 and diff <= 1e-4 * norm, (float(diff), float(norm))
+
+
+def test_kept_boundary_states_count_once_in_the_byte_budget():
+    model = build_hybrid("qwen3_5")
+    first, second, _ = _decision_points()
+    states, host = _states(model)
+    _acquire(states, [first])
+    host.global_step = 1
+    _acquire(states, [second])  # branches at the boundary at 32: shares the first's K/V and boundary states there
+    cache = states.cache
+    a, b = (cache.entries[prompt_key(p)] for p in (first, second))
+    kept = [layer for at in a.state.boundaries.values() for layer in at.values()]
+    assert kept and set(b.state.boundaries) >= {8, 16, 24, 32}
+    boundary_bytes = cache.nbytes([a.key])
+    a_boundaries, a.state.boundaries = a.state.boundaries, None
+    assert boundary_bytes > cache.nbytes([a.key])  # the kept GDN states are in the budget
+    a.state.boundaries = a_boundaries
+    both = cache.nbytes([a.key, b.key])
+    assert both < cache.nbytes([a.key]) + cache.nbytes([b.key])  # pages and boundaries shared: counted once
+    # beyond the pinned branch, the first prompt costs only what the branch does not share
+    cache.pin([b.key])
+    cache.max_bytes = both - cache.nbytes([b.key])
+    cache.evict(step=1)
+    assert a.key in cache.entries
+    cache.max_bytes -= 1
+    cache.evict(step=1)
+    assert a.key not in cache.entries and b.key in cache.entries
