@@ -46,7 +46,9 @@ class Recorder:
 
     def capture(self, ids: torch.Tensor):
         with Timer() as t:
-            state = capture_prompt(self.model, ids, chunk_size=self.chunk, page_size=self.page, keep_boundaries=True)
+            state = capture_prompt(
+                self.model, ids, chunk_size=self.chunk, page_size=self.page, keep_boundaries=True
+            )
         self.calls.append(("capture", ids.numel(), t.seconds))
         return state
 
@@ -65,7 +67,9 @@ class Recorder:
         return sum(n for _, n, _ in calls), sum(s for _, _, s in calls)
 
 
-def decision_points(trajectory: torch.Tensor, points: int, turn: int, tail: torch.Tensor) -> list[torch.Tensor]:
+def decision_points(
+    trajectory: torch.Tensor, points: int, turn: int, tail: torch.Tensor
+) -> list[torch.Tensor]:
     """Point k: the history up to ``len - (points - 1 - k) * turn`` tokens, then the rendered question ``tail``."""
     cuts = [trajectory.numel() - (points - 1 - k) * turn for k in range(points)]
     return [torch.cat([trajectory[:c], tail]) for c in cuts]
@@ -79,7 +83,9 @@ def main() -> None:  # noqa: C901 - one benchmark, three modes
     ap.add_argument("--points", type=int, default=8)
     ap.add_argument("--turn", type=int, default=2048, help="tokens between two decision points")
     ap.add_argument("--tail", type=int, default=24, help="tokens of a decision point's rendered question")
-    ap.add_argument("--whole-points", type=int, default=2, help="decision points also captured whole (baseline)")
+    ap.add_argument(
+        "--whole-points", type=int, default=2, help="decision points also captured whole (baseline)"
+    )
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--page", type=int, default=16384)
     ap.add_argument("--response", type=int, default=16, help="response tokens scored for the log-prob check")
@@ -90,7 +96,9 @@ def main() -> None:  # noqa: C901 - one benchmark, three modes
         args.points, args.tail, args.response, args.whole_points = min(args.points, 3), 8, 4, 1
     dev = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    config = slice_config(args.preset, args.layers, args.trajectory + args.tail + args.response + 16, tiny=args.smoke)
+    config = slice_config(
+        args.preset, args.layers, args.trajectory + args.tail + args.response + 16, tiny=args.smoke
+    )
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
@@ -111,7 +119,9 @@ def main() -> None:  # noqa: C901 - one benchmark, three modes
         for trunk in trunks:
             cache.get(trunk, step=0)
         trunk_tokens, trunk_s = recorder.since(start)
-        rows.append({"mode": "batch", "point": "trunk", "prefilled": trunk_tokens, "seconds": round(trunk_s, 3)})
+        rows.append(
+            {"mode": "batch", "point": "trunk", "prefilled": trunk_tokens, "seconds": round(trunk_s, 3)}
+        )
         for k, ids in enumerate(prompts):
             start = len(recorder.calls)
             entry = cache.get(ids, step=0).entry
@@ -173,7 +183,9 @@ def main() -> None:  # noqa: C901 - one benchmark, three modes
     print()
     print(f"log-probs of the shared states against whole captures (bf16): max abs diff {max_diff:.3g}")
     print(f"peak: batch {batch_peak:.1f} GiB (states held {batch_gib:.2f} GiB), steps {steps_peak:.1f} GiB")
-    print(f"whole capture measured on points {whole_points}: {per_whole_s:.2f} s each; 'est' = x {args.points}")
+    print(
+        f"whole capture measured on points {whole_points}: {per_whole_s:.2f} s each; 'est' = x {args.points}"
+    )
     print_table(summary)
     write_result(
         f"prefix_tree_{args.preset}_{args.layers}L" + ("_smoke" if args.smoke else ""),

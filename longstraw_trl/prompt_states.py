@@ -125,7 +125,11 @@ class PromptStates:
         self.refresh_policy = refresh_policy
         self.router_aux = router_aux
         self.cache = PromptStateCache(
-            self.capture_policy, self.extend, refresh_policy, cache_bytes, share_branches=options.share_prefixes
+            self.capture_policy,
+            self.extend,
+            refresh_policy,
+            cache_bytes,
+            share_branches=options.share_prefixes,
         )
         self.batch_groups: list[str] | None = None
         self.tool_turn_keys: set[str] | None = None
@@ -152,7 +156,8 @@ class PromptStates:
                 offload=self.options.offload,
                 cp_group=self.options.cp_group,
                 # sharing: the boundaries are where a later prompt may branch off this one's fixed-size states
-                keep_boundaries=(self.options.keep_boundaries or self.options.share_prefixes) and role == "policy",
+                keep_boundaries=(self.options.keep_boundaries or self.options.share_prefixes)
+                and role == "policy",
             )
         if collect:  # the router statistics of the P - 1 captured tokens (none for a one-token prompt)
             self._router_prompt_stats[state] = stats[0] if stats else self._no_router_stats(state.device)

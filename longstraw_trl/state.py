@@ -734,7 +734,9 @@ class PromptState:
         first ``tokens`` tokens (no copy), fixed-size ones the state kept there (``tokens`` must be a
         :meth:`branch_point`). What the full gradient keeps (token ids, boundaries) is cut there too."""
         if not 0 <= tokens <= self.resident_tokens:
-            raise LongStrawError(f"prefix of {tokens} resident tokens asked of a state of {self.resident_tokens}")
+            raise LongStrawError(
+                f"prefix of {tokens} resident tokens asked of a state of {self.resident_tokens}"
+            )
         kept = (self.boundaries or {}).get(tokens, {})
         if tokens == self.resident_tokens:
             layers = {i: layer.fork() for i, layer in self.layers.items()}

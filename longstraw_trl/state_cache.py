@@ -5,7 +5,11 @@ the turns since. :class:`PromptStateCache` looks a prompt up by its tokens. An e
 re-captured) under the :class:`~longstraw_trl.refresh.RefreshPolicy`; otherwise the longest cached prompt that
 is a prefix of it, if its state may still be used, is *extended* (``PromptState.extend``: a fork that shares
 the prefix's K/V segments and prefills only the new tokens); only when no prefix is usable is the prompt
-captured from its first token.
+captured from its first token. With ``share_branches`` any common prefix counts, not only a whole cached prompt:
+the new prompt branches off the cached state after the shared tokens (K/V pages: a prefix view, no copy;
+fixed-size layers such as GDN or a sliding window: the state kept at the last capture-chunk boundary before the
+branch, :meth:`PromptState.branch_point`). :func:`branch_prefixes` gives the trunks of a batch's prompt trie,
+which the caller looks up first so that every shared token is prefilled once.
 
 Staleness: a state extended from a prefix holds the prefix's part as the prefix's weights saw it, so its age
 is the prefix's (``captured_at`` is inherited), and the refresh policy treats it as that old. A re-capture of
@@ -14,7 +18,8 @@ everything again.
 
 Memory: states of the prompts in use are pinned (``pin``); the others are kept, least recently used first to
 go, while the bytes the cache holds stay within ``max_bytes`` (counted once per tensor: forks share their
-prefix's segments). ``max_bytes=0`` keeps nothing between batches (every batch starts from captures).
+prefix's segments and the boundary states kept for branching). ``max_bytes=0`` keeps nothing between batches
+(every batch starts from captures).
 """
 
 from __future__ import annotations
@@ -176,7 +181,9 @@ class PromptStateCache:
         action = self._build(entry, step, fresh_only=not first)
         return Lookup(entry, action if first else RECAPTURE, None if first else step - entry.captured_at)
 
-    def _usable_source(self, entry: CachedPrompt, step: int, fresh_only: bool) -> tuple[CachedPrompt, int] | None:
+    def _usable_source(
+        self, entry: CachedPrompt, step: int, fresh_only: bool
+    ) -> tuple[CachedPrompt, int] | None:
         """The cached prompt whose state serves most of ``entry``'s tokens and may be used now, and that many
         resident tokens ``b`` (its state after them, with token ``b`` as the last, is extended by the rest). Any
         common prefix counts, not only a whole cached prompt; a state whose layers cannot be rewound (GDN, a
@@ -207,7 +214,9 @@ class PromptStateCache:
             self.tokens_captured += entry.prompt_ids.numel()
             return CAPTURE
         source, tokens = found
-        n = tokens + 1  # prompt tokens served by the source's state: `tokens` resident, then the last one's id
+        n = (
+            tokens + 1
+        )  # prompt tokens served by the source's state: `tokens` resident, then the last one's id
         source.last_used = self._clock
         base = source.state
         if tokens < base.resident_tokens:  # a branch inside the source: K/V pages shared up to it, no copy

@@ -56,7 +56,9 @@ def _acquire(states, prompts):
 def _assert_matches_stock(model, entry, seed=0):
     comps, mask = padded_completions([5, 3], torch.Generator().manual_seed(seed))
     got = entry.state.logprobs(model, comps, mask)
-    fresh = capture_prompt(model, entry.prompt_ids, chunk_size=CHUNK, page_size=4).logprobs(model, comps, mask)
+    fresh = capture_prompt(model, entry.prompt_ids, chunk_size=CHUNK, page_size=4).logprobs(
+        model, comps, mask
+    )
     stock = stock_logprobs(model, entry.prompt_ids, comps)
     torch.testing.assert_close(got * mask, stock * mask, atol=1e-4, rtol=0)
     torch.testing.assert_close(got * mask, fresh * mask, atol=1e-4, rtol=0)
@@ -203,7 +205,9 @@ def test_kept_boundary_states_count_once_in_the_byte_budget():
     states, host = _states(model)
     _acquire(states, [first])
     host.global_step = 1
-    _acquire(states, [second])  # branches at the boundary at 32: shares the first's K/V and boundary states there
+    _acquire(
+        states, [second]
+    )  # branches at the boundary at 32: shares the first's K/V and boundary states there
     cache = states.cache
     a, b = (cache.entries[prompt_key(p)] for p in (first, second))
     kept = [layer for at in a.state.boundaries.values() for layer in at.values()]

@@ -36,7 +36,9 @@ class Counting:
 def _cache(model, policy="reuse", interval=1, max_bytes=None, share_branches=True):
     calls = Counting(model)
     policy = RefreshPolicy(policy, interval)
-    return PromptStateCache(calls.capture, calls.extend, policy, max_bytes, share_branches=share_branches), calls
+    return PromptStateCache(
+        calls.capture, calls.extend, policy, max_bytes, share_branches=share_branches
+    ), calls
 
 
 def _history(n, seed=0):
@@ -86,7 +88,10 @@ def test_longest_common_prefix_is_extended():
     history = _history(60)
     for n in (10, 30, 20):
         cache.get(history[:n], step=0)
-    assert calls.captured == [10] and calls.extended == [20, 1]  # the 20 re-runs only its last token on the 30's
+    assert calls.captured == [10] and calls.extended == [
+        20,
+        1,
+    ]  # the 20 re-runs only its last token on the 30's
     other = history.clone()
     other[5] = (other[5] + 1) % VOCAB
     assert cache.get(other[:40], step=0).action == "extend" and calls.extended[-1] == 35  # branches after 5
