@@ -13,12 +13,14 @@ import math
 import pytest
 import torch
 from _models import build, build_glm_dsa, build_hybrid, build_window
-from _reference import VOCAB, padded_completions, stock_logprobs
+from _reference import VOCAB, assert_grads_close, padded_completions, param_grads, stock_logprobs
 from _trl_helpers import make_tiny_longstraw_trainer
 from datasets import Dataset
+from test_full_gradient import stock_full_grads
 from test_streamed_loss import Host
 
 from longstraw_trl import capture_prompt
+from longstraw_trl.engine import StateGrads, prompt_backward
 from longstraw_trl.prompt_states import CaptureOptions, PromptStates
 from longstraw_trl.refresh import RefreshPolicy
 from longstraw_trl.state_cache import branch_prefixes, prompt_key
@@ -226,3 +228,24 @@ def test_kept_boundary_states_count_once_in_the_byte_budget():
     cache.max_bytes -= 1
     cache.evict(step=1)
     assert a.key not in cache.entries and b.key in cache.entries
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_full_gradient_of_a_branch_reaches_the_shared_prefix(family):
+    """A state branched off another inside it (token ids and boundaries cut at the branch point, then its own):
+    its prompt backward recomputes the shared chunks, so the full gradient equals the stock model's."""
+    model = MODELS[family]()
+    first, second, _ = _decision_points()
+    source = capture_prompt(model, first, chunk_size=CHUNK, page_size=4, keep_boundaries=True)
+    tokens = source.branch_point(37 - 1)
+    assert tokens == (36 if family == "qwen3" else 32)
+    branch = source.prefix_state(tokens, second[tokens]).extend(model, second[tokens + 1 :])
+    gen = torch.Generator().manual_seed(5)
+    comps, weights = torch.randint(0, VOCAB, (2, 6), generator=gen), torch.randn(2, 6, generator=gen)
+    model.zero_grad()
+    grads = StateGrads(branch)
+    for i in range(comps.shape[0]):
+        (branch.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]).sum().backward()
+    prompt_backward(branch, model, grads)
+    got = param_grads(model)
+    assert_grads_close(got, stock_full_grads(model, second, comps, weights))
