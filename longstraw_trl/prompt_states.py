@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .engine import capture_prompt
+from .engine import DEFAULT_CHUNK_SIZE, capture_prompt
 from .errors import LongStrawError
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
 from .router_aux import RouterLoadBalancing, RouterStats
@@ -124,12 +124,15 @@ class PromptStates:
         self.host, self.model, self.options = host, model, options
         self.refresh_policy = refresh_policy
         self.router_aux = router_aux
+        # a common prefix shorter than a capture chunk is not worth a branch (nor a trunk)
+        self.min_branch_tokens = options.chunk_size or DEFAULT_CHUNK_SIZE
         self.cache = PromptStateCache(
             self.capture_policy,
             self.extend,
             refresh_policy,
             cache_bytes,
             share_branches=options.share_prefixes,
+            min_branch_tokens=self.min_branch_tokens,
         )
         self.batch_groups: list[str] | None = None
         self.tool_turn_keys: set[str] | None = None
@@ -255,7 +258,8 @@ class PromptStates:
         keys = [prompt_key(ids) for ids in groups]
         trunks = []
         if self.options.share_prefixes:  # the common prefixes at which this batch's prompts branch
-            trunks = branch_prefixes([torch.as_tensor(ids).reshape(-1).cpu() for ids in groups], min_tokens=2)
+            prompts = [torch.as_tensor(ids).reshape(-1).cpu() for ids in groups]
+            trunks = branch_prefixes(prompts, min_tokens=self.min_branch_tokens)
         trunk_keys = [prompt_key(ids) for ids in trunks]
         keep = set(keys) | set(trunk_keys) | (self.train_keys if phase == "eval" else set())
         # before capturing: free what will not be used (the old batch's states beyond the cache's budget)

@@ -126,6 +126,9 @@ class PromptStateCache:
         min_reuse_tokens: shortest prefix worth extending (shorter ones are captured again).
         share_branches: extend from any common prefix with a cached prompt (``False``: only from a cached prompt
             that is a whole prefix of the new one).
+        min_branch_tokens: shortest common prefix worth branching off (a whole cached prefix needs only
+            ``min_reuse_tokens``): a short one, e.g. a chat template's system turn, would tie the new state to an
+            older one (its age, a second K/V segment) to save less than a chunk of prefill.
     """
 
     def __init__(
@@ -136,12 +139,13 @@ class PromptStateCache:
         max_bytes: int | None = None,
         min_reuse_tokens: int = 1,
         share_branches: bool = True,
+        min_branch_tokens: int = 1,
     ):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         self._capture, self._extend, self.policy = capture, extend, policy
         self.max_bytes, self.min_reuse_tokens = max_bytes, max(1, min_reuse_tokens)
-        self.share_branches = share_branches
+        self.share_branches, self.min_branch_tokens = share_branches, min_branch_tokens
         self.entries: dict[str, CachedPrompt] = {}
         self.pinned: set[str] = set()
         self._clock = 0
@@ -196,8 +200,9 @@ class PromptStateCache:
             if age > 0 and (fresh_only or self.policy.policy == "recapture" or age > self.policy.interval):
                 continue
             shared = common_prefix_length(other.prompt_ids, ids)
-            if not self.share_branches and shared < other.prompt_ids.numel():
-                continue  # exact prefixes only
+            whole = shared == other.prompt_ids.numel()
+            if not whole and (not self.share_branches or shared < self.min_branch_tokens):
+                continue  # exact prefixes only, or too short a branch
             # at least one token of `ids` is left to extend (a prompt inside a cached one re-runs its last)
             tokens = other.state.branch_point(min(shared, ids.numel() - 1) - 1)
             if tokens == 0 or tokens + 1 < self.min_reuse_tokens:

@@ -104,6 +104,16 @@ def test_batch_trie_captures_the_shared_prefix_once(family):
     assert states.nbytes() < whole.nbytes()
 
 
+def test_a_common_prefix_shorter_than_a_chunk_is_not_shared():
+    model = build("qwen3")
+    prompts = _decision_points()
+    states, host = _states(model, chunk=64)  # the history (37 tokens) is shorter than a chunk
+    _acquire(states, prompts)
+    states.flush_counts("train", host.metrics)
+    assert host.metrics["longstraw/prefix_trunks"][-1] == 0
+    assert host.metrics["longstraw/tokens_captured"][-1] == sum(p.numel() for p in prompts)
+
+
 @pytest.mark.parametrize("family", list(MODELS))
 def test_later_prompt_branches_inside_a_cached_state(family):
     model = MODELS[family]()
