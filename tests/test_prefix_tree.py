@@ -21,6 +21,7 @@ from test_streamed_loss import Host
 
 from longstraw_trl import capture_prompt
 from longstraw_trl.engine import StateGrads, prompt_backward
+from longstraw_trl.planner import plan_memory, shared_prefix_boundary_bytes
 from longstraw_trl.prompt_states import CaptureOptions, PromptStates
 from longstraw_trl.refresh import RefreshPolicy
 from longstraw_trl.state_cache import branch_prefixes, prompt_key
@@ -230,6 +231,13 @@ def test_kept_boundary_states_count_once_in_the_byte_budget():
     a.state.boundaries = a_boundaries
     both = cache.nbytes([a.key, b.key])
     assert both < cache.nbytes([a.key]) + cache.nbytes([b.key])  # pages and boundaries shared: counted once
+    # the planner's formula (`longstraw plan --prefix-sharing`): the GDN states at the boundaries 8, 16, 24, 32, 40
+    planned = shared_prefix_boundary_bytes(model.config, first.numel(), dtype_bytes=4, chunk_size=CHUNK)
+    assert planned == sum(layer.nbytes() for layer in kept) > 0
+    plan = plan_memory(
+        model.config, first.numel(), capture_chunk_size=CHUNK, dtype_bytes=4, prefix_sharing=True
+    )
+    assert plan.kept_boundaries == planned
     # beyond the pinned branch, the first prompt costs only what the branch does not share
     cache.pin([b.key])
     cache.max_bytes = both - cache.nbytes([b.key])
