@@ -142,7 +142,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             shared by the branches, no copy), later prompts from any cached state they share a prefix with. Policy
             captures then keep the fixed-size layers' states (GDN, sliding windows) at every capture-chunk boundary,
             so a later prompt that branches inside a chunk re-prefills at most that chunk (per boundary: the model's
-            GDN state bytes, e.g. 144 MiB for Qwen3.6-27B, counted in `prompt_cache_gib`). A common prefix shorter
+            GDN state bytes, e.g. 144 MiB for Qwen3.6-27B, counted in `prompt_cache_gib`; `longstraw plan
+            --prefix-sharing` adds them). A common prefix shorter
             than `capture_chunk_size` is not shared (a chat template's system turn). `False`: only a prompt
             that extends a whole cached prompt reuses it, and nothing is kept at boundaries (unless
             `gradient_mode="full"`).
