@@ -166,7 +166,7 @@ def _text_reward(completions, **kwargs):
     return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
-def _train_one_step(share: bool, **options):
+def _train_one_step(family: str, share: bool, **options):
     """One `trainer.train()` step (SGD, so the update is the gradient) on two decision points of one history whose last
     turns differ: neither prompt is a prefix of the other."""
     history = "a b c d e f g h i j k l m n o p q r s t"
@@ -185,6 +185,8 @@ def _train_one_step(share: bool, **options):
         capture_chunk_size=8,
         prompt_prefix_sharing=share,
         seed=3,
+        # qwen3: the tiny trainer's own model; qwen3_5: the hybrid (its vocabulary covers the toy tokenizer's)
+        **({"model": build_hybrid("qwen3_5")} if family == "qwen3_5" else {}),
         **options,
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -195,12 +197,22 @@ def _train_one_step(share: bool, **options):
     return update, log, ids
 
 
-@pytest.mark.parametrize("gradient_mode", ["response_only", "full"])
-def test_train_step_with_a_shared_trunk_equals_capturing_each_prompt_whole(gradient_mode):
+# the hybrid's full mode (~13 s) runs with LONGSTRAW_SLOW=1; its branch's full gradient is also checked against stock in
+# test_full_gradient_of_a_branch_reaches_the_shared_prefix
+@pytest.mark.parametrize(
+    ("family", "gradient_mode"),
+    [
+        ("qwen3", "response_only"),
+        ("qwen3", "full"),
+        ("qwen3_5", "response_only"),
+        pytest.param("qwen3_5", "full", marks=pytest.mark.slow),
+    ],
+)
+def test_train_step_with_a_shared_trunk_equals_capturing_each_prompt_whole(family, gradient_mode):
     """The full gradient's prompt backward of each branch recomputes the shared trunk's chunks of its own state (its
     token ids and boundaries are the trunk's, then its own), so it reaches the trunk as a whole capture's does."""
-    shared_update, shared_log, (a, b) = _train_one_step(True, gradient_mode=gradient_mode)
-    whole_update, whole_log, _ = _train_one_step(False, gradient_mode=gradient_mode)
+    shared_update, shared_log, (a, b) = _train_one_step(family, True, gradient_mode=gradient_mode)
+    whole_update, whole_log, _ = _train_one_step(family, False, gradient_mode=gradient_mode)
     trunk = next(i for i in range(min(a.numel(), b.numel())) if a[i] != b[i])
     assert trunk > 16 and shared_log["longstraw/prefix_trunks"] == 1
     assert shared_log["longstraw/tokens_captured"] == a.numel() + b.numel() - trunk
