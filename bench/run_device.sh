@@ -26,6 +26,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-pins    # this GPU's autotune pins, then a pinned cold 512K step
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad-profile --prompt 65536  # the full-mode prompt backward's kernels
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gdn-bwd     # issue 25: GDN backward via fla + our dqkwg
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh prefix-tree # prefix sharing: 8 decision points of a 512K trajectory
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -344,6 +345,13 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("full_gradient_*.json")):
         print(f"R={r['response_tokens']} {r['replay']}: ok={r['ok']} peak {r['peak_gib']:.1f} GiB "
               f"{r.get('seconds', float('nan')):.1f}s")
 PY
+  ;;
+prefix-tree)  # issue 27 item 1: 8 decision points of one 512K trajectory (not prefixes of each other) on the Qwen3.6-27B
+              # slice: the batch trie's trunk captured once, each point branching off the last (steps), against whole
+              # captures of 2 points (~9 s each); args to the script
+  shift
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 470 python3 -u prefix_tree.py "$@" 2>&1 | grep -v -i warn \
+    | tee "$OUT/prefix_tree.log" | tail -30
   ;;
 agents)  # issue 12: P = 512K, G = 8, three tool turns per rollout on the Qwen3.6-27B slice; args to the script
   shift

@@ -152,6 +152,13 @@ def plan_main(argv: list[str]) -> int:
         help="full: add the full gradient's dK/dV buffers, kept GDN boundary states and page-gradient workspace",
     )
     ap.add_argument(
+        "--prefix-sharing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="add the GDN / window states that prompt_prefix_sharing=True (the trainer's default) keeps at every "
+        "capture-chunk boundary",
+    )
+    ap.add_argument(
         "--replay-batch-tokens",
         type=int,
         default=8192,
@@ -222,6 +229,7 @@ def _plan(a: argparse.Namespace) -> int:
         checkpoint_layers=a.checkpoint_layers,
         replay_batch_tokens=a.replay_batch_tokens,
         gradient_mode=a.gradient_mode,
+        prefix_sharing=a.prefix_sharing,
         offload=a.offload,
         host_memory_gib=a.host_memory / a.ranks_per_host,
     )

@@ -54,7 +54,7 @@ class MemoryPlan:
     trainable_params: int = 0
     #: ``gradient_mode="full"``: fp32 dK/dV buffers of the pages plus the GDN leaf gradients (the state's size)
     gradient_buffers: int = 0
-    #: ``gradient_mode="full"``: the fixed-size states kept at every capture-chunk boundary
+    #: ``gradient_mode="full"`` or ``prefix_sharing``: the fixed-size states kept at every capture-chunk boundary
     kept_boundaries: int = 0
     #: ``gradient_mode="full"``: one layer's pages' dK/dV in fp32 while a replay's backward computes them
     page_grad_workspace: int = 0
@@ -290,6 +290,22 @@ def full_gradient_bytes(
     return buffers, kept, workspace
 
 
+def shared_prefix_boundary_bytes(
+    config, prompt_tokens: int, dtype_bytes: int = 2, chunk_size: int = 8192
+) -> int:
+    """``prompt_prefix_sharing=True``: the fixed-size layer states (GDN, sliding windows) a policy capture keeps at
+    every capture-chunk boundary, where a later prompt may branch off (growing kinds give a prefix view instead)."""
+    resident = max(prompt_tokens - 1, 0)
+    boundaries = max(-(-resident // chunk_size) - 1, 0)
+    patch = patch_for_model_type(config.model_type)
+    fixed = 0
+    for i in range(len(_layer_types(config))):
+        cls = patch.layer_state_type(config, i)
+        if not cls.sharded:
+            fixed += cls.planned_bytes(config, i, resident, dtype_bytes)
+    return boundaries * fixed
+
+
 def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
     """Tensors autograd keeps for one decoder layer over ``tokens`` response tokens."""
     h = config.hidden_size
@@ -333,13 +349,15 @@ def plan_memory(
     gradient_mode: str = "response_only",
     offload: str | None = None,
     host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB / DEFAULT_RANKS_PER_HOST,
+    prefix_sharing: bool = False,
 ) -> MemoryPlan:
     """Per-rank memory of a LongStraw GRPO step on ``config`` (bf16 weights by default).
 
     The responses of a group are replayed together while responses x ``response_tokens`` stays within
     ``replay_batch_tokens`` (the trainer's option; 0: one at a time), so the autograd graph spans that many
     responses. ``gradient_mode="full"`` adds :func:`full_gradient_bytes` to the replay peak. ``optimizer``: ``"adamw"`` (two states per trainable parameter, in the parameter dtype) or
-    ``"none"`` (e.g. a benchmark that only runs backward). ``offload="cpu"`` (the trainer's
+    ``"none"`` (e.g. a benchmark that only runs backward). ``prefix_sharing`` (the trainer's
+    ``prompt_prefix_sharing``) adds :func:`shared_prefix_boundary_bytes` as kept boundaries. ``offload="cpu"`` (the trainer's
     ``offload_prompt_state``) moves the offloadable state to :attr:`MemoryPlan.host_state` and adds the running
     layer's streamed-back bytes (:func:`offload_bytes`) to both peaks; it fits only if that host state is at most
     ``host_memory_gib`` (this rank's share of the host's memory: a 2 TiB host with 8 GPUs by default). Raises
@@ -405,6 +423,13 @@ def plan_memory(
         )
     elif gradient_mode != "response_only":
         raise LongStrawError(f"gradient_mode must be 'response_only' or 'full', got {gradient_mode!r}")
+    elif prefix_sharing:  # the full mode keeps the same states already
+        plan.kept_boundaries = shared_prefix_boundary_bytes(
+            config, prompt_tokens, dtype_bytes, capture_chunk_size
+        )
+        plan.notes.append(
+            "prompt_prefix_sharing: fixed-size layer states kept at every capture-chunk boundary"
+        )
     if offload == "cpu":
         plan.host_state, plan.offload_workspace = offload_bytes(
             config, prompt_tokens, cp_size, page_size, dtype_bytes

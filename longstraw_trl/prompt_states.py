@@ -22,12 +22,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .engine import capture_prompt
+from .engine import DEFAULT_CHUNK_SIZE, capture_prompt
 from .errors import LongStrawError
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
 from .router_aux import RouterLoadBalancing, RouterStats
 from .state import PromptState
-from .state_cache import CAPTURE, EXTEND, CachedPrompt, PromptStateCache, prompt_key
+from .state_cache import CAPTURE, EXTEND, CachedPrompt, PromptStateCache, branch_prefixes, prompt_key
 
 __all__ = ["CaptureOptions", "PromptStates", "StepHost", "peak_memory_gib"]
 
@@ -66,6 +66,11 @@ class CaptureOptions:
         offload: ``None`` or ``"cpu"`` (the state's offloadable tensors in pinned host memory).
         cp_group: the context-parallel group the pages are spread over (``None``: one rank).
         keep_boundaries: keep what the full gradient's prompt backward needs (policy captures only).
+        share_prefixes: capture a common prefix of prompts once and extend it, whether or not one prompt is a
+            whole prefix of the other: the prompts of a generation batch through their prompt trie (each trunk
+            captured once, forked at its branch points), later prompts from any cached state they share a prefix
+            with. Policy captures then keep their fixed-size layers' states (GDN, sliding windows) at every
+            capture-chunk boundary, where a later prompt can branch off (README, "Prefix sharing").
     """
 
     chunk_size: int | None = None
@@ -73,6 +78,7 @@ class CaptureOptions:
     offload: str | None = None
     cp_group: object = None
     keep_boundaries: bool = False
+    share_prefixes: bool = True
 
 
 def peak_memory_gib(device: torch.device) -> float | None:
@@ -118,7 +124,16 @@ class PromptStates:
         self.host, self.model, self.options = host, model, options
         self.refresh_policy = refresh_policy
         self.router_aux = router_aux
-        self.cache = PromptStateCache(self.capture_policy, self.extend, refresh_policy, cache_bytes)
+        # a common prefix shorter than a capture chunk is not worth a branch (nor a trunk)
+        self.min_branch_tokens = options.chunk_size or DEFAULT_CHUNK_SIZE
+        self.cache = PromptStateCache(
+            self.capture_policy,
+            self.extend,
+            refresh_policy,
+            cache_bytes,
+            share_branches=options.share_prefixes,
+            min_branch_tokens=self.min_branch_tokens,
+        )
         self.batch_groups: list[str] | None = None
         self.tool_turn_keys: set[str] | None = None
         self.train_keys: set[str] = set()
@@ -143,7 +158,9 @@ class PromptStates:
                 page_size=self.options.page_size,
                 offload=self.options.offload,
                 cp_group=self.options.cp_group,
-                keep_boundaries=self.options.keep_boundaries and role == "policy",
+                # sharing: the boundaries are where a later prompt may branch off this one's fixed-size states
+                keep_boundaries=(self.options.keep_boundaries or self.options.share_prefixes)
+                and role == "policy",
             )
         if collect:  # the router statistics of the P - 1 captured tokens (none for a one-token prompt)
             self._router_prompt_stats[state] = stats[0] if stats else self._no_router_stats(state.device)
@@ -157,6 +174,9 @@ class PromptStates:
             metrics["longstraw/capture_peak_memory_gib"].append(peak)
         for kind, nbytes in state.nbytes_by_kind().items():
             metrics[f"longstraw/state_bytes/{kind}"].append(float(nbytes))
+        if state.boundaries:  # the fixed-size states kept at chunk boundaries (their own tensors: snapshots)
+            kept = sum(layer.nbytes() for at in state.boundaries.values() for layer in at.values())
+            metrics["longstraw/state_bytes/kept_boundaries"].append(float(kept))
         logger.info(
             "LongStraw: captured a %d-token prompt (%s) in %.2fs: %s", state.num_tokens, role, seconds, state
         )
@@ -236,13 +256,24 @@ class PromptStates:
         phase = self.host.phase
         groups = self.group_rows(prompt_ids, num_generations)
         keys = [prompt_key(ids) for ids in groups]
-        keep = set(keys) | (self.train_keys if phase == "eval" else set())
+        trunks = []
+        if self.options.share_prefixes:  # the common prefixes at which this batch's prompts branch
+            prompts = [torch.as_tensor(ids).reshape(-1).cpu() for ids in groups]
+            trunks = branch_prefixes(prompts, min_tokens=self.min_branch_tokens)
+        trunk_keys = [prompt_key(ids) for ids in trunks]
+        keep = set(keys) | set(trunk_keys) | (self.train_keys if phase == "eval" else set())
         # before capturing: free what will not be used (the old batch's states beyond the cache's budget)
         self.cache.pin(keep)
         self.cache.evict(self.host.global_step)
         if phase == "train":
             self.train_keys = set(keys)
 
+        # each trunk once, shortest first (a deeper trunk extends a shallower one): the prompts branch off them
+        counts = self._counts[phase]
+        for key, ids in zip(trunk_keys, trunks, strict=True):
+            _, action, _ = self.cache.get(ids, self.host.global_step, key)
+            counts["_trunks"] += 1
+            logger.info("LongStraw prefix sharing: trunk %s of the batch -> %s", key, action)
         # shortest prompts first, so a prompt that extends another one of this batch finds its state
         entries = {}
         for i in sorted(range(len(groups)), key=lambda i: len(groups[i])):
@@ -334,6 +365,7 @@ class PromptStates:
         counts = self._counts[phase]
         for action in (CAPTURE, EXTEND, "fresh", "reuse", RECAPTURE, PROBE):
             metrics[f"longstraw/refresh/{action}"].append(counts.get(action, 0.0))
+        metrics["longstraw/prefix_trunks"].append(counts.get("_trunks", 0.0))
         for name, tokens in self.cache.pop_stats().items():
             metrics[f"longstraw/{name}"].append(float(tokens))
         if counts.get("_age_n"):

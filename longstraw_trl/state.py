@@ -774,6 +774,37 @@ class PromptState:
         view.num_tokens = tokens + 1
         return view
 
+    def branch_point(self, tokens: int) -> int:
+        """The most resident tokens, at most ``tokens``, after which :meth:`prefix_state` can give this state back:
+        ``tokens`` itself when every layer's prefix is a view of what it holds (K/V pages, MLA latent pages);
+        otherwise the last boundary kept at or before it (fixed-size layers, GDN or a sliding window, cannot be
+        rewound: only their states kept at capture-chunk boundaries can), 0 when none is."""
+        tokens = max(0, min(tokens, self.resident_tokens))
+        if tokens == self.resident_tokens or all(layer.boundary() is None for layer in self.layers.values()):
+            return tokens
+        return max((t for t in self.boundaries or {} if t <= tokens), default=0)
+
+    def prefix_state(self, tokens: int, last_token: torch.Tensor) -> PromptState:
+        """The state of this prompt's first ``tokens + 1`` tokens, ``last_token`` (the id at position ``tokens``)
+        being the last: a branch point that :meth:`extend` continues from. Growing layers give a view of their
+        first ``tokens`` tokens (no copy), fixed-size ones the state kept there (``tokens`` must be a
+        :meth:`branch_point`). What the full gradient keeps (token ids, boundaries) is cut there too."""
+        if not 0 <= tokens <= self.resident_tokens:
+            raise LongStrawError(
+                f"prefix of {tokens} resident tokens asked of a state of {self.resident_tokens}"
+            )
+        kept = (self.boundaries or {}).get(tokens, {})
+        if tokens == self.resident_tokens:
+            layers = {i: layer.fork() for i, layer in self.layers.items()}
+        else:
+            layers = {i: layer.prefix(tokens, kept.get(i)) for i, layer in self.layers.items() if tokens}
+        view = PromptState(layers, self.device, self.offload, self.cp_group, self.page_size, self.chunk_size)
+        view.num_tokens, view.last_token = tokens + 1, last_token.view(()).to(self.device)
+        if self.token_ids is not None:
+            view.token_ids = self.token_ids[:tokens]
+            view.boundaries = {t: k for t, k in (self.boundaries or {}).items() if t <= tokens}
+        return view
+
     def keep_boundary(self, tokens: int) -> None:
         """Keep the fixed-size layers' states after ``tokens`` resident tokens (a segment boundary)."""
         if self.boundaries is None:

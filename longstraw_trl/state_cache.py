@@ -5,7 +5,11 @@ the turns since. :class:`PromptStateCache` looks a prompt up by its tokens. An e
 re-captured) under the :class:`~longstraw_trl.refresh.RefreshPolicy`; otherwise the longest cached prompt that
 is a prefix of it, if its state may still be used, is *extended* (``PromptState.extend``: a fork that shares
 the prefix's K/V segments and prefills only the new tokens); only when no prefix is usable is the prompt
-captured from its first token.
+captured from its first token. With ``share_branches`` any common prefix counts, not only a whole cached prompt:
+the new prompt branches off the cached state after the shared tokens (K/V pages: a prefix view, no copy;
+fixed-size layers such as GDN or a sliding window: the state kept at the last capture-chunk boundary before the
+branch, :meth:`PromptState.branch_point`). :func:`branch_prefixes` gives the trunks of a batch's prompt trie,
+which the caller looks up first so that every shared token is prefilled once.
 
 Staleness: a state extended from a prefix holds the prefix's part as the prefix's weights saw it, so its age
 is the prefix's (``captured_at`` is inherited), and the refresh policy treats it as that old. A re-capture of
@@ -14,7 +18,8 @@ everything again.
 
 Memory: states of the prompts in use are pinned (``pin``); the others are kept, least recently used first to
 go, while the bytes the cache holds stay within ``max_bytes`` (counted once per tensor: forks share their
-prefix's segments). ``max_bytes=0`` keeps nothing between batches (every batch starts from captures).
+prefix's segments and the boundary states kept for branching). ``max_bytes=0`` keeps nothing between batches
+(every batch starts from captures).
 """
 
 from __future__ import annotations
@@ -77,8 +82,37 @@ class Lookup(NamedTuple):
 
 
 def _state_tensors(state: PromptState) -> Iterable[torch.Tensor]:
+    """The state's tensors and those of the layer states it kept at boundaries (GDN, windows: what a later
+    prompt branching inside it starts from; forks share them, and :meth:`PromptStateCache.nbytes` counts each
+    storage once)."""
     for layer in state.layers.values():
         yield from layer.tensors()
+    for kept in (state.boundaries or {}).values():
+        for layer in kept.values():
+            yield from layer.tensors()
+
+
+def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading tokens the 1-D id tensors ``a`` and ``b`` share."""
+    n = min(a.numel(), b.numel())
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0, 0]) if differ.numel() else n
+
+
+def branch_prefixes(prompts: list[torch.Tensor], min_tokens: int = 1) -> list[torch.Tensor]:
+    """The trunks of the prompt trie of ``prompts`` (1-D id tensors): every common prefix at which two of them
+    branch (both go on past it), at least ``min_tokens`` long, shortest first. Capturing each trunk once and
+    extending it gives every prompt with each shared token prefilled once (a prompt that is a whole prefix of
+    another is no trunk: the other extends it as it is).
+
+    In lexicographic order the branch points of a trie are the common prefixes of neighbours."""
+    order = sorted(prompts, key=lambda t: t.tolist())
+    trunks: dict[str, torch.Tensor] = {}
+    for a, b in zip(order, order[1:], strict=False):
+        n = common_prefix_length(a, b)
+        if min_tokens <= n < min(a.numel(), b.numel()):
+            trunks.setdefault(prompt_key(a[:n]), a[:n])
+    return sorted(trunks.values(), key=lambda t: t.numel())
 
 
 class PromptStateCache:
@@ -90,6 +124,11 @@ class PromptStateCache:
         policy: when to re-capture a stale state.
         max_bytes: bytes of state kept beyond the pinned ones (``None``: no limit).
         min_reuse_tokens: shortest prefix worth extending (shorter ones are captured again).
+        share_branches: extend from any common prefix with a cached prompt (``False``: only from a cached prompt
+            that is a whole prefix of the new one).
+        min_branch_tokens: shortest common prefix worth branching off (a whole cached prefix needs only
+            ``min_reuse_tokens``): a short one, e.g. a chat template's system turn, would tie the new state to an
+            older one (its age, a second K/V segment) to save less than a chunk of prefill.
     """
 
     def __init__(
@@ -99,11 +138,14 @@ class PromptStateCache:
         policy: RefreshPolicy,
         max_bytes: int | None = None,
         min_reuse_tokens: int = 1,
+        share_branches: bool = True,
+        min_branch_tokens: int = 1,
     ):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         self._capture, self._extend, self.policy = capture, extend, policy
         self.max_bytes, self.min_reuse_tokens = max_bytes, max(1, min_reuse_tokens)
+        self.share_branches, self.min_branch_tokens = share_branches, min_branch_tokens
         self.entries: dict[str, CachedPrompt] = {}
         self.pinned: set[str] = set()
         self._clock = 0
@@ -143,39 +185,56 @@ class PromptStateCache:
         action = self._build(entry, step, fresh_only=not first)
         return Lookup(entry, action if first else RECAPTURE, None if first else step - entry.captured_at)
 
-    def _usable_prefix(self, entry: CachedPrompt, step: int, fresh_only: bool) -> CachedPrompt | None:
-        """The longest other cached prompt that is a prefix of ``entry``'s and whose state may be used now."""
+    def _usable_source(
+        self, entry: CachedPrompt, step: int, fresh_only: bool
+    ) -> tuple[CachedPrompt, int] | None:
+        """The cached prompt whose state serves most of ``entry``'s tokens and may be used now, and that many
+        resident tokens ``b`` (its state after them, with token ``b`` as the last, is extended by the rest). Any
+        common prefix counts, not only a whole cached prompt; a state whose layers cannot be rewound (GDN, a
+        sliding window) branches at the last boundary it kept (:meth:`PromptState.branch_point`)."""
         ids, best = entry.prompt_ids, None
         for other in self.entries.values():
-            n = other.prompt_ids.numel()
-            if other is entry or other.state is None or n >= ids.numel() or n < self.min_reuse_tokens:
-                continue
-            if best is not None and n <= best.prompt_ids.numel():
+            if other is entry or other.state is None:
                 continue
             age = step - other.captured_at
             if age > 0 and (fresh_only or self.policy.policy == "recapture" or age > self.policy.interval):
                 continue
-            if torch.equal(other.prompt_ids, ids[:n]):
-                best = other
+            shared = common_prefix_length(other.prompt_ids, ids)
+            whole = shared == other.prompt_ids.numel()
+            if not whole and (not self.share_branches or shared < self.min_branch_tokens):
+                continue  # exact prefixes only, or too short a branch
+            # at least one token of `ids` is left to extend (a prompt inside a cached one re-runs its last)
+            tokens = other.state.branch_point(min(shared, ids.numel() - 1) - 1)
+            if tokens == 0 or tokens + 1 < self.min_reuse_tokens:
+                continue
+            if best is None or tokens > best[1]:
+                best = (other, tokens)
         return best
 
     def _build(self, entry: CachedPrompt, step: int, fresh_only: bool) -> str:
-        prefix = self._usable_prefix(entry, step, fresh_only)
-        if prefix is None:
+        found = self._usable_source(entry, step, fresh_only)
+        if found is None:
             entry.state = self._capture(entry.prompt_ids)
             entry.captured_at, entry.built_at, entry.parent = step, step, None
             self.tokens_captured += entry.prompt_ids.numel()
             return CAPTURE
-        n = prefix.prompt_ids.numel()
-        prefix.last_used = self._clock
-        entry.state = self._extend(prefix.state, entry.prompt_ids[n:])
-        entry.captured_at, entry.built_at, entry.parent = prefix.captured_at, step, prefix.key
+        source, tokens = found
+        n = (
+            tokens + 1
+        )  # prompt tokens served by the source's state: `tokens` resident, then the last one's id
+        source.last_used = self._clock
+        base = source.state
+        if tokens < base.resident_tokens:  # a branch inside the source: K/V pages shared up to it, no copy
+            base = base.prefix_state(tokens, entry.prompt_ids[tokens])
+        entry.state = self._extend(base, entry.prompt_ids[n:])
+        entry.captured_at, entry.built_at, entry.parent = source.captured_at, step, source.key
         self.tokens_reused += n
         self.tokens_captured += entry.prompt_ids.numel() - n
         logger.info(
-            "LongStraw cache: prompt %s extends %s by %d tokens",
+            "LongStraw cache: prompt %s extends the first %d tokens of %s by %d tokens",
             entry.key,
-            prefix.key,
+            n,
+            source.key,
             entry.prompt_ids.numel() - n,
         )
         return EXTEND
@@ -194,19 +253,22 @@ class PromptStateCache:
         """The prompts the current batch uses: never evicted until the next ``pin``."""
         self.pinned = set(keys)
 
-    def nbytes(self, keys: Iterable[str] | None = None) -> int:
-        """Bytes held by the states of ``keys`` (default: all), each tensor counted once (forks share)."""
+    def nbytes(self, keys: Iterable[str] | None = None, beyond: Iterable[str] = ()) -> int:
+        """Bytes held by the states of ``keys`` (default: all), each tensor counted once (forks share their
+        prefix's K/V and the boundary states kept for branching); with ``beyond``, only the bytes the states of
+        ``beyond`` do not already hold."""
         seen, total = set(), 0
-        for key in self.entries if keys is None else keys:
-            entry = self.entries.get(key)
-            for state in (entry.state, entry.probe_stale) if entry is not None else ():
-                if state is None:
-                    continue
-                for t in _state_tensors(state):
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr not in seen:
-                        seen.add(ptr)
-                        total += t.untyped_storage().nbytes()
+        for counted, group in ((False, beyond), (True, self.entries if keys is None else keys)):
+            for key in group:
+                entry = self.entries.get(key)
+                for state in (entry.state, entry.probe_stale) if entry is not None else ():
+                    if state is None:
+                        continue
+                    for t in _state_tensors(state):
+                        ptr = t.untyped_storage().data_ptr()
+                        if ptr not in seen:
+                            seen.add(ptr)
+                            total += t.untyped_storage().nbytes() if counted else 0
         return total
 
     def evict(self, step: int, keep: Iterable[str] = ()) -> None:
@@ -226,10 +288,13 @@ class PromptStateCache:
         if self.max_bytes is None:
             return
         unkept = sorted((e for e in self.entries.values() if e.key not in keep), key=lambda e: e.last_used)
-        held = self.nbytes([e.key for e in unkept])
+        kept = [k for k in self.entries if k in keep]
+        # what the unkept states hold beyond the kept ones (a trunk whose pages the batch's forks share costs
+        # only its own boundary states)
+        held = self.nbytes([e.key for e in unkept], beyond=kept)
         while unkept and held > self.max_bytes:
             del self.entries[unkept.pop(0).key]
-            held = self.nbytes([e.key for e in unkept])
+            held = self.nbytes([e.key for e in unkept], beyond=kept)
 
     def drop(self, keys: Iterable[str]) -> None:
         """Forget these prompts and their states now (an evaluation batch's, the per-rollout states of a tool loop)."""
@@ -250,4 +315,13 @@ class PromptStateCache:
         return out
 
 
-__all__ = ["CAPTURE", "EXTEND", "CachedPrompt", "Lookup", "PromptStateCache", "prompt_key"]
+__all__ = [
+    "CAPTURE",
+    "EXTEND",
+    "CachedPrompt",
+    "Lookup",
+    "PromptStateCache",
+    "branch_prefixes",
+    "common_prefix_length",
+    "prompt_key",
+]

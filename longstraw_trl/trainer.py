@@ -431,6 +431,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             offload=args.offload_prompt_state,
             cp_group=self.cp_group,
             keep_boundaries=args.gradient_mode == "full",
+            share_prefixes=args.prompt_prefix_sharing,
         )
         cache_bytes = None if args.prompt_cache_gib is None else int(args.prompt_cache_gib * 2**30)
         self.prompt_states = PromptStates(

@@ -99,6 +99,22 @@ def test_full_model_dry_run(tmp_path):
     assert [r.get("ok") for r in stock["results"]] == [True, True, False] and stock["results"][2]["skipped"]
 
 
+def test_prefix_tree_smoke(tmp_path):
+    _run(tmp_path, "prefix_tree.py", "--smoke")
+    data = json.loads((tmp_path / "prefix_tree_qwen3.6-27b_4L_smoke.json").read_text())
+    points, turn, tail, chunk = data["points"], data["turn_tokens"], data["tail_tokens"], data["chunk"]
+    last = data["trajectory_tokens"] + tail
+    # the trie: one trunk per point but the last, nested; each point then extends only its question
+    assert data["trunks"] == [data["trajectory_tokens"] - (points - 1 - k) * turn for k in range(points - 1)]
+    batch = {r["point"]: r["prefilled"] for r in data["rows"] if r["mode"] == "batch"}
+    assert batch["trunk"] == data["trunks"][-1] and all(batch[k] == tail for k in range(points - 1))
+    assert batch[points - 1] == turn + tail
+    steps = [r["prefilled"] for r in data["rows"] if r["mode"] == "steps"]
+    assert steps[0] == last - (points - 1) * turn and all(0 < n <= turn + tail + chunk for n in steps[1:])
+    assert data["max_abs_logprob_diff_vs_whole"] < 1e-4  # fp32 on the CPU
+    assert {s["mode"] for s in data["summary"]} == {"batch", "steps"}
+
+
 def test_agent_turns_dry_run(tmp_path):
     _run(tmp_path, "agent_turns.py", "--tiny", "--prompt", "600", "--generations", "2", "--turns", "2",
          "--response", "6", "--tool-tokens", "10", "--chunk", "256", "--page", "128")  # fmt: skip

@@ -33,9 +33,12 @@ class Counting:
         return state.extend(self.model, more)
 
 
-def _cache(model, policy="reuse", interval=1, max_bytes=None):
+def _cache(model, policy="reuse", interval=1, max_bytes=None, share_branches=True):
     calls = Counting(model)
-    return PromptStateCache(calls.capture, calls.extend, RefreshPolicy(policy, interval), max_bytes), calls
+    policy = RefreshPolicy(policy, interval)
+    return PromptStateCache(
+        calls.capture, calls.extend, policy, max_bytes, share_branches=share_branches
+    ), calls
 
 
 def _history(n, seed=0):
@@ -65,8 +68,9 @@ def test_grown_history_costs_only_its_new_tokens(family):
 
 
 def test_longest_usable_prefix_is_extended():
+    """Exact prefixes only (``share_branches=False``); tests/test_prefix_tree.py covers branching."""
     model = build("qwen3")
-    cache, calls = _cache(model)
+    cache, calls = _cache(model, share_branches=False)
     history = _history(60)
     for n in (10, 30, 20):
         cache.get(history[:n], step=0)
@@ -76,6 +80,21 @@ def test_longest_usable_prefix_is_extended():
     other = history.clone()
     other[5] = (other[5] + 1) % VOCAB
     assert cache.get(other[:40], step=0).action == "capture"  # no cached prompt is a prefix of it
+
+
+def test_longest_common_prefix_is_extended():
+    model = build("qwen3")
+    cache, calls = _cache(model)
+    history = _history(60)
+    for n in (10, 30, 20):
+        cache.get(history[:n], step=0)
+    assert calls.captured == [10] and calls.extended == [
+        20,
+        1,
+    ]  # the 20 re-runs only its last token on the 30's
+    other = history.clone()
+    other[5] = (other[5] + 1) % VOCAB
+    assert cache.get(other[:40], step=0).action == "extend" and calls.extended[-1] == 35  # branches after 5
 
 
 def test_extended_state_inherits_its_prefix_staleness():
