@@ -155,7 +155,7 @@ def plan_main(argv: list[str]) -> int:
         "--prefix-sharing",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="add the GDN / window states that prompt_prefix_sharing=True (the trainer's default) keeps at every "
+        help="add the GDN / window states that prompt_prefix_sharing=True keeps at every "
         "capture-chunk boundary",
     )
     ap.add_argument(

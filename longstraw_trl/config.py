@@ -135,7 +135,7 @@ class LongStrawGRPOConfig(GRPOConfig):
             prompt whose prefix is cached (an agent's history grown by some turns) is extended from it instead of
             captured again; the least recently used states go first. The planner does not count these bytes: set 0
             when a plan is at the edge of the device's memory.
-        prompt_prefix_sharing (`bool`, *optional*, defaults to `True`):
+        prompt_prefix_sharing (`bool`, *optional*, defaults to `False`):
             Capture a common prefix of prompts once, whether or not one prompt is a whole prefix of the other (two
             decision points of one trajectory whose last turn renders differently, sibling prompts of one history):
             a generation batch's prompts through their prompt trie (each shared trunk captured once, its K/V pages
@@ -144,9 +144,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             so a later prompt that branches inside a chunk re-prefills at most that chunk (per boundary: the model's
             GDN state bytes, e.g. 144 MiB for Qwen3.6-27B, counted in `prompt_cache_gib`; `longstraw plan
             --prefix-sharing` adds them). A common prefix shorter
-            than `capture_chunk_size` is not shared (a chat template's system turn). `False`: only a prompt
-            that extends a whole cached prompt reuses it, and nothing is kept at boundaries (unless
-            `gradient_mode="full"`).
+            than `capture_chunk_size` is not shared (a chat template's system turn). `False` (the default): only a
+            prompt that extends a whole cached prompt reuses it, and nothing is kept at boundaries (unless
+            `gradient_mode="full"`). Off by default because of those kept states: about 9 GiB on the device for the
+            whole Qwen3.6-27B at 512K with 8K chunks, 18 GiB at 1M (they stay on the device with
+            `offload_prompt_state="cpu"`), which the 1M step on one H200 has no room for. Turn it on for agent
+            trajectories and sibling prompts; on models without GDN or window layers it costs nothing.
         graph_free_adapters_in_model_dtype (`bool`, *optional*, defaults to `True`):
             During the capture and generation (no autograd), run PEFT adapter weights (which PEFT keeps in fp32 beside a
             bf16 model) in the model's dtype: the fp32 GEMMs and casts of every adapted layer go (about a quarter of a
@@ -201,7 +204,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         },
     )
     prompt_prefix_sharing: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "Capture a common prefix of prompts once (a batch's prompt trie; later prompts branch off any "
             "cached state): the GDN / window states are kept at every capture-chunk boundary for it."
