@@ -400,6 +400,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             environment_factory=environment_factory,
         )
 
+        args.check_launch(self.accelerator.state)
         _check_model(self.model)
         if self.ref_model is not None:
             _check_model(self.ref_model)
