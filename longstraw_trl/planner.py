@@ -469,7 +469,9 @@ def plan_memory(
     if fsdp_size > 1:
         plan.notes.append(
             f"FSDP2 over {fsdp_size} ranks: weights, gradients and optimizer states are this rank's shards; the "
-            "replays accumulate unsharded gradients under no_sync until the step's last backward reduce-scatters them"
+            "replays accumulate unsharded gradients under no_sync until the step's last backward reduce-scatters them; "
+            "Accelerate's mixed precision keeps fp32 masters of the trainable parameters (full fine-tuning: about 2x "
+            "the shard, gradient and optimizer lines)"
         )
     if gradient_mode == "full":
         plan.gradient_buffers, plan.kept_boundaries, plan.page_grad_workspace = full_gradient_bytes(
