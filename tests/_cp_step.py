@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--as-rank", type=int, default=0)
+    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0: reference log-probs)")
     a = ap.parse_args(argv)
     fsdp_on_cpu()
     threads = torch.get_num_threads()
@@ -118,6 +119,7 @@ def step(a: argparse.Namespace) -> None:
     trainer = make_tiny_longstraw_trainer(
         model=model,
         loss_type=a.loss_type,
+        beta=a.beta,
         cp_size=a.cp_size,
         train_dataset=Dataset.from_dict({"prompt": [a.prompt] * 16}),
         reward_funcs=length_reward,

@@ -101,6 +101,12 @@ def test_fsdp2_cp2_step_equals_single_process(tmp_path, mode, lora):
 
 
 @pytest.mark.slow
+def test_fsdp2_cp2_lora_step_with_the_reference_model_equals_single_process(tmp_path):
+    """beta > 0 with LoRA: the reference log-probs come from the same sharded model with its adapters switched off."""
+    _check_cp2(tmp_path, "--lora", "--beta", "0.04")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["response_only", "full"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full_finetune", "lora"])
 def test_fsdp2_data_parallel_step_equals_the_mean_of_two_single_process_steps(tmp_path, mode, lora):
