@@ -5,7 +5,7 @@
         --cp-size 2 --out cp.json
 
 ``--gradient-mode full`` / ``--replay-block-size N`` train with the full gradient / reverse block replay.
-``--as-rank R`` samples with rank R's random stream in one process; ``--lora`` trains LoRA adapters (peft) instead of every parameter. Under a launch config with
+``--as-rank R`` samples with rank R's random stream (:class:`DesyncRandomness`) in one process; ``--lora`` trains LoRA adapters (peft) instead of every parameter. Under a launch config with
 ``distributed_type: FSDP`` (examples/accelerate/fsdp2.yaml) the policy is sharded with FSDP2 (on a CPU-only
 machine through :func:`_fsdp_shim.fsdp_on_cpu`); gradients and parameters are then gathered before they are written.
 ``--bf16`` trains under TRL's default ``bf16=True`` (on CPU: bf16 autocast; launch with
@@ -21,7 +21,6 @@ of 1e-6 moves the parameters too little to tell).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -38,12 +37,15 @@ from transformers import Qwen3ForCausalLM, TrainerCallback  # noqa: E402
 
 class DesyncRandomness(TrainerCallback):
     """Give every non-first rank its own RNG stream: a CP group must stay in step without relying on equal seeds
-    (sampled tokens and the group order come from the first rank)."""
+    (sampled tokens and the group order come from the first rank); data-parallel ranks sample their own completions.
+    ``rank``: this process's rank, or the rank a single process plays (``--as-rank``)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
 
     def on_step_begin(self, args, state, control, **kwargs):
-        rank = int(os.environ.get("RANK", 0))
-        if rank:
-            torch.manual_seed(1000 + rank)
+        if self.rank:
+            torch.manual_seed(1000 + self.rank)
 
 
 class RecordGradients(TrainerCallback):
@@ -58,24 +60,6 @@ class RecordGradients(TrainerCallback):
             for n, p in self.model.named_parameters()
             if p.grad is not None
         }
-
-
-@contextlib.contextmanager
-def sample_as_rank(rank: int):
-    """Within the block, sample with rank ``rank``'s random stream in a single process: TRL seeds its sampling with
-    ``set_seed(seed, device_specific=True)`` (``seed + process index``), after the model and adapters are built."""
-    import trl.trainer.grpo_trainer as grpo
-
-    stock = grpo.set_seed
-
-    def set_seed(seed, device_specific=False, **kwargs):
-        stock(seed + rank if device_specific else seed, **kwargs)
-
-    grpo.set_seed = set_seed
-    try:
-        yield
-    finally:
-        grpo.set_seed = stock
 
 
 def length_reward(completions, **kwargs):
@@ -100,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with warnings.catch_warnings(), sample_as_rank(a.as_rank):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             step(a)
     finally:
@@ -141,8 +125,7 @@ def step(a: argparse.Namespace) -> None:
     initial = {
         n: full_tensor(p).detach().double().flatten().tolist() for n, p in trainer.model.named_parameters()
     }
-    if a.cp_size > 1:
-        trainer.add_callback(DesyncRandomness())
+    trainer.add_callback(DesyncRandomness(int(os.environ.get("RANK", 0)) or a.as_rank))
     trainer.train()
     # gathered on every rank (a collective under FSDP2)
     params = {

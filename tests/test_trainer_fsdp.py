@@ -8,8 +8,9 @@ reduce-scatter of the flat shards both run there).
 - FSDP2 x CP2 (one mesh: the 2 ranks shard the weights and form one context-parallel group): both ranks hold the same
   responses and different prompt pages, and FSDP2's reduce-scatter averages their identical gradients: equal to the
   single-process step (a sum would double them).
-- FSDP2 data parallel (``cp_size=1``): TRL samples on each rank with ``seed + rank``; the reference is the mean of two
-  single-process steps sampling with rank 0's and rank 1's streams (``loss_type="grpo"``: a mean per rank, so the
+- FSDP2 data parallel (``cp_size=1``): each rank samples from its own random stream (``_cp_step.DesyncRandomness``;
+  TRL's ``seed + rank`` is not relied on: with LoRA under FSDP2 both ranks were seen sampling rank 0's stream); the
+  reference is the mean of two single-process steps sampling with rank 0's and rank 1's streams (``loss_type="grpo"``: a mean per rank, so the
   average over ranks is the mean of the two steps).
 
 The single-process references run in the test's own process (``_cp_step.main``); the FSDP2 steps are launched.
