@@ -72,6 +72,9 @@ from longstraw_trl.planner import plan_memory
 from longstraw_trl.planner import state_bytes as planned_state_bytes
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
 
+# under `accelerate launch` (torchrun's environment); 0 and 1 for a plain `python bench/full_model.py`
+RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
 TINY = dict(  # --tiny defaults (explicit flags still win)
     prompts=[512, 1024],
     stock_prompts=[256, 512],
@@ -132,6 +135,12 @@ def parse_args() -> argparse.Namespace:
         choices=["response_only", "full"],
         help="gradient_mode of the LongStraw steps: each P runs once per mode, in this order, side by side in one "
         "process (the warm-up runs in the first mode)",
+    )
+    ap.add_argument(
+        "--cp-size",
+        type=int,
+        default=1,
+        help="LongStrawGRPOConfig.cp_size (under `accelerate launch`: cp2.yaml, or fsdp2.yaml for FSDP2 x CP)",
     )
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU, fp32, tiny dimensions and P")
     args = ap.parse_args()
@@ -297,6 +306,7 @@ def longstraw_trainer(
         replay_batch_tokens=args.replay_batch_tokens,
         graph_free_fused_kernels=args.fused_kernels,
         gradient_mode=gradient_mode,
+        cp_size=args.cp_size,
         use_cpu=args.tiny,
         bf16=not args.tiny,
     )
@@ -306,7 +316,8 @@ def longstraw_trainer(
             model=model,
             reward_funcs=_random_reward,
             args=config,
-            train_dataset=Dataset.from_dict({"prompt": [random_letters(p, seed=p)]}),
+            # one row per process: under `accelerate launch` every rank takes a group (a CP group: its first rank's)
+            train_dataset=Dataset.from_dict({"prompt": [random_letters(p, seed=p)] * WORLD_SIZE}),
             processing_class=tokenizer,
             peft_config=peft_config,
         )
@@ -562,6 +573,8 @@ def summary_rows(payload: dict) -> list[dict]:
 
 def main() -> None:
     args = parse_args()
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # under `accelerate launch`: this rank's GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     start = time.perf_counter()
     deadline = start + args.budget_s
     dev, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
@@ -640,7 +653,8 @@ def main() -> None:
             "stopped_by": None,  # "oom", or "budget" (a larger P skipped for time), or None: all ran
         },
     }
-    save = lambda: write_result(name, payload)  # noqa: E731
+    # under `accelerate launch` the first rank writes the JSON (every rank runs the same steps)
+    save = (lambda: write_result(name, payload)) if RANK == 0 else (lambda: None)  # noqa: E731
 
     if args.skip_longstraw:
         payload["longstraw"] = [

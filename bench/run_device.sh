@@ -27,6 +27,10 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad-profile --prompt 65536  # the full-mode prompt backward's kernels
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gdn-bwd     # issue 25: GDN backward via fla + our dqkwg
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh prefix-tree # prefix sharing: 8 decision points of a 512K trajectory
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp1-plain # issue 28: the 27B LoRA step at 512K, plain (then fsdp1)
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp1       # the same step under FSDP2 at world size 1; vs plain
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cp2         # on nvidia-h200-x2: the same step, CP2 (cp2.yaml)
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp2-cp2   # on nvidia-h200-x2: FSDP2 x CP2 (fsdp2.yaml, 2 ranks)
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -398,5 +402,40 @@ full)  # the whole Qwen3.6-27B with LoRA r=64: LongStraw steps vs floors, then s
   cd bench
   PYTHONPATH=$path timeout 590 python3 -u full_model.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/full.log" \
     | tail -16
+  ;;
+fsdp1-plain|fsdp1|cp2|fsdp2-cp2)
+  # issue 28 (docs/fsdp.md): one LongStrawGRPOTrainer step of the whole Qwen3.6-27B, LoRA r=64, P = 512K, R = 256,
+  # after full_model.py's warm-up step. fsdp1 wraps the policy with FSDP2 at world size 1 (examples/accelerate/
+  # fsdp2.yaml on 1 process: every FSDP2 hook runs, every collective is trivial): its step must take at most 5% more
+  # than fsdp1-plain's, run first on the same machine (its Triton cache then serves both). cp2 and fsdp2-cp2 run on
+  # a 2-GPU machine (nvidia-h200-x2): CP2 under DDP, then FSDP2 x CP2 on the same 2 ranks.
+  mode=$1
+  shift
+  common=(--skip-stock --prompts 524288 --response 256 --budget-s 560 "$@")
+  launch=(python3 -u -m accelerate.commands.launch --mixed_precision bf16)
+  cd bench
+  case $mode in
+    fsdp1-plain) cmd=(python3 -u full_model.py "${common[@]}" --tag _plain512k) ;;
+    fsdp1) cmd=("${launch[@]}" --config_file ../examples/accelerate/fsdp2.yaml --num_processes 1 full_model.py
+                "${common[@]}" --tag _fsdp1) ;;
+    cp2) cmd=("${launch[@]}" --config_file ../examples/accelerate/cp2.yaml full_model.py "${common[@]}"
+              --cp-size 2 --tag _cp2) ;;
+    fsdp2-cp2) cmd=("${launch[@]}" --config_file ../examples/accelerate/fsdp2.yaml --num_processes 2 full_model.py
+                    "${common[@]}" --cp-size 2 --tag _fsdp2_cp2) ;;
+  esac
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 590 "${cmd[@]}" 2>&1 | grep -v -i warn | tee "$OUT/$mode.log" | tail -16
+  # the plain step's JSON waits in /tmp (kept on a warm machine) for fsdp1's comparison
+  if [[ $mode == fsdp1-plain ]]; then cp "$OUT"/full_model_qwen3.6-27b_plain512k.json /tmp/ 2>/dev/null; fi
+  if [[ $mode == fsdp1 && -f /tmp/full_model_qwen3.6-27b_plain512k.json ]]; then
+    python3 - "$OUT"/full_model_qwen3.6-27b_fsdp1.json /tmp/full_model_qwen3.6-27b_plain512k.json <<'PY' | tee "$OUT/fsdp1_vs_plain.txt"
+import json, sys
+fsdp, plain = (json.load(open(p))["longstraw"][-1] for p in sys.argv[1:])
+ratio = fsdp["train_s"] / plain["train_s"]
+print(f"FSDP2 world 1: {fsdp['train_s']:.1f} s, plain {plain['train_s']:.1f} s: x{ratio:.3f} "
+      f"({'within' if ratio <= 1.05 else 'OVER'} the 5% budget); peak {fsdp['peak_gib']:.1f} vs {plain['peak_gib']:.1f} GiB")
+for phase in fsdp["phases"]:
+    print(f"  {phase}: {fsdp['phases'][phase]['seconds']:.1f} s vs {plain['phases'][phase]['seconds']:.1f} s")
+PY
+  fi
   ;;
 esac

@@ -132,6 +132,13 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--response", type=int, default=2048, help="completion tokens R")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks sharing the prompt pages")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks sharing the experts")
+    ap.add_argument(
+        "--fsdp",
+        type=int,
+        default=1,
+        help="ranks the policy is sharded over with FSDP2 (weights, gradients, optimizer states; with --cp: the same "
+        "ranks, examples/accelerate/fsdp2_cp8.yaml)",
+    )
     ap.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: full fine-tuning)")
     ap.add_argument("--optimizer", choices=["adamw", "none"], default="adamw")
     ap.add_argument("--layers", type=int, default=None, help="plan a slice with this many layers")
@@ -202,6 +209,7 @@ def _plan(a: argparse.Namespace) -> int:
         "response",
         "cp",
         "ep",
+        "fsdp",
         "lora_rank",
         "layers",
         "chunk_size",
@@ -222,6 +230,7 @@ def _plan(a: argparse.Namespace) -> int:
         response_tokens=a.response,
         cp_size=a.cp,
         ep_size=a.ep,
+        fsdp_size=a.fsdp,
         lora_rank=a.lora_rank,
         optimizer=a.optimizer,
         gpu_memory_gib=gpu,

@@ -411,11 +411,17 @@ class LongStrawGRPOConfig(GRPOConfig):
         if self.deepspeed:
             refuse(
                 "DeepSpeed",
-                "Launch with plain DDP (`accelerate launch` multi-GPU, no DeepSpeed) or a single process.",
+                "The loss is back-propagated one response at a time under Accelerate's `no_sync` (FSDP2: "
+                "`set_requires_gradient_sync(False)`), which DeepSpeed's engine does not offer outside its own "
+                "gradient accumulation. Shard the policy with FSDP2 instead (`accelerate launch --config_file "
+                "examples/accelerate/fsdp2.yaml`), or launch with plain DDP or a single process.",
             )
-        if self.fsdp or getattr(self, "fsdp_config", None) and self.fsdp_config.get("version"):
+        fsdp_version = int((getattr(self, "fsdp_config", None) or {}).get("version", 2))
+        if self.fsdp and fsdp_version != 2:
             refuse(
-                "FSDP", "Launch with plain DDP (`accelerate launch` multi-GPU, no FSDP) or a single process."
+                f"FSDP version {fsdp_version}",
+                "Use FSDP2 (`fsdp_config={'version': 2}`, or `fsdp_version: 2` in the Accelerate config: "
+                "examples/accelerate/fsdp2.yaml).",
             )
         if str(self.optim).lower().endswith("lomo"):
             refuse(
@@ -445,4 +451,25 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise LongStrawError(
                 "router_aux_loss_coef != 0 is not supported with replay_block_size (a response's router loss would "
                 "need to be split over its blocks). Set router_aux_loss_coef=0.0 or replay_block_size=None."
+            )
+
+    def check_launch(self, state) -> None:
+        """Refuse a launch (Accelerate's ``AcceleratorState``: the ``accelerate launch`` config) the trainer cannot
+        run: FSDP other than FSDP2, and Accelerate's own context or tensor parallelism (``parallelism_config``).
+        FSDP2 shards over every rank (``dp_shard_size``, with ``dp_replicate_size`` for HSDP), and LongStraw's
+        ``cp_size`` groups consecutive ranks of the same world (docs/fsdp.md)."""
+        plugin = getattr(state, "fsdp_plugin", None)
+        if state.distributed_type == "FSDP" and plugin is not None and plugin.fsdp_version != 2:
+            raise LongStrawError(
+                f"LongStrawGRPOTrainer does not support FSDP version {plugin.fsdp_version}: set `fsdp_version: 2` "
+                "in the Accelerate config (examples/accelerate/fsdp2.yaml)."
+            )
+        parallelism = getattr(state, "parallelism_config", None)
+        if parallelism is not None and (parallelism.cp_size > 1 or parallelism.tp_size > 1):
+            raise LongStrawError(
+                f"Accelerate's parallelism_config cp_size={parallelism.cp_size}, tp_size={parallelism.tp_size}: "
+                "Accelerate's context parallelism shards one training sequence (ring attention over SDPA) and its "
+                "tensor parallelism is not wired into the engine. Set both to 1 there, and use "
+                "LongStrawGRPOConfig.cp_size for context parallelism over prompt pages "
+                "(examples/accelerate/fsdp2_cp8.yaml)."
             )

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
 def merge_gathered(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +116,11 @@ class ContextParallel:
         out = t.contiguous().clone()
         dist.all_reduce(out, group=self.group)
         return out
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded with FSDP2 (torch's ``fully_shard``, e.g. through Accelerate's FSDP plugin)."""
+    return isinstance(model, FSDPModule)
 
 
 def new_cp_groups(cp_size: int):

@@ -25,8 +25,9 @@ from longstraw_trl.kernels.logprob import token_logprobs
 from longstraw_trl.model_patches import find_patch, patch_model, unwrap_model
 
 from .context import CTX_KWARG, Mode, ReplayContext, ResponseKV
+from .distributed import is_fsdp2
 from .errors import LongStrawError, PromptTooLongError
-from .hooks import head_request, install_head, skip_head
+from .hooks import head_request, install_head, skip_head, zero_hidden
 from .state import PromptState, StateGrads, storage_device
 
 # re-exported: the runtime's public names a user of the engine reaches for
@@ -450,12 +451,18 @@ def prompt_backward(
     # the segments are the capture's chunks (an extension's too): one starts at every kept boundary
     starts = [0] + sorted(t for t in state.boundaries or {} if 0 < t < n)
     ends = starts[1:] + [n]
+    # FSDP2 gathers a layer's parameters for backward when the gradient reaches the layer's output; a chunk's gradient
+    # enters through its K/V and states, which leaves the last layer's output without one: a zero-weighted term on the
+    # final hidden states carries a (zero) gradient there
+    fsdp2 = is_fsdp2(model)
     with _progress(n, progress, "prompt backward") as bar:
         for s, e in reversed(list(zip(starts, ends, strict=True))):
             ids = state.token_ids[s:e].to(state.device)[None]
             head = loss = None
             if sync_last and s == 0:
                 head, loss = TokenLogprobs(ids, 1.0), (lambda out: out.sum() * 0.0)
+            elif fsdp2:
+                head, loss = zero_hidden, (lambda out: out)
             sync = (
                 no_sync() if no_sync is not None and not (sync_last and s == 0) else contextlib.nullcontext()
             )

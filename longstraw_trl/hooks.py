@@ -147,3 +147,9 @@ def head_request(request: Callable | None) -> Iterator[None]:
 def skip_head(stock, hidden):
     """Head request of a call that needs no logits (a capture chunk): an empty tensor."""
     return hidden.new_empty(*hidden.shape[:-1], 0)
+
+
+def zero_hidden(stock, hidden):
+    """Head request of a recomputed prompt chunk under FSDP2: ``0 * sum(hidden)``, a zero term whose backward reaches
+    the last decoder layer's output (where FSDP2 gathers that layer's parameters for backward), without logits."""
+    return hidden.sum() * 0.0

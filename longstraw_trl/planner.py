@@ -66,6 +66,13 @@ class MemoryPlan:
     host_state: int = 0
     #: ``offload="cpu"``: device bytes the running layer holds of its streamed-back state (the largest layer's)
     offload_workspace: int = 0
+    #: FSDP2 (``fsdp_size > 1``): the gathered parameters a rank holds besides its shard: the root module's (embedding,
+    #: final norm, head: FSDP2 keeps the root gathered from forward to backward) and two decoder layers' (the running
+    #: one and the prefetched next)
+    fsdp_gathered: int = 0
+    #: FSDP2: the unsharded gradients the replays accumulate under ``no_sync`` (no reduce-scatter per response) until
+    #: the optimizer step's last backward reduce-scatters them into the sharded :attr:`gradients`
+    fsdp_unsharded_gradients: int = 0
     #: host memory this rank may pin for :attr:`host_state` (its share of the host's)
     host_memory: int = int(DEFAULT_HOST_MEMORY_GIB / DEFAULT_RANKS_PER_HOST * GiB)
     notes: list[str] = field(default_factory=list)
@@ -86,6 +93,7 @@ class MemoryPlan:
         are freed by ``zero_grad(set_to_none=True)`` before the next step's capture)."""
         return (
             self.weights
+            + self.fsdp_gathered
             + self.optimizer
             + self.device_state
             + self.offload_workspace
@@ -97,7 +105,9 @@ class MemoryPlan:
         """Peak while replaying one response under autograd (the step's high-water mark)."""
         return (
             self.weights
+            + self.fsdp_gathered
             + self.gradients
+            + self.fsdp_unsharded_gradients
             + self.optimizer
             + self.device_state
             + self.offload_workspace
@@ -115,7 +125,9 @@ class MemoryPlan:
             return 0
         return (
             self.weights
+            + self.fsdp_gathered
             + self.gradients
+            + self.fsdp_unsharded_gradients
             + self.optimizer
             + self.device_state
             + self.offload_workspace
@@ -211,6 +223,48 @@ def _meta_counts(config, ep_size: int) -> tuple[int, int, int, int]:
 def count_parameters(config, ep_size: int = 1) -> tuple[int, int, int]:
     """``(all params on this rank, expert params on this rank, embedding+head params)`` via the meta device."""
     return _meta_counts(config, ep_size)[:3]
+
+
+def fsdp_shard_elements(shapes: list[tuple[int, ...]], fsdp_size: int) -> int:
+    """Elements one rank stores of these parameters under FSDP2: each parameter is cut along dim 0 into
+    ``fsdp_size`` chunks padded to the largest (``torch.chunk``; FSDP2's padded sharded storage), i.e.
+    ``ceil(dim0 / fsdp_size) x the other dims``."""
+    total = 0
+    for shape in shapes:
+        if not shape:  # a scalar parameter: FSDP2 shards it as a 1-element tensor
+            shape = (1,)
+        rest = math.prod(shape[1:])
+        total += -(-shape[0] // fsdp_size) * rest
+    return total
+
+
+def fsdp_groups(config, lora_rank: int | None = None) -> dict[str, list[tuple[tuple[int, ...], bool]]]:
+    """``(shape, trainable)`` of the parameters of each FSDP2 group of ``config``'s model as Accelerate's
+    ``TRANSFORMER_BASED_WRAP`` builds them: one group per decoder layer (``"layer.<i>"``), the rest in the root
+    (``"root"``). With ``lora_rank`` the model's own parameters are frozen and each non-expert decoder Linear also
+    holds its trainable LoRA A ``[r, in]`` and B ``[out, r]``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    groups: dict[str, list[tuple[tuple[int, ...], bool]]] = {}
+    for name, mod in model.named_modules():
+        direct = [(tuple(p.shape), not lora_rank) for p in mod.parameters(recurse=False)]
+        if (
+            lora_rank
+            and isinstance(mod, torch.nn.Linear)
+            and "lm_head" not in name
+            and ".experts" not in name
+        ):
+            direct += [((lora_rank, mod.in_features), True), ((mod.out_features, lora_rank), True)]
+        parts = name.split(".")
+        key = "root"
+        if "layers" in parts[:-1]:
+            i = parts.index("layers")
+            if parts[i + 1].isdigit():
+                key = f"layer.{parts[i + 1]}"
+        groups.setdefault(key, []).extend(direct)
+    return groups
 
 
 def lora_parameters(config, rank: int) -> int:
@@ -350,6 +404,7 @@ def plan_memory(
     offload: str | None = None,
     host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB / DEFAULT_RANKS_PER_HOST,
     prefix_sharing: bool = False,
+    fsdp_size: int = 1,
 ) -> MemoryPlan:
     """Per-rank memory of a LongStraw GRPO step on ``config`` (bf16 weights by default).
 
@@ -360,7 +415,10 @@ def plan_memory(
     ``prompt_prefix_sharing``) adds :func:`shared_prefix_boundary_bytes` as kept boundaries. ``offload="cpu"`` (the trainer's
     ``offload_prompt_state``) moves the offloadable state to :attr:`MemoryPlan.host_state` and adds the running
     layer's streamed-back bytes (:func:`offload_bytes`) to both peaks; it fits only if that host state is at most
-    ``host_memory_gib`` (this rank's share of the host's memory: a 2 TiB host with 8 GPUs by default). Raises
+    ``host_memory_gib`` (this rank's share of the host's memory: a 2 TiB host with 8 GPUs by default).
+    ``fsdp_size``: the policy sharded with FSDP2 over that many ranks (weights, gradients and optimizer states by
+    :func:`fsdp_shard_elements`; plus :attr:`MemoryPlan.fsdp_gathered` and, since the replays accumulate under
+    ``no_sync``, :attr:`MemoryPlan.fsdp_unsharded_gradients`). Raises
     :class:`~longstraw_trl.errors.UnsupportedModelError` for a model type it does not model.
     """
     check_plannable(getattr(config, "model_type", None))
@@ -369,6 +427,26 @@ def plan_memory(
     weights = params * dtype_bytes + (trainable * dtype_bytes if lora_rank else 0)
     gradients = trainable * dtype_bytes
     optimizer_bytes = {"adamw": 2 * trainable * dtype_bytes, "none": 0}[optimizer]
+    fsdp_gathered = fsdp_unsharded_gradients = 0
+    if fsdp_size < 1:
+        raise LongStrawError(f"fsdp_size must be >= 1, got {fsdp_size}")
+    if fsdp_size > 1:
+        if ep_size > 1:
+            raise LongStrawError(
+                "the plan does not combine fsdp_size > 1 with ep_size > 1 (expert parallelism) yet"
+            )
+        groups = fsdp_groups(config, lora_rank)
+        every = [entry for entries in groups.values() for entry in entries]
+        weights = fsdp_shard_elements([shape for shape, _ in every], fsdp_size) * dtype_bytes
+        largest_layer = max(
+            sum(math.prod(shape) for shape, _ in entries) for key, entries in groups.items() if key != "root"
+        )
+        root = sum(math.prod(shape) for shape, _ in groups["root"])
+        fsdp_gathered = (root + 2 * largest_layer) * dtype_bytes
+        sharded_trainable = fsdp_shard_elements([shape for shape, trainable in every if trainable], fsdp_size)
+        fsdp_unsharded_gradients = gradients
+        gradients = sharded_trainable * dtype_bytes
+        optimizer_bytes = {"adamw": 2 * sharded_trainable * dtype_bytes, "none": 0}[optimizer]
     types = _layer_types(config)
     together = max(1, min(num_generations, replay_batch_tokens // max(response_tokens, 1)))
     r = response_tokens * together
@@ -403,7 +481,16 @@ def plan_memory(
         host_memory=int(host_memory_gib * GiB),
         params=params,
         trainable_params=trainable,
+        fsdp_gathered=fsdp_gathered,
+        fsdp_unsharded_gradients=fsdp_unsharded_gradients,
     )
+    if fsdp_size > 1:
+        plan.notes.append(
+            f"FSDP2 over {fsdp_size} ranks: weights, gradients and optimizer states are this rank's shards; the "
+            "replays accumulate unsharded gradients under no_sync until the step's last backward reduce-scatters them; "
+            "Accelerate's mixed precision keeps fp32 masters of the trainable parameters (full fine-tuning: about 2x "
+            "the shard, gradient and optimizer lines)"
+        )
     if gradient_mode == "full":
         plan.gradient_buffers, plan.kept_boundaries, plan.page_grad_workspace = full_gradient_bytes(
             config, prompt_tokens, cp_size, page_size, dtype_bytes, capture_chunk_size
@@ -618,6 +705,11 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  gradients         {g(plan.gradients)}",
         f"  optimizer         {g(plan.optimizer)}",
     ]
+    if plan.fsdp_gathered:
+        lines += [
+            f"  FSDP2 gathered    {g(plan.fsdp_gathered)}  (root + two decoder layers, unsharded)",
+            f"  unsharded grads   {g(plan.fsdp_unsharded_gradients)}  (accumulated under no_sync until the step's last backward)",
+        ]
     for kind, n in plan.state_by_kind.items():
         lines.append(f"  state[{kind}]{' ' * (11 - len(kind))}{g(n)}")
     if plan.host_state:

@@ -60,8 +60,8 @@ Refused at construction (each with a message saying what to change): `use_vllm`,
 (beam search, `typical_p`, `stop_strings`, ...; `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
 `sequence_bias`, `min_length`, `min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured),
 `top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss on a model whose HF forward computes
-none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP,
-LOMO optimizers, datasets without a `prompt` column and models `patch_model` does not support.
+none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP1,
+Accelerate's own context/tensor parallelism (FSDP2 is supported: docs/fsdp.md), LOMO optimizers, datasets without a `prompt` column and models `patch_model` does not support.
 
 The MoE router load-balancing loss (`router_aux_loss_coef`, TRL's default being the model config's coefficient) is
 exact: see `longstraw_trl/router_aux.py`.
@@ -401,6 +401,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             environment_factory=environment_factory,
         )
 
+        args.check_launch(self.accelerator.state)
         _check_model(self.model)
         if self.ref_model is not None:
             _check_model(self.ref_model)

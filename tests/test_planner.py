@@ -371,3 +371,49 @@ def test_plan_reproduces_the_whole_model_full_gradient_peak():
             plan.peak / GiB,
             run["peak_gib"],
         )
+
+
+@pytest.mark.parametrize("lora_rank", [None, 4], ids=["full_finetune", "lora"])
+def test_fsdp_per_rank_bytes_equal_fully_shard_storage(lora_rank):
+    """`plan_memory(fsdp_size=N)`'s per-rank weights, gradients and optimizer states against what torch's
+    `fully_shard` stores on a rank of N (a single-process "fake" group of 3: dim 0 of 32 or 64 does not divide, so the
+    padding counts), as Accelerate wraps the model (one group per decoder layer, the root)."""
+    import torch.distributed as dist
+    from _trl_helpers import tiny_qwen3_config
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import Qwen3ForCausalLM
+
+    from longstraw_trl.planner import fsdp_groups, fsdp_shard_elements
+
+    n = 3
+    config = tiny_qwen3_config()
+    model = Qwen3ForCausalLM(config)
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets))
+    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (n,))
+        for layer in model.get_decoder().layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        stored = {True: 0, False: 0}  # padded sharded storage of the trainable / frozen parameters
+        for module in model.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
+            for p in group.fsdp_params if group is not None else []:
+                stored[p.sharded_param.requires_grad] += p._sharded_param_data.numel()
+    finally:
+        dist.destroy_process_group()
+    every = [entry for entries in fsdp_groups(config, lora_rank).values() for entry in entries]
+    assert fsdp_shard_elements([s for s, _ in every], n) == stored[True] + stored[False]
+    assert fsdp_shard_elements([s for s, trainable in every if trainable], n) == stored[True] > 0
+    plan = plan_memory(config, 256, num_generations=2, response_tokens=16, lora_rank=lora_rank, fsdp_size=n)
+    single = plan_memory(config, 256, num_generations=2, response_tokens=16, lora_rank=lora_rank)
+    assert plan.weights == 2 * (stored[True] + stored[False])  # bf16
+    assert plan.gradients == 2 * stored[True] and plan.optimizer == 4 * stored[True]
+    assert plan.fsdp_unsharded_gradients == single.gradients
+    assert plan.weights < single.weights

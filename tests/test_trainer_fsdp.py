@@ -1,0 +1,148 @@
+"""One LongStrawGRPOTrainer step with the policy sharded by FSDP2 over 2 CPU processes equals the single-process step.
+
+Launched with ``accelerate launch --config_file examples/accelerate/fsdp2.yaml --num_processes 2 --mixed_precision
+no`` (the shipped 8-GPU config, on 2 processes, fp32). Accelerate applies its FSDP plugin only on accelerator devices;
+``tests/_fsdp_shim.py`` lets it take that branch on CPU, where torch's ``fully_shard`` runs over gloo (all-gather and
+reduce-scatter of the flat shards both run there).
+
+- FSDP2 x CP2 (one mesh: the 2 ranks shard the weights and form one context-parallel group): both ranks hold the same
+  responses and different prompt pages, and FSDP2's reduce-scatter averages their identical gradients: equal to the
+  single-process step (a sum would double them).
+- FSDP2 data parallel (``cp_size=1``): each rank samples from its own random stream (``_cp_step.DesyncRandomness``;
+  TRL's ``seed + rank`` is not relied on: with LoRA under FSDP2 both ranks were seen sampling rank 0's stream); the
+  reference is the mean of two single-process steps sampling with rank 0's and rank 1's streams (``loss_type="grpo"``: a mean per rank, so the
+  average over ranks is the mean of the two steps).
+
+The single-process references run in the test's own process (``_cp_step.main``); the FSDP2 steps are launched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _cp_step import main as run_step
+
+from longstraw_trl import LongStrawError, LongStrawGRPOConfig
+
+STEP = Path(__file__).parent / "_cp_step.py"
+FSDP2_CONFIG = Path(__file__).parent.parent / "examples" / "accelerate" / "fsdp2.yaml"
+
+
+def _single(out: Path, *extra: str) -> dict:
+    run_step(["--out", str(out), *extra])
+    return json.loads(out.read_text())
+
+
+def _fsdp2(out: Path, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG)]
+    cmd += ["--num_processes", "2", "--mixed_precision", "no", str(STEP), "--out", str(out), *extra]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _relative(got: list[float], ref: torch.Tensor) -> float:
+    return float((torch.tensor(got) - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def assert_step_matches(
+    sharded: dict, grads: dict[str, torch.Tensor], params: dict[str, torch.Tensor] | None, what: str
+):
+    """The FSDP2 step's gathered gradients (before the optimizer step) and parameters (after it, when ``params``)
+    against the reference's: relative L2 of every tensor <= 1e-5. The gradients are the real check: Adam's first step
+    is about ``lr * sign(grad)``, blind to a gradient counted twice."""
+    assert set(sharded["grads"]) == set(grads) and grads
+    assert any(g.abs().max() > 0 for g in grads.values())
+    worst_grad = max(_relative(sharded["grads"][n], g) for n, g in grads.items())
+    print(f"{what}: worst grad rel L2 {worst_grad:.2e}")
+    assert worst_grad <= 1e-5
+    if params is not None:
+        assert set(sharded["params"]) == set(params)
+        worst_param = max(_relative(sharded["params"][n], p) for n, p in params.items())
+        print(f"{what}: worst updated parameter rel L2 {worst_param:.2e}")
+        assert worst_param <= 1e-5
+
+
+def _check_cp2(tmp_path: Path, *extra: str) -> None:
+    single = _single(tmp_path / "single.json", *extra)
+    sharded = _fsdp2(tmp_path / "fsdp.json", "--cp-size", "2", *extra)
+    assert len(single["loss"]) == len(sharded["loss"]) == 1
+    assert abs(single["loss"][0] - sharded["loss"][0]) <= 1e-5
+    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
+    params = {n: torch.tensor(p) for n, p in single["params"].items()}
+    assert_step_matches(sharded, grads, params, f"FSDP2 x CP2 {' '.join(extra)}")
+
+
+def test_fsdp2_cp2_full_gradient_step_equals_single_process(tmp_path):
+    """Full fine-tuning, gradient_mode='full': the prompt backward's chunks reach FSDP2's per-layer gather too."""
+    _check_cp2(tmp_path, "--gradient-mode", "full")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["response_only", "full"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full_finetune", "lora"])
+def test_fsdp2_cp2_step_equals_single_process(tmp_path, mode, lora):
+    if mode == "full" and not lora:
+        pytest.skip("the default-suite test above")
+    _check_cp2(tmp_path, "--gradient-mode", mode, *(["--lora"] if lora else []))
+
+
+@pytest.mark.slow
+def test_fsdp2_cp2_lora_step_with_the_reference_model_equals_single_process(tmp_path):
+    """beta > 0 with LoRA: the reference log-probs come from the same sharded model with its adapters switched off."""
+    _check_cp2(tmp_path, "--lora", "--beta", "0.04")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["response_only", "full"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full_finetune", "lora"])
+def test_fsdp2_data_parallel_step_equals_the_mean_of_two_single_process_steps(tmp_path, mode, lora):
+    extra = ["--loss-type", "grpo", "--gradient-mode", mode, *(["--lora"] if lora else [])]
+    ranks = [_single(tmp_path / f"rank{r}.json", "--as-rank", str(r), *extra) for r in range(2)]
+    sharded = _fsdp2(tmp_path / "fsdp.json", *extra)
+    grads = {
+        n: (torch.tensor(g) + torch.tensor(ranks[1]["grads"][n])) / 2 for n, g in ranks[0]["grads"].items()
+    }
+    # no reference for the parameters: the step from the mean gradient is neither single step (Adam normalises)
+    assert_step_matches(sharded, grads, None, f"FSDP2 data parallel {' '.join(extra)}")
+
+
+def test_fsdp_version_1_deepspeed_and_accelerate_cp_are_refused(tmp_path):
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=8)
+    config = LongStrawGRPOConfig(**common)
+    config.fsdp, config.fsdp_config = "full_shard", {"version": 1}  # as TrainingArguments parses them
+    with pytest.raises(LongStrawError, match="FSDP version 1"):
+        config.check_supported()
+    config = LongStrawGRPOConfig(**common)
+    config.deepspeed = {"zero_optimization": {"stage": 2}}
+    with pytest.raises(LongStrawError, match="FSDP2 instead"):
+        config.check_supported()
+    # the launch: Accelerate's FSDP1 plugin, its own context parallelism
+    fsdp1 = SimpleNamespace(
+        distributed_type="FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=1), parallelism_config=None
+    )
+    with pytest.raises(LongStrawError, match="set `fsdp_version: 2`"):
+        config.check_launch(fsdp1)
+    accelerate_cp = SimpleNamespace(
+        distributed_type="FSDP", fsdp_plugin=None, parallelism_config=SimpleNamespace(cp_size=2, tp_size=1)
+    )
+    with pytest.raises(LongStrawError, match="use LongStrawGRPOConfig.cp_size"):
+        config.check_launch(accelerate_cp)
+    fsdp2 = SimpleNamespace(
+        distributed_type="FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=2), parallelism_config=None
+    )
+    config.check_launch(fsdp2)
