@@ -387,10 +387,16 @@ def _length_reward(completion_ids, **kwargs):
     return [float(len(c)) for c in completion_ids]
 
 
-def _train_both(peft_config=None, **overrides):
-    """Stock GRPOTrainer and ours, from one tiny model, trained with the same scripted draws under TRL's defaults
-    for HF gradient checkpointing (on) with plain SGD (an update is the gradient times the learning rate, so the
-    weights compare the gradients). Returns both final state dicts and both trainers."""
+SCRIPTED_PROMPT = "the cat sat on the mat and the dog ran far away from it all"
+
+
+def scripted_trainer(
+    stock: bool, peft_config=None, prompts=(SCRIPTED_PROMPT,) * 4, capture_chunk_size: int = 4, **overrides
+):
+    """Stock GRPOTrainer (``stock``) or ours in full mode on the tiny model, with every group's draws scripted
+    (``SCRIPTED``), under TRL's defaults for HF gradient checkpointing (on) with plain SGD (an update is the gradient
+    times the learning rate, so the weights compare the gradients). ``overrides`` replace the shared settings (fp32,
+    4 rows a device, 2 steps of 2 iterations, beta 0.04); ``capture_chunk_size``: ours only. Not trained yet."""
     from _trl_helpers import tiny_model_dir
     from datasets import Dataset
     from transformers import Qwen3ForCausalLM
@@ -399,7 +405,7 @@ def _train_both(peft_config=None, **overrides):
     from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
     from longstraw_trl.toy_tokenizer import build_toy_tokenizer
 
-    common = dict(
+    settings = dict(
         report_to="none",
         use_cpu=True,
         bf16=False,  # the reference in fp32 (CPU autocast would make it a bf16 one)
@@ -416,44 +422,50 @@ def _train_both(peft_config=None, **overrides):
         logging_steps=1,
         disable_tqdm=True,
         seed=7,
-        **overrides,
     )
-    dataset = Dataset.from_dict(
-        {"prompt": ["the cat sat on the mat and the dog ran far away from it all"] * 4}
+    settings.update(overrides)
+    if stock:
+        cls, config_cls = GRPOTrainer, GRPOConfig
+    else:
+        cls, config_cls = LongStrawGRPOTrainer, LongStrawGRPOConfig
+        settings = {
+            "gradient_mode": "full",
+            "capture_chunk_size": capture_chunk_size,
+            "page_size": 3,
+            **settings,
+        }
+    out = tempfile.mkdtemp(prefix="longstraw_train_both_")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    args = config_cls(output_dir=out, **settings)
+    assert args.gradient_checkpointing  # TRL's default
+    torch.manual_seed(11)  # the same LoRA initialisation on both sides
+    trainer = cls(
+        model=Qwen3ForCausalLM.from_pretrained(tiny_model_dir()),
+        reward_funcs=_length_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
+        processing_class=build_toy_tokenizer(TINY_VOCAB),
+        peft_config=peft_config,
     )
-    trainers = []
-    for cls, config_cls, extra in (
-        (GRPOTrainer, GRPOConfig, {}),
-        (
-            LongStrawGRPOTrainer,
-            LongStrawGRPOConfig,
-            dict(gradient_mode="full", capture_chunk_size=4, page_size=3),
-        ),
-    ):
-        out = tempfile.mkdtemp(prefix="longstraw_train_both_")
-        atexit.register(shutil.rmtree, out, ignore_errors=True)
-        args = config_cls(output_dir=out, **common, **extra)
-        assert args.gradient_checkpointing  # TRL's default
-        torch.manual_seed(11)  # the same LoRA initialisation on both sides
-        trainer = cls(
-            model=Qwen3ForCausalLM.from_pretrained(tiny_model_dir()),
-            reward_funcs=_length_reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=build_toy_tokenizer(TINY_VOCAB),
-            peft_config=peft_config,
-        )
-        trainers.append(trainer)
+    if stock:
+
+        def generate(input_ids, attention_mask=None, **kwargs):
+            return torch.cat([input_ids, _scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
+
+        trainer.model.generate = generate
+    else:
+        trainer.rollout.sample_group = lambda state, g, *a, **k: _scripted_rows(g)
+    return trainer
+
+
+def _train_both(peft_config=None, **overrides):
+    """Stock GRPOTrainer and ours (:func:`scripted_trainer`), both trained. Returns the starting weights, stock's
+    final weights and our trainer."""
+    trainers = [scripted_trainer(stock, peft_config, **overrides) for stock in (True, False)]
     stock, ours = trainers
-
-    def generate(input_ids, attention_mask=None, **kwargs):
-        return torch.cat([input_ids, _scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
-
     start = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in trainers]
     for n, p in start[0].items():  # both sides start from the same weights, LoRA factors included
         assert torch.equal(p, start[1][n]), n
-    stock.model.generate = generate
-    ours.rollout.sample_group = lambda state, g, *a, **k: _scripted_rows(g)
     for trainer in trainers:
         trainer.train()
     return start[0], {n: p.detach().clone() for n, p in stock.model.named_parameters()}, ours
