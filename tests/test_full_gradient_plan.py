@@ -4,6 +4,7 @@ states kept at every capture-chunk boundary, and, with ``offload="cpu"``, which 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _models import build_hybrid
 from _reference import VOCAB
@@ -18,7 +19,8 @@ PROMPT, CHUNK, PAGE = 29, 8, 6
 
 
 def _measured(model, offload):
-    """``(dK/dV buffer bytes, kept boundary bytes, kept tensors)`` of one capture and one replay's backward."""
+    """``(dK/dV buffer bytes, kept boundary bytes, kept tensors, state, grads)`` of one capture and one replay's
+    backward."""
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, VOCAB, (PROMPT,), generator=gen)
     state = capture_prompt(
@@ -30,14 +32,14 @@ def _measured(model, offload):
     kv_layers = [i for i, layer in state.layers.items() if layer.kind == "kv"]
     buffers = sum(grads.kv(i).nbytes() for i in kv_layers)
     kept = [t for layers in state.boundaries.values() for s in layers.values() for t in s.grad_tensors()]
-    return buffers, sum(t.numel() * t.element_size() for t in kept), kept, state
+    return buffers, sum(t.numel() * t.element_size() for t in kept), kept, state, grads
 
 
 def test_full_gradient_plan_counts_the_buffers_and_kept_states_where_they_live():
     model = build_hybrid("qwen3_5")
     config = model.config
     for offload in (None, "cpu"):
-        buffers, kept_bytes, kept, state = _measured(model, offload)
+        buffers, kept_bytes, kept, state, _ = _measured(model, offload)
         host = storage_device(state.device, offload)
         assert all(t.device == host for t in kept)  # the kept states follow the offload setting
         planned = full_gradient_bytes(config, PROMPT, 1, PAGE, 4, CHUNK, offload)
@@ -67,3 +69,27 @@ def test_full_gradient_plan_counts_the_buffers_and_kept_states_where_they_live()
         resident.prompt_backward_peak - off.prompt_backward_peak
         == off.host_state - off.offload_workspace + moved
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_kept_states_wait_in_host_memory_on_cuda():
+    """On a GPU with ``offload="cpu"`` the kept GDN boundary states are pinned host tensors, and the prompt backward
+    (which brings each back to the device) gives the gradient of a resident capture."""
+    from _reference import param_grads
+
+    from longstraw_trl.engine import prompt_backward
+
+    model = build_hybrid("qwen3_5").cuda()
+    got = {}
+    for offload in (None, "cpu"):
+        model.zero_grad()
+        _, _, kept, state, grads = _measured(model, offload)
+        if offload:
+            assert all(t.device.type == "cpu" and t.is_pinned() for t in kept)
+        else:
+            assert all(t.is_cuda for t in kept)
+        prompt_backward(state, model, grads)
+        got[offload] = param_grads(model)
+    for name, g in got[None].items():
+        torch.testing.assert_close(got["cpu"][name], g, atol=1e-5, rtol=1e-4)
