@@ -73,7 +73,13 @@ class MemoryPlan:
     #: FSDP2: the unsharded gradients the replays accumulate under ``no_sync`` (no reduce-scatter per response) until
     #: the optimizer step's last backward reduce-scatters them into the sharded :attr:`gradients`
     fsdp_unsharded_gradients: int = 0
-    #: host memory this rank may pin for :attr:`host_state` (its share of the host's)
+    #: ``gradient_mode="full"`` with ``offload="cpu"``: the part of :attr:`gradient_buffers` in host memory (the
+    #: offloaded pages' dK/dV buffers live beside the pages)
+    host_gradient_buffers: int = 0
+    #: ``gradient_mode="full"`` with ``offload="cpu"``: the part of :attr:`kept_boundaries` in host memory (all of
+    #: it: the kept states wait there until their segment is recomputed)
+    host_kept_boundaries: int = 0
+    #: host memory this rank may pin for :attr:`host_bytes` (its share of the host's)
     host_memory: int = int(DEFAULT_HOST_MEMORY_GIB / DEFAULT_RANKS_PER_HOST * GiB)
     notes: list[str] = field(default_factory=list)
 
@@ -86,6 +92,23 @@ class MemoryPlan:
     def device_state(self) -> int:
         """The prompt state the device holds: all of it, less what ``offload="cpu"`` keeps on the host."""
         return self.state - self.host_state
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory of this rank: the offloaded state and, in full mode, its gradient buffers and the kept
+        boundary states."""
+        return self.host_state + self.host_gradient_buffers + self.host_kept_boundaries
+
+    @property
+    def device_full_gradient(self) -> int:
+        """The full gradient's buffers and kept boundary states that the device holds (all of them without
+        offload)."""
+        return (
+            self.gradient_buffers
+            - self.host_gradient_buffers
+            + self.kept_boundaries
+            - self.host_kept_boundaries
+        )
 
     @property
     def capture_peak(self) -> int:
@@ -113,8 +136,7 @@ class MemoryPlan:
             + self.offload_workspace
             + self.response_graph
             + self.logits
-            + self.gradient_buffers
-            + self.kept_boundaries
+            + self.device_full_gradient
             + self.page_grad_workspace
         )
 
@@ -131,8 +153,7 @@ class MemoryPlan:
             + self.optimizer
             + self.device_state
             + self.offload_workspace
-            + self.gradient_buffers
-            + self.kept_boundaries
+            + self.device_full_gradient
             + self.prompt_backward_graph
         )
 
@@ -146,8 +167,9 @@ class MemoryPlan:
 
     @property
     def fits_host(self) -> bool:
-        """The offloaded state fits the host memory this rank may pin (always, without offload)."""
-        return self.host_state <= self.host_memory
+        """The offloaded state (and its full-gradient buffers) fit the host memory this rank may pin (always,
+        without offload)."""
+        return self.host_bytes <= self.host_memory
 
     @property
     def fits(self) -> bool:
@@ -317,16 +339,19 @@ def full_gradient_bytes(
     page_size: int = 16384,
     dtype_bytes: int = 2,
     chunk_size: int = 8192,
-) -> tuple[int, int, int]:
-    """``(gradient buffers, kept boundary states, page-gradient workspace)`` per rank for ``gradient_mode="full"``:
-    a ``"buffer"`` kind (K/V pages) accumulates fp32 dK/dV of its own size, and one layer's dK/dV are computed in
-    fp32 at a time; a ``"leaf"`` kind (GDN) keeps a gradient of its size and a copy at every capture-chunk boundary.
-    Raises :class:`~longstraw_trl.errors.UnsupportedModelError` for a layer kind without a full gradient."""
+    offload: str | None = None,
+) -> tuple[int, int, int, int, int]:
+    """``(gradient buffers, kept boundary states, page-gradient workspace, host gradient buffers, host kept
+    boundary states)`` per rank for ``gradient_mode="full"``: a ``"buffer"`` kind (K/V pages) accumulates fp32
+    dK/dV of its own size (beside its pages: in host memory when ``offload="cpu"`` offloads the kind), and one
+    layer's dK/dV are computed in fp32 on the device at a time; a ``"leaf"`` kind (GDN) keeps a gradient of its
+    size on the device and a copy of the state at every capture-chunk boundary (in host memory with
+    ``offload="cpu"``). The first two include the host parts. Raises :class:`~longstraw_trl.errors.UnsupportedModelError` for a layer kind without a full gradient."""
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     boundaries = max(-(-resident // chunk_size) - 1, 0)
     patch = patch_for_model_type(config.model_type)
-    buffers = kept = workspace = 0
+    buffers = kept = workspace = host_buffers = 0
     for i in range(len(_layer_types(config))):
         cls = patch.layer_state_type(config, i)
         n = cls.planned_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
@@ -334,6 +359,8 @@ def full_gradient_bytes(
             fp32 = cls.planned_grad_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
             buffers += fp32
             workspace = max(workspace, fp32)
+            if offload == "cpu" and cls.offloadable:
+                host_buffers += fp32
         elif cls.grad_kind == "leaf":
             buffers += n
             kept += boundaries * n
@@ -341,7 +368,7 @@ def full_gradient_bytes(
             raise UnsupportedModelError(
                 f"gradient_mode='full' has no full gradient for the {cls.__name__} of layer {i} ({config.model_type})"
             )
-    return buffers, kept, workspace
+    return buffers, kept, workspace, host_buffers, kept if offload == "cpu" else 0
 
 
 def shared_prefix_boundary_bytes(
@@ -492,8 +519,14 @@ def plan_memory(
             "the shard, gradient and optimizer lines)"
         )
     if gradient_mode == "full":
-        plan.gradient_buffers, plan.kept_boundaries, plan.page_grad_workspace = full_gradient_bytes(
-            config, prompt_tokens, cp_size, page_size, dtype_bytes, capture_chunk_size
+        (
+            plan.gradient_buffers,
+            plan.kept_boundaries,
+            plan.page_grad_workspace,
+            plan.host_gradient_buffers,
+            plan.host_kept_boundaries,
+        ) = full_gradient_bytes(
+            config, prompt_tokens, cp_size, page_size, dtype_bytes, capture_chunk_size, offload
         )
         segment = min(capture_chunk_size, max(prompt_tokens - 1, 1))
         if checkpoint_layers:
@@ -662,7 +695,7 @@ def suggest_changes(
             if combo:
                 plan = plan_memory(config, prompt_tokens, page_size=page_size, **kwargs)
                 if plan.fits:
-                    out.append(Suggestion(args, options, prompt_tokens, plan.peak, plan.host_state))
+                    out.append(Suggestion(args, options, prompt_tokens, plan.peak, plan.host_bytes))
                     fits_alone.append(chosen)
                     continue
             parts = [v for s, v in best.items() if s < chosen]
@@ -670,12 +703,12 @@ def suggest_changes(
             if cp and all(c is None or cp < c for c, _ in parts):
                 with_cp = {**options, "cp_size": cp}
                 out.append(
-                    Suggestion(args + ["--cp", str(cp)], with_cp, prompt_tokens, at_cp.peak, at_cp.host_state)
+                    Suggestion(args + ["--cp", str(cp)], with_cp, prompt_tokens, at_cp.peak, at_cp.host_bytes)
                 )
             p = largest_prompt(config, page_size=page_size, **kwargs) if vary_prompt else 0
             if p and all(p > q for _, q in parts):
                 plan = plan_memory(config, p, page_size=page_size, **kwargs)
-                out.append(Suggestion(args + ["--prompt", str(p)], options, p, plan.peak, plan.host_state))
+                out.append(Suggestion(args + ["--prompt", str(p)], options, p, plan.peak, plan.host_bytes))
             best[chosen] = (cp, p)
     return out
 
@@ -724,8 +757,12 @@ def format_plan(plan: MemoryPlan) -> str:
     ]
     if plan.gradient_buffers or plan.kept_boundaries:
         lines += [
-            f"  full-grad buffers {g(plan.gradient_buffers)}",
-            f"  kept boundaries   {g(plan.kept_boundaries)}",
+            f"  full-grad buffers {g(plan.gradient_buffers)}"
+            + (
+                f"  (of it on the host {g(plan.host_gradient_buffers)})" if plan.host_gradient_buffers else ""
+            ),
+            f"  kept boundaries   {g(plan.kept_boundaries)}"
+            + (f"  (of it on the host {g(plan.host_kept_boundaries)})" if plan.host_kept_boundaries else ""),
             f"  page dK/dV temp   {g(plan.page_grad_workspace)}",
             f"  prompt bwd graph  {g(plan.prompt_backward_graph)}",
         ]
@@ -735,7 +772,7 @@ def format_plan(plan: MemoryPlan) -> str:
         *([f"prompt bwd peak     {g(plan.prompt_backward_peak)}"] if plan.prompt_backward_graph else []),
         f"GPU memory          {g(plan.gpu_bytes)}  ->  {'FITS' if plan.fits_gpu else 'DOES NOT FIT'}",
     ]
-    if plan.host_state:
+    if plan.host_bytes:
         lines.append(
             f"host memory         {g(plan.host_memory)}  ->  {'FITS' if plan.fits_host else 'DOES NOT FIT'}"
             "  (pinned, this rank's share)"

@@ -29,6 +29,21 @@ from .errors import LongStrawError
 from .kernels.host_gather import gather_rows_kernel, gather_rows_kernel_ok, gather_rows_reference
 
 
+def _kept_on(kept: LayerState | None, device: torch.device) -> LayerState | None:
+    """A kept boundary state (a ``"leaf"`` kind's snapshot) with its tensors on ``device`` (pinned when copied to
+    the host from a GPU); itself when they are there already."""
+    if kept is None or all(t is None or t.device == device for t in kept.grad_tensors()):
+        return kept
+    moved = []
+    for t in kept.grad_tensors():
+        if t is not None and device.type == "cpu" and t.device.type == "cuda":
+            t = pinned_empty(tuple(t.shape), t.dtype).copy_(t)
+        elif t is not None:
+            t = t.to(device, non_blocking=True)
+        moved.append(t)
+    return kept.with_tensors(moved)
+
+
 def storage_device(device: torch.device, offload: str | None) -> torch.device:
     if offload is None:
         return device
@@ -769,7 +784,9 @@ class PromptState:
                 f"the prompt state kept no layer states at token {tokens} (boundaries: "
                 f"{sorted(self.boundaries or {})}): capture with keep_boundaries=True"
             )
-        layers = {i: layer.prefix(tokens, kept.get(i)) for i, layer in self.layers.items()}
+        layers = {
+            i: layer.prefix(tokens, _kept_on(kept.get(i), self.device)) for i, layer in self.layers.items()
+        }
         view = PromptState(layers, self.device, self.offload, self.cp_group, self.page_size, self.chunk_size)
         view.num_tokens = tokens + 1
         return view
@@ -806,11 +823,16 @@ class PromptState:
         return view
 
     def keep_boundary(self, tokens: int) -> None:
-        """Keep the fixed-size layers' states after ``tokens`` resident tokens (a segment boundary)."""
+        """Keep the fixed-size layers' states after ``tokens`` resident tokens (a segment boundary); with
+        ``offload="cpu"`` they wait in host memory (one per capture chunk: 144 MiB each for Qwen3.6-27B) and
+        :meth:`at` brings a boundary's back when its segment is recomputed."""
         if self.boundaries is None:
             self.boundaries = {}
+        host = storage_device(self.device, self.offload)
         self.boundaries[tokens] = {
-            i: kept for i, layer in self.layers.items() if (kept := layer.boundary()) is not None
+            i: _kept_on(kept, host)
+            for i, layer in self.layers.items()
+            if (kept := layer.boundary()) is not None
         }
 
     # --- bookkeeping ------------------------------------------------------------------------------

@@ -373,18 +373,26 @@ def _length_reward(completion_ids, **kwargs):
     return [float(len(c)) for c in completion_ids]
 
 
-def train_stock_and_full(make_model=None, peft_config=None, full_overrides=None, **overrides):
-    """Stock GRPOTrainer and ours (``gradient_mode="full"``), each on a model from ``make_model()`` (default: the tiny
-    Qwen3), trained with the same scripted draws under TRL's defaults for HF gradient checkpointing (on) with plain
-    SGD (an update is the gradient times the learning rate, so the weights compare the gradients). ``overrides`` go to
-    both configs, ``full_overrides`` to ours only. Returns (start weights, stock's final weights, our trainer)."""
+def scripted_trainer(
+    stock: bool,
+    peft_config=None,
+    prompts=(TRAIN_PROMPT,) * 4,
+    make_model=None,
+    full_overrides: dict | None = None,
+    **overrides: Any,
+):
+    """Stock GRPOTrainer (``stock``) or ours in ``gradient_mode="full"`` on a model from ``make_model()`` (default: the
+    tiny Qwen3), with every group's draws scripted (:data:`SCRIPTED`), under TRL's defaults for HF gradient
+    checkpointing (on) with plain SGD (an update is the gradient times the learning rate, so the weights compare the
+    gradients). ``overrides`` replace the shared settings (fp32, 4 rows a device, 2 steps of 2 iterations, beta 0.04);
+    ``full_overrides`` go to ours only. Not trained yet."""
     from trl import GRPOConfig, GRPOTrainer
 
     from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
 
     if make_model is None:
         make_model = lambda: Qwen3ForCausalLM.from_pretrained(tiny_model_dir())  # noqa: E731
-    common = dict(
+    settings = dict(
         report_to="none",
         use_cpu=True,
         bf16=False,  # the reference in fp32 (CPU autocast would make it a bf16 one)
@@ -402,39 +410,50 @@ def train_stock_and_full(make_model=None, peft_config=None, full_overrides=None,
         disable_tqdm=True,
         seed=7,
     )
-    common.update(overrides)
-    dataset = Dataset.from_dict({"prompt": [TRAIN_PROMPT] * 4})
-    full = dict(gradient_mode="full", capture_chunk_size=4, page_size=3, **(full_overrides or {}))
-    trainers = []
-    for cls, config_cls, extra in (
-        (GRPOTrainer, GRPOConfig, {}),
-        (LongStrawGRPOTrainer, LongStrawGRPOConfig, full),
-    ):
-        out = tempfile.mkdtemp(prefix="longstraw_train_both_")
-        atexit.register(shutil.rmtree, out, ignore_errors=True)
-        args = config_cls(output_dir=out, **common, **extra)
-        assert args.gradient_checkpointing  # TRL's default
-        model = make_model()
-        torch.manual_seed(11)  # the same LoRA initialisation on both sides
-        trainer = cls(
-            model=model,
-            reward_funcs=_length_reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=build_toy_tokenizer(TINY_VOCAB),
-            peft_config=peft_config,
+    settings.update(overrides)
+    if stock:
+        cls, config_cls = GRPOTrainer, GRPOConfig
+    else:
+        cls, config_cls = LongStrawGRPOTrainer, LongStrawGRPOConfig
+        settings = {"gradient_mode": "full", "capture_chunk_size": 4, "page_size": 3, **settings}
+        settings.update(full_overrides or {})
+    out = tempfile.mkdtemp(prefix="longstraw_train_both_")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    args = config_cls(output_dir=out, **settings)
+    assert args.gradient_checkpointing  # TRL's default
+    model = make_model()
+    torch.manual_seed(11)  # the same LoRA initialisation on both sides
+    trainer = cls(
+        model=model,
+        reward_funcs=_length_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
+        processing_class=build_toy_tokenizer(TINY_VOCAB),
+        peft_config=peft_config,
+    )
+    if stock:
+
+        def generate(input_ids, attention_mask=None, **kwargs):
+            return torch.cat([input_ids, scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
+
+        trainer.model.generate = generate
+    else:
+        trainer.rollout.sample_group = lambda state, g, *a, **k: scripted_rows(g)
+    return trainer
+
+
+def train_stock_and_full(make_model=None, peft_config=None, full_overrides=None, **overrides):
+    """:func:`scripted_trainer` both ways, trained. Returns (start weights, stock's final weights, our trainer)."""
+    trainers = [
+        scripted_trainer(
+            stock, peft_config, make_model=make_model, full_overrides=full_overrides, **overrides
         )
-        trainers.append(trainer)
+        for stock in (True, False)
+    ]
     stock, ours = trainers
-
-    def generate(input_ids, attention_mask=None, **kwargs):
-        return torch.cat([input_ids, scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
-
     start = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in trainers]
     for n, p in start[0].items():  # both sides start from the same weights, LoRA factors included
         assert torch.equal(p, start[1][n]), n
-    stock.model.generate = generate
-    ours.rollout.sample_group = lambda state, g, *a, **k: scripted_rows(g)
     for trainer in trainers:
         trainer.train()
     return start[0], {n: p.detach().clone() for n, p in stock.model.named_parameters()}, ours

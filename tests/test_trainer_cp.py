@@ -67,11 +67,13 @@ def test_cp2_bf16_step_with_a_rank_without_pages(tmp_path):
     assert worst <= 5e-2
 
 
-def test_cp2_full_gradient_with_reverse_block_replay_equals_single_process(tmp_path):
-    """gradient_mode='full' with reverse block replay: each rank's prompt backward accumulates dK/dV of its own pages,
-    every chunk's dK/dV are all-reduced before its (replicated) recompute. Same gradients as one process (which
-    tests/test_full_gradient.py checks against stock GRPOTrainer), bit-identical on both ranks."""
-    extra = ["--gradient-mode", "full", "--replay-block-size", "3"]
+@pytest.mark.parametrize("block", [3, pytest.param(None, marks=pytest.mark.slow)])
+def test_cp2_full_gradient_equals_single_process(tmp_path, block):
+    """gradient_mode='full', with reverse block replay (``block``) or whole replays (the responses of a group together;
+    slow: the same prompt backward): each rank's replays accumulate dK/dV of its own pages, every chunk's dK/dV are
+    all-reduced before its (replicated) recompute. Same gradients as one process (which tests/test_full_gradient.py
+    checks against stock GRPOTrainer), bit-identical on both ranks."""
+    extra = ["--gradient-mode", "full"] + ([] if block is None else ["--replay-block-size", str(block)])
     single = _launch(tmp_path / "single.json", cp_size=1, extra=extra)
     cp = _launch(tmp_path / "cp.json", cp_size=2, extra=extra)
     other = json.loads((tmp_path / "cp.json.rank1").read_text())

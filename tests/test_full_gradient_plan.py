@@ -1,0 +1,95 @@
+"""The planner's full-gradient memory (``longstraw plan --gradient-mode full [--offload cpu]``) against the tensors a
+capture and a replay really hold (tiny Qwen3.5 hybrid, fp32 on CPU): the dK/dV buffers beside the K/V pages, the GDN
+states kept at every capture-chunk boundary, and, with ``offload="cpu"``, which of them the host holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import build_hybrid
+from _reference import VOCAB
+
+from longstraw_trl import capture_prompt
+from longstraw_trl.engine import StateGrads
+from longstraw_trl.planner import full_gradient_bytes, plan_memory
+from longstraw_trl.presets import preset_config
+from longstraw_trl.state import storage_device
+
+PROMPT, CHUNK, PAGE = 29, 8, 6
+
+
+def _measured(model, offload):
+    """``(dK/dV buffer bytes, kept boundary bytes, kept tensors, state, grads)`` of one capture and one replay's
+    backward."""
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (PROMPT,), generator=gen)
+    state = capture_prompt(
+        model, prompt, chunk_size=CHUNK, page_size=PAGE, keep_boundaries=True, offload=offload
+    )
+    grads = StateGrads(state)
+    completion = torch.randint(0, VOCAB, (1, 5), generator=gen)
+    state.logprobs(model, completion, grad=True, grads=grads)[0].sum().backward()
+    kv_layers = [i for i, layer in state.layers.items() if layer.kind == "kv"]
+    buffers = sum(grads.kv(i).nbytes() for i in kv_layers)
+    kept = [t for layers in state.boundaries.values() for s in layers.values() for t in s.grad_tensors()]
+    return buffers, sum(t.numel() * t.element_size() for t in kept), kept, state, grads
+
+
+def test_full_gradient_plan_counts_the_buffers_and_kept_states_where_they_live():
+    model = build_hybrid("qwen3_5")
+    config = model.config
+    for offload in (None, "cpu"):
+        buffers, kept_bytes, kept, state, _ = _measured(model, offload)
+        host = storage_device(state.device, offload)
+        assert all(t.device == host for t in kept)  # the kept states follow the offload setting
+        planned = full_gradient_bytes(config, PROMPT, 1, PAGE, 4, CHUNK, offload)
+        total_buffers, total_kept, _, host_buffers, host_kept = planned
+        gdn_bytes = state.nbytes_by_kind()["gdn"]  # one leaf gradient per GDN layer, on the device
+        assert total_buffers == buffers + gdn_bytes
+        assert total_kept == kept_bytes > 0
+        assert (host_buffers, host_kept) == ((buffers, kept_bytes) if offload else (0, 0))
+
+    # the plan: what the host holds leaves the device peaks and counts against the host's memory
+    kwargs = dict(
+        prompt_tokens=1 << 20,
+        lora_rank=64,
+        gradient_mode="full",
+        capture_chunk_size=16384,
+        page_size=16384,
+        dtype_bytes=2,
+    )
+    qwen = preset_config("qwen3.6-27b", 8)
+    resident, off = (plan_memory(qwen, **kwargs, offload=o) for o in (None, "cpu"))
+    assert off.host_kept_boundaries == off.kept_boundaries == resident.kept_boundaries > 0
+    assert 0 < off.host_gradient_buffers < off.gradient_buffers  # the pages' dK/dV; the GDN leaves stay
+    moved = off.host_gradient_buffers + off.host_kept_boundaries
+    assert off.host_bytes == off.host_state + moved
+    assert resident.replay_peak - off.replay_peak == off.host_state - off.offload_workspace + moved
+    assert (
+        resident.prompt_backward_peak - off.prompt_backward_peak
+        == off.host_state - off.offload_workspace + moved
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_kept_states_wait_in_host_memory_on_cuda():
+    """On a GPU with ``offload="cpu"`` the kept GDN boundary states are pinned host tensors, and the prompt backward
+    (which brings each back to the device) gives the gradient of a resident capture."""
+    from _reference import param_grads
+
+    from longstraw_trl.engine import prompt_backward
+
+    model = build_hybrid("qwen3_5").cuda()
+    got = {}
+    for offload in (None, "cpu"):
+        model.zero_grad()
+        _, _, kept, state, grads = _measured(model, offload)
+        if offload:
+            assert all(t.device.type == "cpu" and t.is_pinned() for t in kept)
+        else:
+            assert all(t.is_cuda for t in kept)
+        prompt_backward(state, model, grads)
+        got[offload] = param_grads(model)
+    for name, g in got[None].items():
+        torch.testing.assert_close(got["cpu"][name], g, atol=1e-5, rtol=1e-4)
