@@ -139,7 +139,7 @@ def test_planned_full_gradient_bytes_are_what_the_state_holds(family):
     state = capture_prompt(model, prompt, chunk_size=8, page_size=6, keep_boundaries=True)
     grads = StateGrads(state)
     state.logprobs(model, comps[:1], grad=True, grads=grads).sum().backward()
-    buffers, kept, workspace = full_gradient_bytes(
+    buffers, kept, workspace, _, _ = full_gradient_bytes(
         model.config, prompt.numel(), page_size=6, dtype_bytes=4, chunk_size=8
     )
     assert grads.nbytes() == buffers
