@@ -10,9 +10,11 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 GiB = 2**30
 
@@ -139,6 +141,28 @@ def write_result(name: str, payload: dict) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+@contextlib.contextmanager
+def process_group(backend: str, **init_kwargs) -> Iterator[None]:
+    """``torch.distributed.init_process_group(backend, **init_kwargs)`` for the block, left on every exit path.
+
+    A normal exit leaves together: a barrier, then ``destroy_process_group`` (a rank that tears gloo down while
+    a peer is still inside a collective makes the peer fail with "Connection closed by peer"). An exception
+    destroys the group without the barrier (a failed peer never reaches it) before it propagates, so no rank
+    reaches interpreter shutdown with the group and gloo's threads alive; such an exit is the usual source of
+    gloo's "terminate called without an active exception" (issue 29 item 9).
+    """
+    dist.init_process_group(backend, **init_kwargs)
+    try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def print_table(rows: list[dict]) -> None:

@@ -25,7 +25,16 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import GiB, Timer, mean_after_first, peak_gib, print_table, reset_peak, write_result
+from common import (
+    GiB,
+    Timer,
+    mean_after_first,
+    peak_gib,
+    print_table,
+    process_group,
+    reset_peak,
+    write_result,
+)
 from engine_slice import full_attention_layers, slice_config
 from transformers import AutoModelForCausalLM
 
@@ -67,14 +76,7 @@ def full_model_predictions(args, cp_size: int) -> dict:
     return out
 
 
-def _finish() -> None:
-    """Leave the process group together: a rank that tears gloo down while another still writes its results can
-    abort in gloo's teardown ("terminate called without an active exception", seen once in a CPU test run)."""
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.6-27b", choices=["qwen3-8b", "qwen3.6-27b"])
     ap.add_argument("--layers", type=int, default=4)
@@ -91,13 +93,22 @@ def main() -> None:
     ap.add_argument("--generate-every-cycle", action="store_true", help="sample new responses each cycle")
     ap.add_argument("--tag", default="", help="suffix of the JSON name")
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU (gloo) with tiny dimensions")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.tiny:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    # every exit path leaves the process group (barrier + destroy; destroy alone on an exception)
+    with process_group(args.backend or ("gloo" if args.tiny else "nccl")):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     dev = "cpu" if args.tiny else "cuda"
     small_p = 3000 if args.tiny else 40000
 
-    if not args.tiny:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    dist.init_process_group(args.backend or ("gloo" if args.tiny else "nccl"))
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
 
@@ -146,7 +157,6 @@ def main() -> None:
                 f"check at P={small_p}: max |dlogp| sharded vs single = {diff:.3g}; grads identical: {grads_identical}"
             )
             print(f"wrote {path}")
-        _finish()
         return
 
     # --- the long prompt ---
@@ -232,7 +242,6 @@ def main() -> None:
         for name, plan in payload["planner_full_model"].items():
             print(f"planner, full model, {name}: peak {plan['peak_gib']:.1f} GiB per rank")
         print(f"wrote {path}")
-    _finish()
 
 
 if __name__ == "__main__":
