@@ -19,6 +19,7 @@ import tempfile
 import warnings
 from functools import lru_cache
 from typing import Any
+from unittest import mock
 
 import torch
 import transformers
@@ -373,11 +374,21 @@ def _length_reward(completion_ids, **kwargs):
     return [float(len(c)) for c in completion_ids]
 
 
-def train_stock_and_full(make_model=None, peft_config=None, full_overrides=None, **overrides):
+def train_stock_and_full(
+    make_model=None,
+    peft_config=None,
+    full_overrides=None,
+    draws=scripted_rows,
+    patch_generation_mixin=False,
+    **overrides,
+):
     """Stock GRPOTrainer and ours (``gradient_mode="full"``), each on a model from ``make_model()`` (default: the tiny
-    Qwen3), trained with the same scripted draws under TRL's defaults for HF gradient checkpointing (on) with plain
-    SGD (an update is the gradient times the learning rate, so the weights compare the gradients). ``overrides`` go to
-    both configs, ``full_overrides`` to ours only. Returns (start weights, stock's final weights, our trainer)."""
+    Qwen3), trained with the same scripted draws (``draws(n)``: ``n`` right-padded rows) under TRL's defaults for HF
+    gradient checkpointing (on) with plain SGD (an update is the gradient times the learning rate, so the weights
+    compare the gradients). The draws replace stock's ``model.generate`` and our ``Rollout.sample_group``, or, with
+    ``patch_generation_mixin``, transformers' ``GenerationMixin.generate`` for both (the seam TRL's own tests use).
+    ``overrides`` go to both configs, ``full_overrides`` to ours only. Returns (start weights, stock's final weights,
+    our trainer)."""
     from trl import GRPOConfig, GRPOTrainer
 
     from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
@@ -428,15 +439,20 @@ def train_stock_and_full(make_model=None, peft_config=None, full_overrides=None,
     stock, ours = trainers
 
     def generate(input_ids, attention_mask=None, **kwargs):
-        return torch.cat([input_ids, scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
+        return torch.cat([input_ids, draws(input_ids.shape[0]).to(input_ids.device)], dim=1)
 
     start = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in trainers]
     for n, p in start[0].items():  # both sides start from the same weights, LoRA factors included
         assert torch.equal(p, start[1][n]), n
-    stock.model.generate = generate
-    ours.rollout.sample_group = lambda state, g, *a, **k: scripted_rows(g)
-    for trainer in trainers:
-        trainer.train()
+    if patch_generation_mixin:
+        with mock.patch("transformers.generation.utils.GenerationMixin.generate", side_effect=generate):
+            for trainer in trainers:
+                trainer.train()
+    else:
+        stock.model.generate = generate
+        ours.rollout.sample_group = lambda state, g, *a, **k: draws(g)
+        for trainer in trainers:
+            trainer.train()
     return start[0], {n: p.detach().clone() for n, p in stock.model.named_parameters()}, ours
 
 
