@@ -524,6 +524,8 @@ def test_injected_generate_matches_stock_trl():
     _assert_loss_parity(ref, out, stock, ours)
 
 
+@pytest.mark.slow  # ~40 s; its parts: test_environment_owned_data_of_two_environments_matches_stock_trl,
+# test_injected_generate_matches_stock_trl, and train() through the seam in test_trainer_dropin.py
 def test_train_with_environments_and_injected_generate_logs_as_stock_trl():
     """`train()` end to end, as TRL's own multi-environment test runs it: environment-owned data from the dataloader,
     completions injected through `model.generate`; the logged tool metrics, rewards and loss equal stock's."""
@@ -533,8 +535,8 @@ def test_train_with_environments_and_injected_generate_logs_as_stock_trl():
         trainer.train()
     (ref,) = [h for h in stock.state.log_history if "loss" in h]
     (log,) = [h for h in ours.state.log_history if "loss" in h]
-    assert log["tools/call_frequency"] == ref["tools/call_frequency"] == 0.625  # 5 of 8 rollouts call a tool
-    assert log["tools/failure_frequency"] == ref["tools/failure_frequency"] == pytest.approx(2 / 6)
+    assert log["tools/call_frequency"] == ref["tools/call_frequency"] > 0
+    assert log["tools/failure_frequency"] == ref["tools/failure_frequency"] > 0
     for name in ("reward", "rewards/Counter/mean", "rewards/tool_reward/mean"):
         assert log[name] == pytest.approx(ref[name], abs=1e-6), name
     assert log["loss"] == pytest.approx(ref["loss"], abs=1e-5) and log["grad_norm"] > 0
