@@ -23,6 +23,16 @@ tool-result tokens. All of that stays TRL's code; only the model work is routed 
 public methods as tools and `get_reward()` as a reward function), except that the `G` rollouts of a row must share
 their prompt (a `reset()` whose observation differs per rollout gives each its own prompt; the trainer refuses it).
 
+Environment-owned data (TRL 1.16): with `environment_factory` the dataset needs no `prompt` column (TRL starts each
+rollout from an empty user message and appends its `reset()` observation); a dict factory routes each row by its
+`environment` column, and renders each prompt with that environment's tools only. A group is one prompt *and* one
+environment (`LongStrawGRPOTrainer._tokenize_prompts`), so its `G` rollouts still share one prompt state.
+
+A `generate` replaced on the model instance or on transformers' `GenerationMixin` (how TRL's own tests script
+completions and tool calls) makes the trainer draw through stock's generation call instead of the prompt states;
+each group's prompt state is still acquired for the log-probs and the loss (:meth:`Rollout.adopt_groups`), tool
+turns then need no state of their own.
+
 `rollout_func(prompts, trainer)` (:func:`grouped_rollout_func`): completions made outside the trainer are scored and
 trained by capture + replay: the returned `prompt_ids` are grouped (`G` consecutive rows per prompt, as TRL's sampler
 yields them), each group's prompt is captured (or found) once, and TRL's code takes over: the returned `logprobs`

@@ -92,15 +92,26 @@ class Rollout:
             seconds += time.perf_counter() - start
             rows = truncate_after_eos(sampled, self.eos_token_ids)
             new_tokens += sum(len(r) for r in rows)
-            if entry.probe_stale is not None:
-                probe = torch.tensor(rows[0], dtype=torch.long)
-                self.prompt_states.finish_probe(entry, probe, torch.ones_like(probe), self.temperature)
+            self._finish_probe(entry, rows[0])
             completion_ids.extend(rows)
         metrics = self.host.phase_metrics()
         metrics["longstraw/generation_seconds"].append(seconds)
         metrics["longstraw/generation_tokens_per_second"].append(new_tokens / max(seconds, 1e-9))
         metrics["longstraw/live_state_bytes"].append(float(self.prompt_states.nbytes()))
         return completion_ids
+
+    def adopt_groups(self, prompt_ids: list, num_generations: int, completion_ids: list[list[int]]) -> None:
+        """Completions of one generation call drawn elsewhere (an injected ``model.generate``, see
+        ``LongStrawGRPOTrainer._generate_single_turn``): each group's prompt state is acquired all the same (the old /
+        reference log-probs and the loss replay on it) and its ``adaptive`` probe measured on its first completion."""
+        keys, entries = self.prompt_states.acquire_groups(prompt_ids, num_generations)
+        for key, first in zip(keys, completion_ids[::num_generations], strict=True):
+            self._finish_probe(entries[key], first)
+
+    def _finish_probe(self, entry, completion: list[int]) -> None:
+        if entry.probe_stale is not None:
+            probe = torch.tensor(completion, dtype=torch.long)
+            self.prompt_states.finish_probe(entry, probe, torch.ones_like(probe), self.temperature)
 
     def tool_turn(self, prompt_ids: list) -> list[list[int]]:
         """One continuation per row of TRL's tool loop, each from its own state: the longest cached prefix of the row

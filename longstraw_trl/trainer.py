@@ -61,7 +61,9 @@ Refused at construction (each with a message saying what to change): `use_vllm`,
 `sequence_bias`, `min_length`, `min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured),
 `top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss on a model whose HF forward computes
 none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP1,
-Accelerate's own context/tensor parallelism (FSDP2 is supported: docs/fsdp.md), LOMO optimizers, datasets without a `prompt` column and models `patch_model` does not support.
+Accelerate's own context/tensor parallelism (FSDP2 is supported: docs/fsdp.md), LOMO optimizers, datasets without a
+`prompt` column (unless an `environment_factory` gives the prompts: TRL's environment-owned data) and models
+`patch_model` does not support.
 
 The MoE router load-balancing loss (`router_aux_loss_coef`, TRL's default being the model config's coefficient) is
 exact: see `longstraw_trl/router_aux.py`.
@@ -86,6 +88,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
+from transformers.generation.utils import GenerationMixin
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
@@ -124,6 +127,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 REFRESH_STATE_FILE = "longstraw_refresh.json"
+# transformers' own `generate`, to tell it from a replacement (`_generate_is_injected`)
+_TRANSFORMERS_GENERATE = GenerationMixin.generate
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -220,15 +225,25 @@ def _dataset_columns(dataset) -> list[str] | None:
     return list(names) if names is not None else None
 
 
-def _check_prompt_column(dataset, name: str) -> None:
+def _check_prompt_column(dataset, name: str, environment_factory=None) -> None:
+    """A 'prompt' column, unless an environment owns the data (TRL 1.16: `reset()` gives the prompt; with a dict
+    `environment_factory` an 'environment' column names each row's environment)."""
     if dataset is None:
         return
     if isinstance(dataset, dict):
         for split, ds in dataset.items():
-            _check_prompt_column(ds, f"{name}[{split!r}]")
+            _check_prompt_column(ds, f"{name}[{split!r}]", environment_factory)
         return
     columns = _dataset_columns(dataset)
-    if columns is not None and "prompt" not in columns:
+    if columns is None or "prompt" in columns:
+        return
+    if isinstance(environment_factory, dict) and "environment" not in columns:
+        raise LongStrawError(
+            f"{name} has neither a 'prompt' nor an 'environment' column (columns: {', '.join(columns) or 'none'}). "
+            "With a dict environment_factory every row names its environment in a column 'environment' (one of "
+            f"{list(environment_factory)}), whose reset() gives the prompt; or add a 'prompt' column."
+        )
+    if environment_factory is None:
         raise LongStrawError(
             f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'}). LongStrawGRPOTrainer needs one "
             "prompt per row in a column named 'prompt': a string, or a list of chat messages (the chat template is "
@@ -370,7 +385,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         args.check_supported(tools, rollout_func, environment_factory, processing_class)
         for dataset, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")):
-            _check_prompt_column(dataset, name)
+            _check_prompt_column(dataset, name, environment_factory)
             _check_prompts(dataset, name)
         if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
             raise UnsupportedModelError(
@@ -578,11 +593,26 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     ):
         if images is not None or multimodal_fields:
             raise LongStrawError("LongStrawGRPOTrainer does not support images in prompts; use text prompts.")
-        if (
-            self.prompt_states.tool_turn_keys is not None
-        ):  # TRL's tool loop: one row per rollout, never a loss group
+        tool_turn = self.prompt_states.tool_turn_keys is not None  # TRL's tool loop: one row per rollout
+        if self._generate_is_injected():
+            # stock's generation call draws the tokens; each group's prompt state is still acquired for the
+            # old/reference log-probs and the loss
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+            if not tool_turn:
+                self.rollout.adopt_groups(prompt_ids, num_generations, completion_ids)
+            return completion_ids, logprobs
+        if tool_turn:  # never a loss group
             return self.rollout.tool_turn(prompt_ids), None
         return self.rollout.generate_groups(prompt_ids, num_generations), None
+
+    def _generate_is_injected(self) -> bool:
+        """Whether `generate` was replaced, on the model instance (`patch.object(trainer.model, "generate", ...)`) or on
+        transformers' `GenerationMixin` (`patch("transformers.generation.utils.GenerationMixin.generate")`): how TRL's
+        own tests script completions and tool calls. The trainer then honours it (see `_generate_single_turn`); a
+        model class's own `generate` (e.g. PEFT's wrapper) is not a replacement."""
+        return "generate" in vars(self.model) or GenerationMixin.generate is not _TRANSFORMERS_GENERATE
 
     def _tool_call_loop(self, *args, **kwargs):
         """TRL's tool loop; its generation calls extend each rollout's own state (`Rollout.tool_turn`)."""
@@ -637,7 +667,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return self.prompt_states.batch_logprobs(model, ids, mask, self.temperature, reference), None, None
 
     def _generate_and_score_completions(self, inputs):
-        if inputs and "prompt" not in inputs[0]:
+        # with an environment the prompt may come from its `reset()` alone (TRL defaults it to an empty user message)
+        if inputs and "prompt" not in inputs[0] and self.environment_factories is None:
             raise LongStrawError(
                 f"the dataset rows have no 'prompt' field (fields: {', '.join(inputs[0]) or 'none'}). "
                 "LongStrawGRPOTrainer needs one prompt per row in a column named 'prompt'."
@@ -774,7 +805,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             "num_generations_eval",
         )
         if eval_dataset is not None and not isinstance(eval_dataset, str):
-            _check_prompt_column(eval_dataset, "eval_dataset")
+            factories = self.environment_factories  # TRL's {None: factory} for a single one
+            factory = factories[None] if factories is not None and list(factories) == [None] else factories
+            _check_prompt_column(eval_dataset, "eval_dataset", factory)
             _check_prompts(eval_dataset, "eval_dataset")
         return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 

@@ -14,11 +14,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import shutil
 import tempfile
 import warnings
 from functools import lru_cache
 from typing import Any
+from unittest import mock
 
 import torch
 import transformers
@@ -379,13 +381,17 @@ def scripted_trainer(
     prompts=(TRAIN_PROMPT,) * 4,
     make_model=None,
     full_overrides: dict | None = None,
+    draws=scripted_rows,
+    install_draws: bool = True,
     **overrides: Any,
 ):
     """Stock GRPOTrainer (``stock``) or ours in ``gradient_mode="full"`` on a model from ``make_model()`` (default: the
     tiny Qwen3), with every group's draws scripted (:data:`SCRIPTED`), under TRL's defaults for HF gradient
     checkpointing (on) with plain SGD (an update is the gradient times the learning rate, so the weights compare the
     gradients). ``overrides`` replace the shared settings (fp32, 4 rows a device, 2 steps of 2 iterations, beta 0.04);
-    ``full_overrides`` go to ours only. Not trained yet."""
+    ``full_overrides`` go to ours only. The draws (``draws(n)``: ``n`` right-padded rows)
+    replace stock's ``model.generate`` and our ``Rollout.sample_group`` unless ``install_draws`` is False. Not trained
+    yet."""
     from trl import GRPOConfig, GRPOTrainer
 
     from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
@@ -431,22 +437,40 @@ def scripted_trainer(
         processing_class=build_toy_tokenizer(TINY_VOCAB),
         peft_config=peft_config,
     )
-    if stock:
-
-        def generate(input_ids, attention_mask=None, **kwargs):
-            return torch.cat([input_ids, scripted_rows(input_ids.shape[0]).to(input_ids.device)], dim=1)
-
-        trainer.model.generate = generate
-    else:
-        trainer.rollout.sample_group = lambda state, g, *a, **k: scripted_rows(g)
+    if install_draws and stock:
+        trainer.model.generate = _generate_with(draws)
+    elif install_draws:
+        trainer.rollout.sample_group = lambda state, g, *a, **k: draws(g)
     return trainer
 
 
-def train_stock_and_full(make_model=None, peft_config=None, full_overrides=None, **overrides):
-    """:func:`scripted_trainer` both ways, trained. Returns (start weights, stock's final weights, our trainer)."""
+def _generate_with(draws):
+    def generate(input_ids, attention_mask=None, **kwargs):
+        return torch.cat([input_ids, draws(input_ids.shape[0]).to(input_ids.device)], dim=1)
+
+    return generate
+
+
+def train_stock_and_full(
+    make_model=None,
+    peft_config=None,
+    full_overrides=None,
+    draws=scripted_rows,
+    patch_generation_mixin=False,
+    **overrides,
+):
+    """:func:`scripted_trainer` both ways, trained. With ``patch_generation_mixin`` the draws replace transformers'
+    ``GenerationMixin.generate`` for both instead (the seam TRL's own tests use). Returns (start weights, stock's final
+    weights, our trainer)."""
     trainers = [
         scripted_trainer(
-            stock, peft_config, make_model=make_model, full_overrides=full_overrides, **overrides
+            stock,
+            peft_config,
+            make_model=make_model,
+            full_overrides=full_overrides,
+            draws=draws,
+            install_draws=not patch_generation_mixin,
+            **overrides,
         )
         for stock in (True, False)
     ]
@@ -454,8 +478,16 @@ def train_stock_and_full(make_model=None, peft_config=None, full_overrides=None,
     start = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in trainers]
     for n, p in start[0].items():  # both sides start from the same weights, LoRA factors included
         assert torch.equal(p, start[1][n]), n
-    for trainer in trainers:
-        trainer.train()
+    seam = (
+        mock.patch(
+            "transformers.generation.utils.GenerationMixin.generate", side_effect=_generate_with(draws)
+        )
+        if patch_generation_mixin
+        else contextlib.nullcontext()
+    )
+    with seam:
+        for trainer in trainers:
+            trainer.train()
     return start[0], {n: p.detach().clone() for n, p in stock.model.named_parameters()}, ours
 
 

@@ -68,15 +68,16 @@ def _generate_both(stock, ours, scripts, **script_kwargs):
     return ref, out, counts, (stock_script, ours_script)
 
 
-def _assert_same_rollouts(ref, out, stock, ours):
+def _assert_same_rollouts(ref, out, stock, ours, groups: int = 1):
     for name in ("completion_ids", "completion_mask", "tool_mask"):
         assert torch.equal(out[name], ref[name]), name
     torch.testing.assert_close(out["advantages"], ref["advantages"], atol=1e-6, rtol=0)
     for name in ("reward", "tools/call_frequency", "tools/failure_frequency", "completions/mean_length"):
         assert ours._metrics["train"][name] == stock._metrics["train"][name], name
-    assert list(ours._logs["completion"])[-4:] == list(stock._logs["completion"])[-4:]
-    # one loss group (the tool turns are not groups), and the tool turns' states are gone from the cache
-    assert len(out["longstraw_prompts"]) == 1 and len(ours.prompt_cache) == 1
+    rows = 4 * groups
+    assert list(ours._logs["completion"])[-rows:] == list(stock._logs["completion"])[-rows:]
+    # one loss group per prompt (the tool turns are not groups), and the tool turns' states are gone from the cache
+    assert len(out["longstraw_prompts"]) == groups and len(ours.prompt_cache) == groups
 
 
 def _assert_loss_parity(ref, out, stock, ours):
@@ -361,3 +362,182 @@ def test_rollout_func_rows_of_a_group_must_share_their_prompt():
         LongStrawError, match=r"rows 0\.\.3 should be one group.*rollout_func must return the rows"
     ):
         ours._generate_and_score_completions([dict(r) for r in ROWS])
+
+
+class Counter:
+    """Environment-owned data and reward: `reset()` gives the prompt, `get_reward` scores the rollout."""
+
+    resets: list[dict] = []
+
+    def reset(self, **row) -> str:
+        Counter.resets.append(dict(row))
+        self.count = 0
+        return "Count."
+
+    def increment(self, step: int) -> int:
+        """Increment the counter.
+
+        Args:
+            step: Value to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+class Echo:
+    """A second environment of the same dataset, with its own tool and no reward of its own."""
+
+    resets: list[dict] = []
+
+    def reset(self, **row) -> str:
+        Echo.resets.append(dict(row))
+        return "Echo."
+
+    def shout(self, text: str) -> str:
+        """Shout a text.
+
+        Args:
+            text: The text.
+        """
+        return text.upper()
+
+
+ENVIRONMENT_SCRIPTS = {
+    # the other environment's tool fails (each rollout sees its own environment's tools only)
+    "Count.": {
+        0: [call("increment", step=1), "one"],
+        1: ["none"],
+        2: [call("increment", step=2), call("increment", step=1), "three"],
+        3: [call("shout", text="hi"), "not here"],
+    },
+    "Echo.": {
+        0: [call("shout", text="hi"), "HI"],
+        1: ["quiet"],
+        2: [call("increment", step=1), "no"],
+        3: ["x"],
+    },
+}
+ENVIRONMENT_ROWS = [{"environment": "counter"}] * 4 + [{"environment": "echo"}] * 4
+
+
+class ByObservation:
+    """A `Script` per environment, chosen by the observation its `reset()` put in the context."""
+
+    def __init__(self, tokenizer, scripts: dict[str, dict[int, list[str]]]):
+        self.tokenizer = tokenizer
+        self.scripts = {marker: Script(tokenizer, s) for marker, s in scripts.items()}
+
+    def __call__(self, context: list[int], row: int) -> list[int]:
+        text = self.tokenizer.decode(context)
+        return next(script for marker, script in self.scripts.items() if marker in text)(context, row)
+
+    @property
+    def calls(self) -> list:
+        return [(marker, c) for marker, script in self.scripts.items() for c in script.calls]
+
+
+def _environment_pair(**kwargs):
+    from datasets import Dataset
+
+    Counter.resets.clear()
+    Echo.resets.clear()
+    return make_pair(
+        "qwen3",
+        environment_factory={"counter": Counter, "echo": Echo},
+        dataset=Dataset.from_dict({"environment": ["counter", "echo"] * 2}),
+        per_device_train_batch_size=8,
+        shuffle_dataset=False,
+        ours_kwargs=dict(gradient_mode="full"),
+        **kwargs,
+    )
+
+
+def test_environment_owned_data_of_two_environments_matches_stock_trl():
+    """TRL 1.16's environment-owned data: rows name their environment (no 'prompt' column), each rollout's `reset()`
+    gives its prompt, each group sees only its environment's tools, and one environment owns its reward. The same
+    rollouts, rewards and loss as stock (gradient_mode='full', so stock's full-sequence gradient is the reference);
+    each group's G rollouts are sampled from its one prompt state."""
+    stock, ours = _environment_pair()
+    assert ours.reward_func_names == stock.reward_func_names == ["tool_reward", "Counter"]
+    stock_script = ByObservation(stock.processing_class, ENVIRONMENT_SCRIPTS)
+    ours_script = ByObservation(ours.processing_class, ENVIRONMENT_SCRIPTS)
+    script_stock(stock, stock_script)
+    script_longstraw(ours, ours_script)
+    counts = Counts(ours)
+    ref = stock._generate_and_score_completions([dict(r) for r in ENVIRONMENT_ROWS])
+    out = ours._generate_and_score_completions([dict(r) for r in ENVIRONMENT_ROWS])
+    assert sorted(ours_script.calls) == sorted(stock_script.calls)
+    _assert_same_rollouts(ref, out, stock, ours, groups=2)
+    # `environment` routes the row and is not forwarded to reset(); one reset per rollout, per trainer
+    assert Counter.resets == [{}] * 8 and Echo.resets == [{}] * 8
+    assert [e.count for e in ours.environments[:4]] == [1, 0, 3, 0]
+    # 6 calls, 2 of them to the other environment's tool, which this rollout does not have
+    assert ours._metrics["train"]["tools/failure_frequency"] == [pytest.approx(2 / 6)]
+    for name in ("rewards/Counter/mean", "rewards/tool_reward/mean"):
+        assert ours._metrics["train"][name] == stock._metrics["train"][name], name
+    prompts = [ours.processing_class.decode(ids) for _, ids in out["longstraw_prompts"]]
+    assert (
+        "Count." in prompts[0] and '"name": "increment"' in prompts[0] and '"name": "shout"' not in prompts[0]
+    )
+    assert (
+        "Echo." in prompts[1] and '"name": "shout"' in prompts[1] and '"name": "increment"' not in prompts[1]
+    )
+    assert sorted(counts.captured) == sorted(ids.numel() for _, ids in out["longstraw_prompts"])
+    _assert_loss_parity(ref, out, stock, ours)
+
+
+def test_environment_owned_data_needs_an_environment_column():
+    from datasets import Dataset
+
+    from longstraw_trl import LongStrawError
+
+    with pytest.raises(LongStrawError, match="neither a 'prompt' nor an 'environment' column.*'counter'"):
+        make_pair(
+            "qwen3",
+            environment_factory={"counter": Counter, "echo": Echo},
+            dataset=Dataset.from_dict({"task": ["a"] * 4}),
+        )
+
+
+def test_injected_generate_matches_stock_trl():
+    """TRL's tests script completions and tool calls by replacing `model.generate` on the instance: the trainer then
+    draws through stock's generation call (first turn and tool turns), still capturing each group's prompt once for
+    the log-probs and the loss; rollouts, tool metrics and loss equal stock's."""
+    stock, ours = make_pair("qwen3", tools=[add, divide], max_tool_calling_iterations=2)
+    stock_script, ours_script = (
+        Script(stock.processing_class, SCRIPTS),
+        Script(ours.processing_class, SCRIPTS),
+    )
+    for trainer, script in ((stock, stock_script), (ours, ours_script)):
+        script_stock(trainer, script)  # the seam: an instance attribute `generate`
+        trainer._metrics["train"].clear()
+    counts = Counts(ours)
+    ref = stock._generate_and_score_completions([dict(r) for r in ROWS])
+    out = ours._generate_and_score_completions([dict(r) for r in ROWS])
+    assert ours_script.calls == stock_script.calls and len(ours_script.calls) == 8
+    _assert_same_rollouts(ref, out, stock, ours)
+    # the group's prompt captured once; tool turns drawn by the injected generate need no state of their own
+    assert counts.captured == [out["longstraw_prompts"][0][1].numel()] and counts.extended == []
+    _assert_loss_parity(ref, out, stock, ours)
+
+
+@pytest.mark.slow  # ~40 s; its parts: test_environment_owned_data_of_two_environments_matches_stock_trl,
+# test_injected_generate_matches_stock_trl, and train() through the seam in test_trainer_dropin.py
+def test_train_with_environments_and_injected_generate_logs_as_stock_trl():
+    """`train()` end to end, as TRL's own multi-environment test runs it: environment-owned data from the dataloader,
+    completions injected through `model.generate`; the logged tool metrics, rewards and loss equal stock's."""
+    stock, ours = _environment_pair(max_steps=1, gradient_accumulation_steps=1)
+    for trainer in (stock, ours):
+        script_stock(trainer, ByObservation(trainer.processing_class, ENVIRONMENT_SCRIPTS))
+        trainer.train()
+    (ref,) = [h for h in stock.state.log_history if "loss" in h]
+    (log,) = [h for h in ours.state.log_history if "loss" in h]
+    assert log["tools/call_frequency"] == ref["tools/call_frequency"] > 0
+    assert log["tools/failure_frequency"] == ref["tools/failure_frequency"] > 0
+    for name in ("reward", "rewards/Counter/mean", "rewards/tool_reward/mean"):
+        assert log[name] == pytest.approx(ref[name], abs=1e-6), name
+    assert log["loss"] == pytest.approx(ref["loss"], abs=1e-5) and log["grad_norm"] > 0
+    assert Counter.resets and Echo.resets and all(r == {} for r in Counter.resets + Echo.resets)

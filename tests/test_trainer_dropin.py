@@ -12,7 +12,13 @@ import math
 
 import pytest
 import torch
-from _trl_helpers import make_tiny_grpo_trainer, make_tiny_longstraw_trainer, tiny_model_dir
+from _trl_helpers import (
+    assert_updates_match,
+    make_tiny_grpo_trainer,
+    make_tiny_longstraw_trainer,
+    tiny_model_dir,
+    train_stock_and_full,
+)
 from datasets import Dataset
 from transformers import TrainerCallback
 
@@ -304,3 +310,34 @@ def test_adaptive_entropy_controller_is_checkpointed(tmp_path):
     last, resumed_last = trainer.state.log_history[-2], resumed.state.log_history[-2]
     assert last["step"] == resumed_last["step"] == 2
     assert resumed_last["loss"] == pytest.approx(last["loss"], abs=1e-6) and last["loss"] != 0.0
+
+
+# the G = 4 draws of every group, one truncated: no EOS (2) within max_completion_length=4
+TRUNCATED_DRAWS = [[5, 9, 11, 2], [6, 12, 13, 14], [7, 13, 2], [8, 2]]
+
+
+def _truncated_draws(n: int) -> torch.Tensor:
+    rows = [TRUNCATED_DRAWS[i % len(TRUNCATED_DRAWS)] for i in range(n)]
+    out = torch.zeros(n, 4, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
+
+
+def test_generation_mixin_patch_and_mask_truncated_completions_train_as_stock_trl():
+    """TRL's own tests script completions by patching transformers' `GenerationMixin.generate` (e.g. its
+    `test_train_with_mask_truncated_completions`): ours draws through it too, and with `mask_truncated_completions`
+    the truncated draw is masked and `train()` updates the weights exactly as stock does."""
+    start, stock_weights, ours = train_stock_and_full(
+        draws=_truncated_draws,
+        patch_generation_mixin=True,
+        mask_truncated_completions=True,
+        max_completion_length=4,
+        loss_type="dapo",
+        max_steps=1,
+        num_iterations=1,
+        beta=0.0,
+    )
+    (log,) = [h for h in ours.state.log_history if "loss" in h]
+    assert log["completions/clipped_ratio"] == 0.25  # the truncated draw, masked out of the loss
+    assert_updates_match(start, stock_weights, ours)
