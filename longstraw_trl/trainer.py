@@ -597,6 +597,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self._generate_is_injected():
             # stock's generation call draws the tokens; each group's prompt state is still acquired for the
             # old/reference log-probs and the loss
+            if not getattr(self, "_warned_injected_generate", False):
+                self._warned_injected_generate = True
+                logger.warning(
+                    "model.generate was replaced (on the model or on transformers' GenerationMixin): completions are "
+                    "drawn through it, as stock GRPOTrainer does, not from the captured prompt state (slower on long "
+                    "prompts). The loss still replays them on the captured state."
+                )
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -612,7 +619,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         transformers' `GenerationMixin` (`patch("transformers.generation.utils.GenerationMixin.generate")`): how TRL's
         own tests script completions and tool calls. The trainer then honours it (see `_generate_single_turn`); a
         model class's own `generate` (e.g. PEFT's wrapper) is not a replacement."""
-        return "generate" in vars(self.model) or GenerationMixin.generate is not _TRANSFORMERS_GENERATE
+        own = vars(self.model).get("generate")
+        # a method bound to the model itself (a wrapper a launcher such as Accelerate's FSDP2 set up) is not a script
+        replaced = own is not None and getattr(own, "__self__", None) is not self.model
+        return replaced or GenerationMixin.generate is not _TRANSFORMERS_GENERATE
 
     def _tool_call_loop(self, *args, **kwargs):
         """TRL's tool loop; its generation calls extend each rollout's own state (`Rollout.tool_turn`)."""

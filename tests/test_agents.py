@@ -142,7 +142,8 @@ def last_turn_ids(script, trainer, i):
     return trainer.processing_class(turn(r, k, script.scripts[r][k]), add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("gradient_mode", ["response_only", "full"])
+# full mode with tools: test_environment_factory_matches_stock_trl[full] in the default suite (time budget)
+@pytest.mark.parametrize("gradient_mode", ["response_only", pytest.param("full", marks=pytest.mark.slow)])
 def test_async_tool_matches_stock_trl(gradient_mode):
     """An async tool (run on TRL's event loop) next to a sync one, two calls in one turn; the loss and gradients
     equal stock's (its full-sequence gradient with gradient_mode='full': through the tool tokens into the prompt)."""
@@ -455,6 +456,7 @@ def _environment_pair(**kwargs):
     )
 
 
+@pytest.mark.slow  # 80 s in a clean-clone make test; the seam and the refusal stay in the default suite
 def test_environment_owned_data_of_two_environments_matches_stock_trl():
     """TRL 1.16's environment-owned data: rows name their environment (no 'prompt' column), each rollout's `reset()`
     gives its prompt, each group sees only its environment's tools, and one environment owns its reward. The same

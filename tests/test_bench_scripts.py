@@ -132,6 +132,7 @@ def test_full_model_dry_run(tmp_path):
     assert [r.get("ok") for r in stock["results"]] == [True, True, False] and stock["results"][2]["skipped"]
 
 
+@pytest.mark.slow  # a subprocess that mostly imports (time budget); run before a device run
 def test_prefix_tree_smoke(tmp_path):
     _run(tmp_path, "prefix_tree.py", "--smoke")
     data = json.loads((tmp_path / "prefix_tree_qwen3.6-27b_4L_smoke.json").read_text())
@@ -179,6 +180,7 @@ def test_full_gradient_smoke(tmp_path):
     assert all(r["ok"] for r in data["long_response"])
 
 
+@pytest.mark.slow  # a subprocess that mostly imports (time budget); run before a device run
 def test_gdn_backward_probe_smoke(tmp_path):
     _run(tmp_path, "gdn_backward_probe.py", "--smoke")
     data = json.loads((tmp_path / "gdn_backward_probe_smoke.json").read_text())
