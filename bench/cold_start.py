@@ -140,6 +140,11 @@ def main() -> None:
         "(and $OUT), then a 'pinned' process on another empty cache takes two steps at --prompt",
     )
     ap.add_argument("--tune-prompt", type=int, default=32768)
+    ap.add_argument(
+        "--skip-tune",
+        action="store_true",
+        help="with --pins: no 'tune' process; the 'pinned' process uses the pins already in kernels/autotune_pins/",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (full_model.py --tiny)")
     args = ap.parse_args()
     if args.tiny:
@@ -157,13 +162,18 @@ def main() -> None:
         if args.pins:
             pins = out_dir / "autotune_pins.json"
             out_dir.mkdir(parents=True, exist_ok=True)
-            tune = run_case("tune", Path(tmp) / "tune", args, Path(children_out), [args.tune_prompt], pins)
-            payload["cases"].append(tune)
-            payload["pins"] = json.loads(pins.read_text()) if pins.exists() else None
-            if payload["pins"] and payload["pins"]["gpu"]:  # where the library looks for them
-                PINS_DIR.mkdir(exist_ok=True)
-                (PINS_DIR / f"{payload['pins']['gpu']}.json").write_text(pins.read_text())
-            write_result(name, payload)
+            if args.skip_tune:
+                payload["pins"] = {p.name: json.loads(p.read_text()) for p in sorted(PINS_DIR.glob("*.json"))}
+            else:
+                tune = run_case(
+                    "tune", Path(tmp) / "tune", args, Path(children_out), [args.tune_prompt], pins
+                )
+                payload["cases"].append(tune)
+                payload["pins"] = json.loads(pins.read_text()) if pins.exists() else None
+                if payload["pins"] and payload["pins"]["gpu"]:  # where the library looks for them
+                    PINS_DIR.mkdir(exist_ok=True)
+                    (PINS_DIR / f"{payload['pins']['gpu']}.json").write_text(pins.read_text())
+                write_result(name, payload)
             payload["cases"].append(
                 run_case("pinned", Path(tmp) / "pinned", args, Path(children_out), [args.prompt] * 2)
             )
@@ -193,6 +203,15 @@ def main() -> None:
                 }
             )
     print_table(rows)
+    for case in payload["cases"]:
+        steps = [s for s in case["steps"] if s.get("ok")]
+        if len(steps) == 2:  # the same step twice in one process: what being first cost
+            ratio = steps[0]["train_s"] / steps[1]["train_s"]
+            payload.setdefault("first_over_second", {})[case["case"]] = ratio
+            print(
+                f"{case['case']}: first step {steps[0]['train_s']:.1f} s, second {steps[1]['train_s']:.1f} s: x{ratio:.3f}"
+            )
+    write_result(name, payload)
     print(f"wrote {out_dir / f'{name}.json'}")
     sys.exit(0 if all(c["returncode"] == 0 and c["steps"] for c in payload["cases"]) else 1)
 

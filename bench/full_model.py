@@ -142,6 +142,12 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="LongStrawGRPOConfig.cp_size (under `accelerate launch`: cp2.yaml, or fsdp2.yaml for FSDP2 x CP)",
     )
+    ap.add_argument(
+        "--offload",
+        choices=["cpu"],
+        default=None,
+        help="offload_prompt_state (pages and kept full-mode states on the host; the planner plans the same)",
+    )
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU, fp32, tiny dimensions and P")
     args = ap.parse_args()
     if args.tiny:
@@ -306,6 +312,7 @@ def longstraw_trainer(
         replay_batch_tokens=args.replay_batch_tokens,
         graph_free_fused_kernels=args.fused_kernels,
         gradient_mode=gradient_mode,
+        offload_prompt_state=args.offload,
         cp_size=args.cp_size,
         use_cpu=args.tiny,
         bf16=not args.tiny,
@@ -395,10 +402,12 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         # the replay's layers are recomputed in backward under TRL's gradient checkpointing (its default)
         checkpoint_layers=bool(trainer.args.gradient_checkpointing or trainer.args.replay_checkpoint_layers),
         gradient_mode=trainer.args.gradient_mode,
+        offload=trainer.args.offload_prompt_state,
     )
     return {
         "ok": True,
         "gradient_mode": trainer.args.gradient_mode,
+        "offload_prompt_state": trainer.args.offload_prompt_state,
         "prompt_tokens_captured": int(m["longstraw/prompt_tokens"][-1]),
         "response_tokens_min_max": [
             int(min(m["completions/min_length"])),
