@@ -148,6 +148,18 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="offload_prompt_state (pages and kept full-mode states on the host; the planner plans the same)",
     )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="a slice of this many layers through the same train() path (default: the whole model)",
+    )
+    ap.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="TRL's gradient_checkpointing (its default, on); off to see what checkpointing costs a step",
+    )
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU, fp32, tiny dimensions and P")
     args = ap.parse_args()
     if args.tiny:
@@ -313,6 +325,7 @@ def longstraw_trainer(
         graph_free_fused_kernels=args.fused_kernels,
         gradient_mode=gradient_mode,
         offload_prompt_state=args.offload,
+        gradient_checkpointing=args.gradient_checkpointing,
         cp_size=args.cp_size,
         use_cpu=args.tiny,
         bf16=not args.tiny,
@@ -408,6 +421,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         "ok": True,
         "gradient_mode": trainer.args.gradient_mode,
         "offload_prompt_state": trainer.args.offload_prompt_state,
+        "gradient_checkpointing": trainer.args.gradient_checkpointing,
         "prompt_tokens_captured": int(m["longstraw/prompt_tokens"][-1]),
         "response_tokens_min_max": [
             int(min(m["completions/min_length"])),
@@ -591,7 +605,9 @@ def main() -> None:
     torch.manual_seed(0)
     random.seed(0)
     longest = max([*args.prompts, *args.stock_prompts, args.warmup_prompt])
-    config = slice_config(args.preset, 4 if args.tiny else None, longest + args.response + 16, args.tiny)
+    config = slice_config(
+        args.preset, args.layers or (4 if args.tiny else None), longest + args.response + 16, args.tiny
+    )
     name = f"full_model_{args.preset}{'_tiny' if args.tiny else ''}{args.tag}"
 
     rates = measure_rates(config, args.chunk, dev, dtype)  # on an empty device, before the weights
