@@ -480,14 +480,11 @@ class LongStrawGRPOConfig(GRPOConfig):
 
     def check_router_aux(self, router_aux_loss_coef: float) -> None:
         """Refuse a MoE router load-balancing loss (the model's effective coefficient) with the options that cannot
-        stream it."""
+        stream it (context and expert parallelism can: tests/test_trainer_ep.py)."""
         if router_aux_loss_coef == 0.0:
             return
-        if self.cp_size > 1:
-            raise LongStrawError(
-                "router_aux_loss_coef != 0 is not supported with context parallelism (cp_size > 1) yet; set "
-                "router_aux_loss_coef=0.0 or cp_size=1."
-            )
+        # cp_size > 1 (and ep_size > 1) is fine: the routers are replicated and every rank of a CP group routes every
+        # token of the batch it shares, so each computes the same statistics (docs/parallelism.md).
         if self.replay_block_size is not None:
             raise LongStrawError(
                 "router_aux_loss_coef != 0 is not supported with replay_block_size (a response's router loss would "

@@ -60,7 +60,7 @@ Refused at construction (each with a message saying what to change): `use_vllm`,
 (beam search, `typical_p`, `stop_strings`, ...; `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
 `sequence_bias`, `min_length`, `min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured),
 `top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss on a model whose HF forward computes
-none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP1,
+none (e.g. `glm4_moe`), multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP1,
 Accelerate's own context/tensor parallelism (FSDP2 is supported: docs/fsdp.md), LOMO optimizers, datasets without a
 `prompt` column (unless an `environment_factory` gives the prompts: TRL's environment-owned data) and models
 `patch_model` does not support.
