@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
-from .errors import LongStrawError
+from .errors import LongStrawError, UnsupportedModelError
 
 EP_IMPLEMENTATIONS = ("all_reduce", "all_to_all")
 """transformers' ``ep_implementation`` values that run on a batch shared by the EP group (both run over gloo)."""
@@ -188,6 +188,33 @@ def num_routed_experts(config) -> int | None:
         if value:
             return int(value)
     return None
+
+
+def check_expert_parallel(model: nn.Module, ep_size: int, world: int, fsdp: bool = False) -> None:
+    """Refuse what :class:`ExpertParallel` cannot run, each with what to change: FSDP2 (``fsdp``), a dense model, an
+    ``ep_size`` that does not divide the routed experts or the ``world`` size (1 without a distributed launch)."""
+    if fsdp:
+        raise LongStrawError(
+            "ep_size > 1 with FSDP2 is not supported yet: fully_shard would shard the experts' DTensors, which live on "
+            "the expert-parallel mesh, over the data-parallel ranks. Launch with DDP (e.g. "
+            "examples/accelerate/cp2.yaml) or set ep_size=1."
+        )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    experts = num_routed_experts(config)
+    if experts is None:
+        raise UnsupportedModelError(
+            f"ep_size={ep_size} on a dense model ({type(model).__name__}, no routed experts). Set ep_size=1."
+        )
+    if experts % ep_size:
+        raise LongStrawError(
+            f"ep_size={ep_size} does not divide the model's {experts} routed experts per layer; choose an ep_size "
+            f"that divides {experts}."
+        )
+    if world % ep_size or world == 1:
+        raise LongStrawError(
+            f"ep_size={ep_size} needs a distributed launch whose world size is a multiple of it (got {world} "
+            "process(es))."
+        )
 
 
 class ExpertParallel:

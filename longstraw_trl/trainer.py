@@ -96,7 +96,7 @@ from trl.trainer.utils import is_async_callable
 from .adapters import adapters_in_model_dtype, bind_expert_adapters
 from .agents import grouped_rollout_func
 from .config import LongStrawGRPOConfig, check_whole_groups
-from .distributed import ExpertParallel, is_fsdp2, new_cp_groups, num_routed_experts
+from .distributed import ExpertParallel, check_expert_parallel, is_fsdp2, new_cp_groups
 from .engine import checkpointing_off
 from .errors import (
     LongStrawError,
@@ -519,28 +519,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if args.ep_size == 1:
             return None
         base = unwrap_model(self.model)
-        if is_fsdp2(self.model) or self.accelerator.state.distributed_type == "FSDP":
-            raise LongStrawError(
-                "ep_size > 1 with FSDP2 is not supported yet: fully_shard would shard the experts' DTensors, which "
-                "live on the expert-parallel mesh, over the data-parallel ranks. Launch with DDP (e.g. "
-                "examples/accelerate/cp2.yaml) or set ep_size=1."
-            )
-        experts = num_routed_experts(base.config.get_text_config())
-        if experts is None:
-            raise UnsupportedModelError(
-                f"ep_size={args.ep_size} on a dense model ({type(base).__name__}, no routed experts). Set ep_size=1."
-            )
-        if experts % args.ep_size:
-            raise LongStrawError(
-                f"ep_size={args.ep_size} does not divide the model's {experts} routed experts per layer; choose an "
-                f"ep_size that divides {experts}."
-            )
-        world = self.accelerator.num_processes
-        if not dist.is_initialized() or world % args.ep_size:
-            raise LongStrawError(
-                f"ep_size={args.ep_size} needs a distributed launch whose world size is a multiple of it (got {world} "
-                "process(es))."
-            )
+        check_expert_parallel(
+            base,
+            args.ep_size,
+            self.accelerator.num_processes if dist.is_initialized() else 1,
+            fsdp=is_fsdp2(self.model) or self.accelerator.state.distributed_type == "FSDP",
+        )
         ep = ExpertParallel(base, args.ep_size, args.ep_implementation)
         self.model._ddp_params_and_buffers_to_ignore = ep.ignored_by_ddp(self.model)
         return ep

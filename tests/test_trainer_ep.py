@@ -22,13 +22,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from _cp_step import main as run_step
+from _models import build_glm_dsa
 
 from longstraw_trl import LongStrawError, LongStrawGRPOConfig, UnsupportedModelError
+from longstraw_trl.distributed import check_expert_parallel
 
 STEP = Path(__file__).parent / "_cp_step.py"
 CP2_CONFIG = Path(__file__).parent.parent / "examples" / "accelerate" / "cp2.yaml"
@@ -161,25 +162,17 @@ def test_ep_sizes_are_validated(tmp_path):
 
 
 def test_ep_on_a_dense_model_indivisible_experts_fsdp2_and_a_single_process_are_refused():
-    from _trl_helpers import make_tiny_longstraw_trainer, tiny_qwen3_moe
+    from _models import build
+    from _trl_helpers import tiny_qwen3_moe
 
-    from longstraw_trl import LongStrawGRPOTrainer
-
-    shard = LongStrawGRPOTrainer._shard_experts
-    dense = make_tiny_longstraw_trainer()
-    args = SimpleNamespace(ep_size=2, ep_implementation="all_reduce")
+    dense, moe = build("qwen3"), tiny_qwen3_moe()
     with pytest.raises(UnsupportedModelError, match="on a dense model"):
-        shard(dense, args)
-    moe = make_tiny_longstraw_trainer(model=tiny_qwen3_moe())
+        check_expert_parallel(dense, 2, world=2)
     with pytest.raises(LongStrawError, match="does not divide the model's 4 routed experts"):
-        shard(moe, SimpleNamespace(ep_size=3, ep_implementation="all_reduce"))
+        check_expert_parallel(moe, 3, world=3)
     with pytest.raises(LongStrawError, match="needs a distributed launch"):
-        shard(moe, args)
-    state = moe.accelerator.state
-    before = state.distributed_type
-    state.distributed_type = "FSDP"  # as an FSDP2 launch sets it
-    try:
-        with pytest.raises(LongStrawError, match="with FSDP2 is not supported yet"):
-            shard(moe, args)
-    finally:
-        state.distributed_type = before
+        check_expert_parallel(moe, 2, world=1)
+    with pytest.raises(LongStrawError, match="with FSDP2 is not supported yet"):
+        check_expert_parallel(moe, 2, world=2, fsdp=True)
+    check_expert_parallel(moe, 2, world=4)
+    check_expert_parallel(build_glm_dsa(), 4, world=4)  # GLM-5's 8 routed experts (n_routed_experts)
