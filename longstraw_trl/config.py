@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from transformers import ProcessorMixin
 from trl import GRPOConfig
 
+from .distributed import EP_IMPLEMENTATIONS
 from .errors import LongStrawError
 from .generation import SamplingParams
 from .loss import GRPOLossSpec
@@ -107,6 +108,19 @@ class LongStrawGRPOConfig(GRPOConfig):
             holding 1/`cp_size` of its K/V pages (GDN state, weights and responses are replicated). The rank-0 batch
             of each group is broadcast to the others; the world size must be a multiple of `cp_size`, and the
             remaining factor is data parallel. Not TRL's `cp_size`, which `GRPOConfig` rejects for GRPO.
+        ep_size (`int`, *optional*, defaults to `1`):
+            Expert-parallel ranks: the routed experts of every MoE layer are split over groups of `ep_size`
+            consecutive ranks with transformers' expert parallelism (the config's `base_model_ep_plan`; `qwen3_moe`,
+            `qwen3_5_moe`, `glm4_moe`, `glm_moe_dsa`, `gpt_oss`). An EP group lies inside a context-parallel group
+            (`ep_size` must divide `cp_size`): its ranks hold the same batch, in step, which transformers'
+            `"all_reduce"` implementation needs. The routers, attention and dense weights stay replicated. Expert
+            gradients are averaged over the expert's replicas in the other EP groups, dense ones by DDP
+            (docs/parallelism.md). The model's weights must be equal on every rank when the trainer is built.
+        ep_implementation (`str`, *optional*, defaults to `"all_reduce"`):
+            transformers' `ep_implementation` for `ep_size > 1`: `"all_reduce"` (every rank runs its own experts on
+            all tokens and an all-reduce sums the outputs; no host sync, decode steps stay CUDA graphs) or
+            `"all_to_all"` (the shared batch is sliced over the group, tokens are exchanged with all-to-all; the split
+            sizes are read on the host every MoE layer).
 
         > Refresh of stale prompt states
 
@@ -268,6 +282,20 @@ class LongStrawGRPOConfig(GRPOConfig):
             "a multiple of it."
         },
     )
+    ep_size: int = field(
+        default=1,
+        metadata={
+            "help": "Expert-parallel ranks (transformers' EP over consecutive ranks inside a context-parallel group; "
+            "must divide cp_size)."
+        },
+    )
+    ep_implementation: str = field(
+        default="all_reduce",
+        metadata={
+            "help": "transformers' ep_implementation for ep_size > 1: 'all_reduce' or 'all_to_all'.",
+            "choices": list(EP_IMPLEMENTATIONS),
+        },
+    )
     refresh_policy: str = field(
         default="recapture",
         metadata={
@@ -350,6 +378,19 @@ class LongStrawGRPOConfig(GRPOConfig):
                 )
         if self.cp_size < 1:
             raise LongStrawError(f"cp_size must be >= 1, got {self.cp_size}.")
+        if self.ep_size < 1:
+            raise LongStrawError(f"ep_size must be >= 1, got {self.ep_size}.")
+        if self.ep_size > 1 and self.cp_size % self.ep_size:
+            raise LongStrawError(
+                f"ep_size={self.ep_size} must divide cp_size={self.cp_size}: an expert-parallel group must hold one "
+                "batch, in step (the ranks of a context-parallel group run every prompt chunk, decode step and replay "
+                "together; data-parallel ranks do not, and a per-layer expert exchange between them would deadlock). "
+                f"Set cp_size to a multiple of {self.ep_size} (e.g. cp_size={self.ep_size})."
+            )
+        if self.ep_implementation not in EP_IMPLEMENTATIONS:
+            raise LongStrawError(
+                f"ep_implementation must be one of {', '.join(EP_IMPLEMENTATIONS)}, got {self.ep_implementation!r}."
+            )
         if self.replay_batch_tokens < 0:
             raise LongStrawError(
                 f"replay_batch_tokens must be >= 0 (0: one response at a time), got {self.replay_batch_tokens}."
@@ -439,14 +480,11 @@ class LongStrawGRPOConfig(GRPOConfig):
 
     def check_router_aux(self, router_aux_loss_coef: float) -> None:
         """Refuse a MoE router load-balancing loss (the model's effective coefficient) with the options that cannot
-        stream it."""
+        stream it (context and expert parallelism can: tests/test_trainer_ep.py)."""
         if router_aux_loss_coef == 0.0:
             return
-        if self.cp_size > 1:
-            raise LongStrawError(
-                "router_aux_loss_coef != 0 is not supported with context parallelism (cp_size > 1) yet; set "
-                "router_aux_loss_coef=0.0 or cp_size=1."
-            )
+        # cp_size > 1 (and ep_size > 1) is fine: the routers are replicated and every rank of a CP group routes every
+        # token of the batch it shares, so each computes the same statistics (docs/parallelism.md).
         if self.replay_block_size is not None:
             raise LongStrawError(
                 "router_aux_loss_coef != 0 is not supported with replay_block_size (a response's router loss would "

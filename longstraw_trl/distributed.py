@@ -1,4 +1,4 @@
-"""Context parallelism over prompt pages.
+"""Context parallelism over prompt pages, and expert parallelism over the same ranks.
 
 Global page ``j`` of every full-attention layer lives on rank ``j % cp_size`` of the CP group; GDN
 states, weights and the response are replicated. Every rank runs every prompt chunk and every response;
@@ -7,6 +7,15 @@ in rank order (so every rank holds the same result), then adds the causal respon
 needs the page part's dQ only: each rank computes it from its pages and the all-reduce sums it, so
 parameter gradients come out identical on every rank (docs/design.md, "Distributed, model-native
 ownership").
+
+Expert parallelism (:class:`ExpertParallel`): transformers' own EP (``transformers.distributed.expert_parallel``: the
+model config's ``base_model_ep_plan``, ``grouped_gemm`` sharding of the fused expert weights on dim 0 and an
+``ep_dispatch_experts`` implementation) applied over groups of ``ep_size`` consecutive ranks *inside* a CP group. Those
+ranks hold the same batch (the same prompt chunks, decode steps and replays, in step), which is what transformers'
+``"all_reduce"`` implementation needs; no LongStraw code shards or dispatches tokens. Gradients (docs/parallelism.md):
+dense parameters are replicated and reduced by DDP (the mean over the world; identical on the ranks of a CP group);
+each expert lives on one rank of every EP group, and its gradient is averaged over its replicas, the ranks with the
+same EP index in the other EP groups (:meth:`ExpertParallel.reduce_gradients`), never over the EP group itself.
 """
 
 from __future__ import annotations
@@ -14,7 +23,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from transformers.distributed.expert_parallel import apply_expert_parallelism
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+from .errors import LongStrawError, UnsupportedModelError
+
+EP_IMPLEMENTATIONS = ("all_reduce", "all_to_all")
+"""transformers' ``ep_implementation`` values that run on a batch shared by the EP group (both run over gloo)."""
+EP_DISPATCH = "ep_dispatch_experts"
 
 
 def merge_gathered(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,3 +158,133 @@ def new_cp_groups(cp_size: int):
         if start <= rank < start + cp_size:
             mine = group
     return mine
+
+
+def expert_parallel_plan(model: nn.Module) -> dict[str, str]:
+    """The model's EP plan (``model.ep_plan``: ``base_model_ep_plan`` of its config, prefixed by the children's names)
+    expanded to concrete module and parameter names, each module's parameters before the module (the order
+    ``apply_expert_parallelism`` shards, then hooks). Empty for a model without one (a dense model)."""
+    plan = dict(getattr(model, "ep_plan", None) or {})
+    expanded: dict[str, str] = {}
+    if not plan:
+        return expanded
+    for name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            full = f"{name}.{param_name}" if name else param_name
+            style = plan.get(replace_layer_number_by_wildcard(full))
+            if style is not None:
+                expanded[full] = style
+        style = plan.get(replace_layer_number_by_wildcard(name))
+        if style is not None:
+            expanded[name] = style
+    return expanded
+
+
+def num_routed_experts(config) -> int | None:
+    """Routed experts per MoE layer of a (text) config: ``num_experts``, ``n_routed_experts`` (GLM, DeepSeek) or
+    ``num_local_experts`` (GPT-OSS); ``None`` for a dense model."""
+    for attr in ("num_experts", "n_routed_experts", "num_local_experts"):
+        value = getattr(config, attr, None)
+        if value:
+            return int(value)
+    return None
+
+
+def check_expert_parallel(model: nn.Module, ep_size: int, world: int, fsdp: bool = False) -> None:
+    """Refuse what :class:`ExpertParallel` cannot run, each with what to change: FSDP2 (``fsdp``), a dense model, an
+    ``ep_size`` that does not divide the routed experts or the ``world`` size (1 without a distributed launch)."""
+    if fsdp:
+        raise LongStrawError(
+            "ep_size > 1 with FSDP2 is not supported yet: fully_shard would shard the experts' DTensors, which live on "
+            "the expert-parallel mesh, over the data-parallel ranks. Launch with DDP (e.g. "
+            "examples/accelerate/cp2.yaml) or set ep_size=1."
+        )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    experts = num_routed_experts(config)
+    if experts is None:
+        raise UnsupportedModelError(
+            f"ep_size={ep_size} on a dense model ({type(model).__name__}, no routed experts). Set ep_size=1."
+        )
+    if experts % ep_size:
+        raise LongStrawError(
+            f"ep_size={ep_size} does not divide the model's {experts} routed experts per layer; choose an ep_size "
+            f"that divides {experts}."
+        )
+    if world % ep_size or world == 1:
+        raise LongStrawError(
+            f"ep_size={ep_size} needs a distributed launch whose world size is a multiple of it (got {world} "
+            "process(es))."
+        )
+
+
+class ExpertParallel:
+    """transformers' expert parallelism over groups of ``ep_size`` consecutive ranks, and the gradient rule it needs.
+
+    Args:
+        model: the transformers model (no peft / DDP wrapper) whose experts to shard. Its weights must be equal on
+            every rank (each rank keeps its own slice: ``distribute_tensor(src_data_rank=None)``, no communication).
+        ep_size: ranks per EP group; must divide the world size (the trainer also asks it to divide ``cp_size``, so
+            the EP group shares one batch).
+        implementation: transformers' ``ep_implementation`` (:data:`EP_IMPLEMENTATIONS`). ``"all_reduce"``: every rank
+            runs its experts on every token (routes to other ranks' experts masked, weight 0) and an all-reduce sums
+            the outputs; no host sync, so decode steps stay CUDA graphs. ``"all_to_all"``: the ranks slice the shared
+            batch, exchange the (token, expert) pairs and all-gather the slices back (reads split sizes on the host).
+
+    The mesh is ``(ep_replicate, ep)`` over the world, ``ep`` innermost: EP groups ``{0..ep-1}, {ep..2ep-1}, ...``
+    (inside the CP groups, which are consecutive too), replica groups ``{r, r + ep, ...}``.
+    """
+
+    def __init__(self, model: nn.Module, ep_size: int, implementation: str = "all_reduce"):
+        if implementation not in EP_IMPLEMENTATIONS:
+            raise LongStrawError(
+                f"ep_implementation must be one of {', '.join(EP_IMPLEMENTATIONS)}, got {implementation!r}."
+            )
+        world = dist.get_world_size()
+        if world % ep_size:
+            raise LongStrawError(f"ep_size={ep_size} does not divide the world size {world}.")
+        plan = expert_parallel_plan(model)
+        if EP_DISPATCH not in plan.values():
+            raise LongStrawError(
+                f"ep_size={ep_size} on a {type(model).__name__}: its config has no expert-parallel plan "
+                "(`base_model_ep_plan` with an `ep_dispatch_experts` rule), e.g. a dense model. Set ep_size=1."
+            )
+        modules = dict(model.named_modules())
+        for name, style in plan.items():
+            if style == EP_DISPATCH and hasattr(modules[name], "base_layer"):
+                raise LongStrawError(
+                    f"{name} is wrapped by a PEFT adapter: LoRA on MoE expert weights with ep_size > 1 is not "
+                    "supported (the adapter would wrap the sharded experts). Leave the experts out of target_modules."
+                )
+        device = next(model.parameters()).device.type
+        self.size = ep_size
+        self.mesh = init_device_mesh(
+            device, (world // ep_size, ep_size), mesh_dim_names=("ep_replicate", "ep")
+        )
+        self.group = self.mesh["ep"].get_group()
+        self.replicas = world // ep_size
+        self.replica_group = self.mesh["ep_replicate"].get_group() if self.replicas > 1 else None
+        apply_expert_parallelism(
+            model, self.mesh["ep"], self.mesh["ep"], plan, ep_implementation=implementation
+        )
+        self.parameters = [p for p in model.parameters() if isinstance(p, DTensor)]
+
+    def ignored_by_ddp(self, model: nn.Module) -> list[str]:
+        """Names (in ``model``, e.g. a peft wrapper of the sharded model) of the expert parameters, for DDP's
+        ``_ddp_params_and_buffers_to_ignore``: DDP would broadcast rank 0's experts over the others and average
+        different experts' gradients."""
+        mine = {id(p) for p in self.parameters}
+        return [n for n, p in model.named_parameters() if id(p) in mine]
+
+    def reduce_gradients(self) -> None:
+        """Average each expert gradient over its replicas (in place), once per optimizer step, after the step's last
+        backward. The EP group itself is never reduced over: an expert's gradient on its owner already holds every
+        token of the batch the group shares (the dispatch's backward brings them), and its other ranks hold other
+        experts. Dividing by the replicas matches DDP's mean over the world for the dense parameters, whose ranks
+        of one EP group hold identical gradients."""
+        if self.replica_group is None:
+            return
+        for p in self.parameters:
+            if p.grad is not None:
+                local = p.grad.to_local()
+                dist.all_reduce(local, group=self.replica_group)
+                local.div_(self.replicas)

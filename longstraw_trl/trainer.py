@@ -60,7 +60,7 @@ Refused at construction (each with a message saying what to change): `use_vllm`,
 (beam search, `typical_p`, `stop_strings`, ...; `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
 `sequence_bias`, `min_length`, `min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured),
 `top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss on a model whose HF forward computes
-none (e.g. `glm4_moe`) or with `cp_size > 1`, multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP1,
+none (e.g. `glm4_moe`), multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP1,
 Accelerate's own context/tensor parallelism (FSDP2 is supported: docs/fsdp.md), LOMO optimizers, datasets without a
 `prompt` column (unless an `environment_factory` gives the prompts: TRL's environment-owned data) and models
 `patch_model` does not support.
@@ -96,7 +96,7 @@ from trl.trainer.utils import is_async_callable
 from .adapters import adapters_in_model_dtype, bind_expert_adapters
 from .agents import grouped_rollout_func
 from .config import LongStrawGRPOConfig, check_whole_groups
-from .distributed import new_cp_groups
+from .distributed import ExpertParallel, check_expert_parallel, is_fsdp2, new_cp_groups
 from .engine import checkpointing_off
 from .errors import (
     LongStrawError,
@@ -397,6 +397,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         # Set before `super().__init__` (TRL's `__init__` may already call overridden methods).
         self.cp_group = None
+        self.expert_parallel: ExpertParallel | None = None
         self.prompt_states: PromptStates | None = None  # built once TRL's __init__ has set the model up
 
         super().__init__(
@@ -427,6 +428,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             RouterLoadBalancing(self.model) if self.loss_spec.router_aux_loss_coef != 0.0 else None
         )
         self.cp_group = self._context_parallel_group(args.cp_size)
+        self.expert_parallel = self._shard_experts(args)
         kernel_cache = use_kernel_cache(args.kernel_cache_dir)
         if torch.cuda.is_available():
             logger.info(
@@ -507,6 +509,39 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "process(es)); launch with e.g. `accelerate launch --config_file examples/accelerate/cp2.yaml`."
             )
         return new_cp_groups(cp_size)
+
+    def _shard_experts(self, args) -> ExpertParallel | None:
+        """``ep_size > 1``: split the policy's routed experts over EP groups with transformers' EP
+        (:class:`~longstraw_trl.distributed.ExpertParallel`) before DDP wraps the model (at ``train()``): DDP then leaves
+        the expert parameters alone (``_ddp_params_and_buffers_to_ignore``), and their gradients are averaged over
+        their replicas before the gradient norm (:meth:`_clip_grad_norm`, :meth:`_get_grad_norm`). A reference copy
+        (``beta > 0`` without adapters) keeps every expert."""
+        if args.ep_size == 1:
+            return None
+        base = unwrap_model(self.model)
+        check_expert_parallel(
+            base,
+            args.ep_size,
+            self.accelerator.num_processes if dist.is_initialized() else 1,
+            fsdp=is_fsdp2(self.model) or self.accelerator.state.distributed_type == "FSDP",
+        )
+        ep = ExpertParallel(base, args.ep_size, args.ep_implementation)
+        self.model._ddp_params_and_buffers_to_ignore = ep.ignored_by_ddp(self.model)
+        return ep
+
+    def _clip_grad_norm(self, model):
+        """transformers' clipping (one norm per device mesh: the experts' DTensor gradients on the EP mesh), after
+        the expert gradients are averaged over their replicas (``ep_size > 1``)."""
+        if self.expert_parallel is not None:
+            self.expert_parallel.reduce_gradients()
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """As transformers'; without clipping (``max_grad_norm=0``) this is the step's first look at the gradients, so
+        the expert gradients are averaged over their replicas here (:meth:`_clip_grad_norm` otherwise)."""
+        if grad_norm is None and self.expert_parallel is not None:
+            self.expert_parallel.reduce_gradients()
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     # ------------------------------------------------------------------------------------------------------------------
     # What the GRPO step objects ask of their host (longstraw_trl.prompt_states.StepHost)

@@ -8,7 +8,9 @@
 ``--as-rank R`` samples with rank R's random stream (:class:`DesyncRandomness`) in one process; ``--lora`` trains LoRA adapters (peft) instead of every parameter. Under a launch config with
 ``distributed_type: FSDP`` (examples/accelerate/fsdp2.yaml) the policy is sharded with FSDP2 (on a CPU-only
 machine through :func:`_fsdp_shim.fsdp_on_cpu`); gradients and parameters are then gathered before they are written.
-``--bf16`` trains under TRL's default ``bf16=True`` (on CPU: bf16 autocast; launch with
+``--family qwen3_moe`` / ``glm_moe_dsa`` trains a tiny MoE (4 / 8 experts) instead of the dense Qwen3; ``--ep-size N``
+(with ``--ep-implementation``) splits its experts over EP groups (transformers' EP), ``--router-aux C`` sets the
+router load-balancing coefficient. ``--bf16`` trains under TRL's default ``bf16=True`` (on CPU: bf16 autocast; launch with
 ``--mixed_precision bf16`` then); ``--prompt`` replaces the default ~7-page prompt (a prompt shorter than
 one 32-token page leaves every rank but the first without pages).
 
@@ -30,7 +32,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _fsdp_shim import fsdp_on_cpu, full_tensor  # noqa: E402
-from _trl_helpers import make_tiny_longstraw_trainer, tiny_qwen3_config  # noqa: E402
+from _models import build_glm_dsa  # noqa: E402
+from _trl_helpers import (  # noqa: E402
+    TINY_VOCAB,
+    make_tiny_longstraw_trainer,
+    tiny_qwen3_config,
+    tiny_qwen3_moe,
+)
 from datasets import Dataset  # noqa: E402
 from transformers import Qwen3ForCausalLM, TrainerCallback  # noqa: E402
 
@@ -79,6 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--as-rank", type=int, default=0)
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0: reference log-probs)")
+    ap.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe", "glm_moe_dsa"])
+    ap.add_argument("--ep-size", type=int, default=1)
+    ap.add_argument("--ep-implementation", default="all_reduce")
+    ap.add_argument("--router-aux", type=float, default=0.0, help="router_aux_loss_coef (qwen3_moe)")
     a = ap.parse_args(argv)
     fsdp_on_cpu()
     threads = torch.get_num_threads()
@@ -91,6 +103,20 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(threads)
 
 
+def build_model(family: str, router_aux: float = 0.0):
+    """The step's policy, equal on every rank (seed 0): the dense tiny Qwen3, a 2-layer Qwen3-MoE (4 experts, top-2,
+    sharpened routers) or a 4-layer GLM-5 (2 dense + 2 MoE layers, 8 routed experts + 1 shared, MLA + DSA with
+    ``index_topk`` above the length), each with the toy tokenizer's vocabulary."""
+    if family == "qwen3_moe":
+        return tiny_qwen3_moe(router_aux_loss_coef=router_aux, seed=0)
+    if family == "glm_moe_dsa":
+        return build_glm_dsa(
+            seed=0, vocab_size=TINY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        ).train()
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(tiny_qwen3_config())
+
+
 def step(a: argparse.Namespace) -> None:
     peft = None
     if a.lora:
@@ -98,8 +124,7 @@ def step(a: argparse.Namespace) -> None:
 
         peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     # built here rather than loaded from `tiny_model_dir()`: under an FSDP launch only the main process saves it
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(tiny_qwen3_config())
+    model = build_model(a.family, a.router_aux)
     trainer = make_tiny_longstraw_trainer(
         model=model,
         loss_type=a.loss_type,
@@ -119,6 +144,9 @@ def step(a: argparse.Namespace) -> None:
         gradient_mode=a.gradient_mode,
         replay_block_size=a.replay_block_size,
         peft_config=peft,
+        ep_size=a.ep_size,
+        ep_implementation=a.ep_implementation,
+        **({"router_aux_loss_coef": a.router_aux} if a.family == "qwen3_moe" else {}),
     )
     record = RecordGradients(trainer.model)
     trainer.add_callback(record)
@@ -127,6 +155,10 @@ def step(a: argparse.Namespace) -> None:
     }
     trainer.add_callback(DesyncRandomness(int(os.environ.get("RANK", 0)) or a.as_rank))
     trainer.train()
+    # the expert shards this rank holds (transformers' EP: DTensors on the EP mesh), to show the experts were split
+    local_shapes = {
+        n: list(p.to_local().shape) for n, p in trainer.model.named_parameters() if hasattr(p, "to_local")
+    }
     # gathered on every rank (a collective under FSDP2)
     params = {
         n: full_tensor(p).detach().double().flatten().tolist() for n, p in trainer.model.named_parameters()
@@ -134,10 +166,19 @@ def step(a: argparse.Namespace) -> None:
     if trainer.accelerator.is_main_process:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         with open(a.out, "w") as f:
-            json.dump({"loss": losses, "grads": record.grads, "params": params, "initial": initial}, f)
+            json.dump(
+                {
+                    "loss": losses,
+                    "grads": record.grads,
+                    "params": params,
+                    "initial": initial,
+                    "local": local_shapes,
+                },
+                f,
+            )
     else:
         with open(f"{a.out}.rank{trainer.accelerator.process_index}", "w") as f:
-            json.dump({"grads": record.grads}, f)
+            json.dump({"grads": record.grads, "local": local_shapes}, f)
     if torch.distributed.is_initialized():  # leave together: a rank that exits early can abort its peer
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

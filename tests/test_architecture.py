@@ -273,6 +273,8 @@ TRL_HOOKS = {
     "training_step": ["self", "model", "inputs", "num_items_in_batch"],
     "_save_checkpoint": ["self", "model", "trial"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+    "_clip_grad_norm": ["self", "model"],
+    "_get_grad_norm": ["self", "model", "grad_norm"],
 }
 
 
