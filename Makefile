@@ -26,7 +26,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/grpo_lockers.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 
@@ -26,3 +31,46 @@ def exit_worker() -> None:
     """End a worker that passed, skipping interpreter teardown (DDP / process-group destructors can block
     on a peer that has already left)."""
     os._exit(0)
+
+
+ACCELERATE_DIR = Path(__file__).parent.parent / "examples" / "accelerate"
+CP_STEP = Path(__file__).parent / "_cp_step.py"
+
+
+def accelerate_launch(
+    config: Path,
+    script_and_args: list[str],
+    *,
+    num_processes: int | None = None,
+    mixed_precision: str = "no",
+    cwd: Path | None = None,
+    timeout: float = 300.0,
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file config [...] script args`` in a subprocess, on a free port (``0``: tests
+    run side by side under pytest-xdist, and Accelerate's default, 29500, would collide), one thread per rank."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        "0",
+    ]
+    if num_processes is not None:
+        cmd += ["--num_processes", str(num_processes)]
+    cmd += ["--mixed_precision", mixed_precision, *map(str, script_and_args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, check=False)
+
+
+def launch_step(config: Path, out: Path, *args: str, num_processes: int | None = None, **kwargs) -> dict:
+    """One ``tests/_cp_step.py`` step under ``accelerate launch`` (:func:`accelerate_launch`): the JSON it wrote."""
+    proc = accelerate_launch(config, [CP_STEP, "--out", out, *args], num_processes=num_processes, **kwargs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(Path(out).read_text())
+
+
+def relative_l2(got, ref: torch.Tensor) -> float:
+    """``|got - ref| / |ref|`` (``got`` a tensor or a list from a step's JSON)."""
+    return float((torch.as_tensor(got) - ref).norm() / ref.norm().clamp_min(1e-12))

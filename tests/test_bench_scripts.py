@@ -59,8 +59,9 @@ def test_cp_slice_dry_run_two_ranks(tmp_path):
     # --tee 3: every line of a rank's stdout/stderr (C++ included) prefixed "[default<rank>]:", so a failure names
     # the process that printed it (an unprefixed line is torchrun's own); one run on a clean clone aborted with
     # gloo's "terminate called without an active exception", not reproduced since (issue 29 item 9; the exit
-    # paths are now covered by bench/common.py's process_group, tested below)
-    _run(tmp_path, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--tee", "3", "cp_slice.py", "--tiny",
+    # paths are now covered by bench/common.py's process_group, tested below); --standalone: a free port, so that
+    # tests launched side by side (pytest-xdist) do not collide on torchrun's default 29500
+    _run(tmp_path, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--tee", "3", "cp_slice.py", "--tiny",
          "--prompt", "1500", "--response", "8", "--generations", "2", "--cycles", "2", "--chunk", "512",
          "--page", "256")  # fmt: skip
     data = json.loads((tmp_path / "cp2_qwen3.6-27b_4L_P1500.json").read_text())

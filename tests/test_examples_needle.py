@@ -5,14 +5,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from _spawn import accelerate_launch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_needle.py"
 TINY = ["--prompt-tokens", "48", "--train-prompts", "4", "--eval-prompts", "1", "--num-generations", "2",
@@ -106,11 +104,21 @@ def test_two_processes_print_once(tmp_path):
     so do transformers' weight-loading bars of the policy and the reference (`--beta`: the first process saves the
     initial weights, the other waits for them)."""
     config = EXAMPLE.parent / "accelerate" / "cp2.yaml"
-    proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--mixed_precision",
-         "no", str(EXAMPLE), *TINY, "--cp-size", "2", "--steps", "1", "--beta", "0.04", "--output-dir", str(tmp_path / "needle")],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300, check=False,
-    )  # fmt: skip
+    proc = accelerate_launch(
+        config,
+        [
+            EXAMPLE,
+            *TINY,
+            "--cp-size",
+            "2",
+            "--steps",
+            "1",
+            "--beta",
+            "0.04",
+            "--output-dir",
+            tmp_path / "needle",
+        ],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert sum(x.startswith("model: random-init") for x in lines) == 1, proc.stdout

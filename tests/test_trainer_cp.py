@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _spawn import launch_step
 
 from longstraw_trl import LongStrawError
 
@@ -89,33 +90,26 @@ def test_cp2_full_gradient_equals_single_process(tmp_path, block):
 
 
 def _launch(out: Path, cp_size: int, bf16: bool = False, prompt: str | None = None, extra=()) -> dict:
-    cmd = [sys.executable]
-    if cp_size > 1:
-        assert cp_size == 2, "only the shipped cp2.yaml is launched here"
-        cmd += [
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(CP2_CONFIG),
-            "--mixed_precision",
-            "bf16" if bf16 else "no",
-        ]
-    cmd += [str(STEP), "--cp-size", str(cp_size), "--out", str(out)]
-    if bf16:
-        cmd.append("--bf16")
-    if prompt is not None:
-        cmd += ["--prompt", prompt]
-    cmd += list(extra)
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    args = [
+        "--cp-size",
+        str(cp_size),
+        *(["--bf16"] if bf16 else []),
+        *(["--prompt", prompt] if prompt else []),
+    ]
+    args += list(extra)
+    if cp_size == 1:  # the single-process reference: the step script itself
+        proc = subprocess.run(
+            [sys.executable, str(STEP), "--out", str(out), *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(out.read_text())
+    assert cp_size == 2, "only the shipped cp2.yaml is launched here"
+    return launch_step(CP2_CONFIG, out, *args, mixed_precision="bf16" if bf16 else "no")
 
 
 def test_cp_size_without_a_distributed_launch_is_refused():

@@ -140,7 +140,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("options", ["plain", "entropy", "full"])
+@pytest.mark.parametrize(
+    "options",
+    # "full" (120 s here) is slow: the full mode's DDP step through train(), its single-process equality and its one
+    # all-reduce per bucket are tests/test_full_gradient_distributed.py's fast test
+    ["plain", "entropy", pytest.param("full", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("world", [2])
 def test_ddp_reduces_once_per_optimizer_step_and_averages(world, options):
     run_processes(_worker, (world, _free_port(), options), world)

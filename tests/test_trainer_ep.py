@@ -18,15 +18,13 @@ single-process step run in the test's own process (``_cp_step.main``), never wit
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _cp_step import main as run_step
 from _models import build_glm_dsa
+from _spawn import launch_step, relative_l2
 
 from longstraw_trl import LongStrawError, LongStrawGRPOConfig, UnsupportedModelError
 from longstraw_trl.distributed import check_expert_parallel
@@ -42,31 +40,7 @@ def _single(out: Path, *extra: str) -> dict:
 
 
 def _launch(out: Path, processes: int, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CP2_CONFIG)]
-    cmd += [
-        "--num_processes",
-        str(processes),
-        "--mixed_precision",
-        "no",
-        str(STEP),
-        "--out",
-        str(out),
-        *extra,
-    ]
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=400,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
-def _relative(got: list[float], ref: torch.Tensor) -> float:
-    return float((torch.tensor(got) - ref).norm() / ref.norm().clamp_min(1e-12))
+    return launch_step(CP2_CONFIG, out, *extra, num_processes=processes, timeout=400)
 
 
 def _assert_experts_split(sharded: dict, ep_size: int) -> None:
@@ -82,7 +56,7 @@ def _assert_experts_split(sharded: dict, ep_size: int) -> None:
 def _assert_grads(sharded: dict, grads: dict[str, torch.Tensor], what: str) -> float:
     assert set(sharded["grads"]) == set(grads) and grads
     assert any(g.abs().max() > 0 for n, g in grads.items() if "experts" in n)
-    worst = max(_relative(sharded["grads"][n], g) for n, g in grads.items())
+    worst = max(relative_l2(sharded["grads"][n], g) for n, g in grads.items())
     print(f"{what}: worst grad rel L2 {worst:.2e}")
     assert worst <= TOL
     return worst
@@ -97,7 +71,7 @@ def _check_ep2_cp2(tmp_path: Path, *extra: str) -> None:
     print(f"{what}: loss {sharded['loss'][0]:.8f} vs {single['loss'][0]:.8f}")
     assert abs(single["loss"][0] - sharded["loss"][0]) <= TOL
     _assert_grads(sharded, {n: torch.tensor(g) for n, g in single["grads"].items()}, what)
-    worst = max(_relative(sharded["params"][n], torch.tensor(p)) for n, p in single["params"].items())
+    worst = max(relative_l2(sharded["params"][n], torch.tensor(p)) for n, p in single["params"].items())
     print(f"{what}: worst updated parameter rel L2 {worst:.2e}")
     assert worst <= TOL
 

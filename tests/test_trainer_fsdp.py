@@ -19,15 +19,13 @@ The single-process references run in the test's own process (``_cp_step.main``);
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from _cp_step import main as run_step
+from _spawn import launch_step, relative_l2
 
 from longstraw_trl import LongStrawError, LongStrawGRPOConfig
 
@@ -41,22 +39,7 @@ def _single(out: Path, *extra: str) -> dict:
 
 
 def _fsdp2(out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG)]
-    cmd += ["--num_processes", "2", "--mixed_precision", "no", str(STEP), "--out", str(out), *extra]
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
-def _relative(got: list[float], ref: torch.Tensor) -> float:
-    return float((torch.tensor(got) - ref).norm() / ref.norm().clamp_min(1e-12))
+    return launch_step(FSDP2_CONFIG, out, *extra, num_processes=2)
 
 
 def assert_step_matches(
@@ -67,12 +50,12 @@ def assert_step_matches(
     is about ``lr * sign(grad)``, blind to a gradient counted twice."""
     assert set(sharded["grads"]) == set(grads) and grads
     assert any(g.abs().max() > 0 for g in grads.values())
-    worst_grad = max(_relative(sharded["grads"][n], g) for n, g in grads.items())
+    worst_grad = max(relative_l2(sharded["grads"][n], g) for n, g in grads.items())
     print(f"{what}: worst grad rel L2 {worst_grad:.2e}")
     assert worst_grad <= 1e-5
     if params is not None:
         assert set(sharded["params"]) == set(params)
-        worst_param = max(_relative(sharded["params"][n], p) for n, p in params.items())
+        worst_param = max(relative_l2(sharded["params"][n], p) for n, p in params.items())
         print(f"{what}: worst updated parameter rel L2 {worst_param:.2e}")
         assert worst_param <= 1e-5
 
