@@ -161,6 +161,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as children_out:
         if args.pins:
             pins = out_dir / "autotune_pins.json"
+            after = out_dir / "autotune_pins_after_pinned.json"
             out_dir.mkdir(parents=True, exist_ok=True)
             if args.skip_tune:
                 payload["pins"] = {p.name: json.loads(p.read_text()) for p in sorted(PINS_DIR.glob("*.json"))}
@@ -175,8 +176,15 @@ def main() -> None:
                     (PINS_DIR / f"{payload['pins']['gpu']}.json").write_text(pins.read_text())
                 write_result(name, payload)
             payload["cases"].append(
-                run_case("pinned", Path(tmp) / "pinned", args, Path(children_out), [args.prompt] * 2)
+                run_case("pinned", Path(tmp) / "pinned", args, Path(children_out), [args.prompt] * 2, after)
             )
+            # the pinned process's choices: the pins it was given plus whatever it still had to tune (keys the tune
+            # run never met, e.g. the measured step's response length); kept as the pins, so the next fresh machine
+            # tunes none of them (session 12's 512K step still timed 33 configurations of 3 kernels)
+            if after.exists() and json.loads(after.read_text()).get("gpu"):
+                gpu = json.loads(after.read_text())["gpu"]
+                (PINS_DIR / f"{gpu}.json").write_text(after.read_text())
+                payload["pins_after_pinned"] = json.loads(after.read_text())
         else:
             cache_dir = Path(tmp) / "triton"
             for case in ("cold", "disk cache"):
