@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -74,3 +75,23 @@ def launch_step(config: Path, out: Path, *args: str, num_processes: int | None =
 def relative_l2(got, ref: torch.Tensor) -> float:
     """``|got - ref| / |ref|`` (``got`` a tensor or a list from a step's JSON)."""
     return float((torch.as_tensor(got) - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a spawned world's ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_rank(rank: int, world: int, port: int) -> None:
+    """Make this spawned process rank ``rank`` of a ``world``-process launch on ``port`` (the environment
+    ``accelerate launch`` / torchrun would give it, so the trainer's Accelerator joins the group), one thread."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)

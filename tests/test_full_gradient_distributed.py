@@ -10,12 +10,10 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import torch
 import torch.distributed as dist
-from _spawn import exit_worker, run_processes
+from _spawn import as_rank, exit_worker, free_port, run_processes
 from _trl_helpers import scripted_trainer, tiny_model_dir
 from transformers import TrainerCallback
 
@@ -52,14 +50,7 @@ class CountReductions(TrainerCallback):
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     tiny_model_dir()  # saved before the process joins a group (a non-main rank's save_pretrained writes no weights)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    as_rank(rank, world, port)
     # prompts of 30 tokens in chunks of 16: the prompt backward recomputes two segments, the synchronising one last
     trainer = scripted_trainer(False, capture_chunk_size=16, ddp_timeout=60, **STEPS)
     assert trainer.accelerator.num_processes == world
@@ -75,12 +66,6 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     exit_worker()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stock_update(**overrides) -> dict[str, torch.Tensor]:
     stock = scripted_trainer(True, **overrides)
     start = {n: p.detach().clone() for n, p in stock.model.named_parameters()}
@@ -90,7 +75,7 @@ def _stock_update(**overrides) -> dict[str, torch.Tensor]:
 
 def test_ddp_full_gradient_train_equals_single_process_stock_and_reduces_once(tmp_path):
     out = tmp_path / "rank0.json"
-    run_processes(_ddp_worker, (2, _free_port(), str(out)), 2)
+    run_processes(_ddp_worker, (2, free_port(), str(out)), 2)
     result = json.loads(out.read_text())
     # one process with both ranks' rows: stock GRPOTrainer, both groups in one micro-batch
     stock = _stock_update(per_device_train_batch_size=8, **STEPS)

@@ -12,13 +12,10 @@ adaptive control) the same holds, and the adaptive controller reduces its window
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-from _spawn import exit_worker, run_processes
+from _spawn import as_rank, exit_worker, free_port, run_processes
 from _trl_helpers import make_tiny_longstraw_trainer, random_grpo_inputs
 
 from longstraw_trl.state_cache import prompt_key as _prompt_key
@@ -56,14 +53,7 @@ ENTROPY = dict(entropy_coef=0.05, top_entropy_quantile=0.5, use_adaptive_entropy
 
 
 def _worker(rank: int, world: int, port: int, options: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    as_rank(rank, world, port)
     # "full": gradient_mode="full" with reverse block replay: every backward under no_sync but the last prompt segment
     extra = {"entropy": ENTROPY, "full": dict(gradient_mode="full", replay_block_size=2)}.get(options, {})
     trainer = make_tiny_longstraw_trainer(beta=0.04, loss_type="grpo", ddp_timeout=60, **extra)
@@ -134,12 +124,6 @@ def _worker(rank: int, world: int, port: int, options: str) -> None:
     exit_worker()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(
     "options",
     # "full" (120 s here) is slow: the full mode's DDP step through train(), its single-process equality and its one
@@ -148,4 +132,4 @@ def _free_port() -> int:
 )
 @pytest.mark.parametrize("world", [2])
 def test_ddp_reduces_once_per_optimizer_step_and_averages(world, options):
-    run_processes(_worker, (world, _free_port(), options), world)
+    run_processes(_worker, (world, free_port(), options), world)
