@@ -294,16 +294,21 @@ def lora_parameters(config, rank: int) -> int:
     return rank * _meta_counts(config, 1)[3]
 
 
+def _state_types(config) -> list[tuple[int, type]]:
+    """``(layer, LayerState class)`` of every layer that keeps a prompt state (the family's
+    ``layer_state_type``; ``None`` for blocks that keep none, e.g. Nemotron-H's MLP and MoE blocks)."""
+    patch = patch_for_model_type(config.model_type)
+    kinds = ((i, patch.layer_state_type(config, i)) for i in range(len(_layer_types(config))))
+    return [(i, cls) for i, cls in kinds if cls is not None]
+
+
 def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 16384, dtype_bytes: int = 2):
     """Per-rank prompt state by kind: each layer's ``LayerState.planned_bytes`` (the class its family patch
     keeps there), for the ``P - 1`` resident tokens on the rank holding the most pages (rank 0)."""
-    types = _layer_types(config)
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     out: dict[str, int] = {}
-    patch = patch_for_model_type(config.model_type)
-    for i in range(len(types)):
-        cls = patch.layer_state_type(config, i)
+    for i, cls in _state_types(config):
         tokens = on_rank if cls.sharded else resident
         for kind, n in cls.planned_bytes_by_kind(config, i, tokens, dtype_bytes).items():
             out[kind] = out.get(kind, 0) + n
@@ -319,10 +324,8 @@ def offload_bytes(
     (``LayerState.planned_offload_workspace``)."""
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
-    patch = patch_for_model_type(config.model_type)
     host = workspace = 0
-    for i in range(len(_layer_types(config))):
-        cls = patch.layer_state_type(config, i)
+    for i, cls in _state_types(config):
         if cls.offloadable:
             tokens = on_rank if cls.sharded else resident
             host += cls.planned_bytes(config, i, tokens, dtype_bytes)
@@ -350,10 +353,8 @@ def full_gradient_bytes(
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     boundaries = max(-(-resident // chunk_size) - 1, 0)
-    patch = patch_for_model_type(config.model_type)
     buffers = kept = workspace = host_buffers = 0
-    for i in range(len(_layer_types(config))):
-        cls = patch.layer_state_type(config, i)
+    for i, cls in _state_types(config):
         n = cls.planned_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
         if cls.grad_kind == "buffer":
             fp32 = cls.planned_grad_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
@@ -378,10 +379,8 @@ def shared_prefix_boundary_bytes(
     every capture-chunk boundary, where a later prompt may branch off (growing kinds give a prefix view instead)."""
     resident = max(prompt_tokens - 1, 0)
     boundaries = max(-(-resident // chunk_size) - 1, 0)
-    patch = patch_for_model_type(config.model_type)
     fixed = 0
-    for i in range(len(_layer_types(config))):
-        cls = patch.layer_state_type(config, i)
+    for i, cls in _state_types(config):
         if not cls.sharded:
             fixed += cls.planned_bytes(config, i, resident, dtype_bytes)
     return boundaries * fixed
