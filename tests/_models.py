@@ -446,4 +446,30 @@ def build_nemotron_h(seed: int = 0, attn_implementation: str = "eager", **overri
         nemotron_h_config(**overrides), attn_implementation=attn_implementation
     )
     _spread_router_bias(model)
+    _lively_mamba2(model)
     return model.float().eval()
+
+
+MAMBA2_IN_GAIN, MAMBA2_CONV_GAIN = 4.0, 25.0
+
+
+@torch.no_grad()
+def _lively_mamba2(model):
+    """HF's init makes the Mamba-2 blocks nearly inert: ``dt`` in (0.001, 0.1) with ``D = 1`` leaves the SSM's share
+    of the output ~1e-3 of the skip term, so a test could drop the whole state and still pass at 1e-4. Draw ``dt`` in
+    (0.05, 0.5) (``dt_bias``), ``A`` in (0.02, 0.5), ``D`` in (0, 0.5) and scale ``in_proj`` and the conv
+    weight (std 0.02: B, C and x would be ~1e-2, their product in the output ~1e-5) up: every head then carries
+    state over tens of tokens and the state decides the outputs (``test_the_prompt_state_decides_the_logprobs``)."""
+    gen = torch.Generator().manual_seed(2024)
+    for name, param in model.named_parameters():
+        if name.endswith("mixer.dt_bias"):
+            dt = torch.empty(param.shape).uniform_(0.05, 0.5, generator=gen)
+            param.copy_(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
+        elif name.endswith("mixer.A_log"):
+            param.copy_(torch.empty(param.shape).uniform_(0.02, 0.5, generator=gen).log())
+        elif name.endswith("mixer.D"):
+            param.copy_(torch.empty(param.shape).uniform_(0.0, 0.5, generator=gen))
+        elif name.endswith("mixer.in_proj.weight"):
+            param.mul_(MAMBA2_IN_GAIN)
+        elif name.endswith("mixer.conv1d.weight"):
+            param.mul_(MAMBA2_CONV_GAIN)
