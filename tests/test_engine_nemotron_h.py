@@ -268,8 +268,9 @@ def _cp_worker(rank: int, world: int, init_file: str) -> None:
         sharded = capture_prompt(model, prompt, chunk_size=24, page_size=8, cp_group=dist.group.WORLD)
         assert sharded.nbytes_by_kind()["mamba2"] == single.nbytes_by_kind()["mamba2"]
         assert sharded.nbytes_by_kind()["kv"] < single.nbytes_by_kind()["kv"]
-        for i in MAMBA_LAYERS:
-            assert torch.equal(sharded.layers[i].recurrent, single.layers[i].recurrent)
+        # every rank holds the whole state (layer 3 reads the attention's merged partials: equal up to rounding)
+        assert torch.equal(sharded.layers[0].recurrent, single.layers[0].recurrent)
+        assert torch.allclose(sharded.layers[3].recurrent, single.layers[3].recurrent, atol=1e-5)
         diff = (single.logprobs(model, ids, mask) - sharded.logprobs(model, ids, mask)) * mask
         assert diff.abs().max() <= 1e-5, diff.abs().max()
         g_single = weighted_replay_grads(model, single, ids, mask)
@@ -300,7 +301,6 @@ def test_context_parallel_equals_single_process_and_stock():
 # ----------------------------------------------------------------------------------------------------
 # trainer.train() against stock GRPOTrainer
 # ----------------------------------------------------------------------------------------------------
-@pytest.mark.slow
 @pytest.mark.parametrize("gradient_mode", ["full", "response_only"])
 def test_train_one_step_under_trl_defaults_matches_stock_grpo_trainer(gradient_mode):
     """One SGD step of ``trainer.train()`` with TRL's defaults (HF gradient checkpointing on, beta 0) on the same
