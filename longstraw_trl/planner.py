@@ -388,6 +388,8 @@ def shared_prefix_boundary_bytes(
 
 def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
     """Tensors autograd keeps for one decoder layer over ``tokens`` response tokens."""
+    if getattr(config, "layers_block_type", None) is not None:  # Nemotron-H: one mixer a block
+        return tokens * _nemotron_h_block_bytes(config, kind, b)
     h = config.hidden_size
     # routed experts: `num_experts` (Qwen MoE) or `n_routed_experts` (GLM: glm4_moe, glm_moe_dsa)
     routed = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
@@ -409,6 +411,30 @@ def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
         # norm in/out, projections (+ q/k norm and rope copies), output, the fp32 merged out kept for backward
         mixer = (2 * h + 3 * (q + 2 * kv) + 2 * q + 2 * gate) * b + q * 4
     return tokens * (mixer + mlp)
+
+
+def _nemotron_h_block_bytes(config, kind: str, b: int) -> int:
+    """Per response token, what autograd keeps for one Nemotron-H block (norm in/out plus its one mixer). An estimate
+    from the tensors the mixers keep, not yet checked against a device peak (``tests/test_planner.py`` measures the
+    Qwen and GLM families only)."""
+    h = config.hidden_size
+    if (
+        kind == "linear_attention"
+    ):  # Mamba-2: in_proj out, conv in/out, gate, gated norm; the SSD scan in fp32
+        heads, p, n, g = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups
+        inner, conv = heads * p, heads * p + 2 * g * n
+        chunk = (
+            config.chunk_size
+        )  # per token: its row of the chunk's decay and score matrices, x dt, B and C per head
+        scan = (2 * heads * chunk + inner + 2 * heads * n + 2 * inner) * 4
+        return (2 * h + (inner + conv + heads) + 2 * conv + 3 * inner) * b + scan
+    if kind == "full_attention":
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        return (2 * h + 3 * (q + 2 * kv) + 2 * q) * b + q * 4
+    if kind == "moe":
+        inter = config.moe_intermediate_size * config.num_experts_per_tok
+        return (2 * h + 3 * inter + 3 * config.moe_shared_expert_intermediate_size) * b
+    return (2 * h + 3 * config.intermediate_size) * b  # mlp: up, act(up), down in
 
 
 def plan_memory(

@@ -44,7 +44,7 @@ from longstraw_trl import (
 )
 from longstraw_trl.engine import ReplayContext, forward_model
 from longstraw_trl.model_patches import NemotronHPatch, apply_longstraw_to_nemotron_h, find_patch
-from longstraw_trl.planner import state_bytes
+from longstraw_trl.planner import full_gradient_bytes, plan_memory, state_bytes
 
 # peft refuses LoRA on a Mamba model's ``out_proj`` and ``conv1d`` (HF's fused kernel reads their weights directly)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"]
@@ -176,6 +176,14 @@ def test_planned_state_bytes_are_what_a_capture_holds(prompt_len):
     # the Mamba-2 state is replicated over context-parallel ranks; only the pages are spread
     cp = state_bytes(cfg, prompt_len, cp_size=2, page_size=16, dtype_bytes=4)
     assert cp["mamba2"] == got["mamba2"] and cp["kv"] <= got["kv"]
+    # the whole plan runs on the config (its graph terms are estimates for Nemotron-H's blocks)
+    plan = plan_memory(
+        cfg, prompt_len, page_size=16, dtype_bytes=4, gradient_mode="full", capture_chunk_size=64
+    )
+    assert plan.state_by_kind == got and plan.response_graph > 0
+    # full mode: a leaf gradient of the state's size, and the state kept at every capture-chunk boundary
+    buffers, kept, *_ = full_gradient_bytes(cfg, prompt_len, page_size=16, dtype_bytes=4, chunk_size=64)
+    assert kept == (-(-(prompt_len - 1) // 64) - 1) * got["mamba2"]
 
 
 def test_offloaded_state_keeps_mamba2_on_the_device_and_scores_the_same():
