@@ -1031,7 +1031,7 @@ class StateGrads:
         if layer.grad_kind is None:
             raise LongStrawError(
                 f"layer {idx} keeps a {type(layer).__name__}, which has no full gradient (gradient_mode='full' "
-                "and reverse block replay support K/V pages and windows, MLA latent pages and Gated DeltaNet states)"
+                "and reverse block replay support K/V pages and windows, MLA latent pages, Gated DeltaNet and Mamba-2 states)"
             )
 
     def kv(self, idx: int) -> KVGrad:
