@@ -8,8 +8,10 @@ from .engine import capture_prompt, extend_state, prompt_backward, replay_blocks
 from .errors import LongStrawError, PromptTooLongError, UnsupportedModelError
 from .generation import generate_from_state
 from .model_patches import patch_model, supported_model_types
+from .model_patches.nemotron_h import Mamba2State
 from .model_patches.qwen3_5 import GDNState
 from .state import (
+    ConvRecurrentState,
     KVGrad,
     KVPages,
     LayerState,
@@ -27,11 +29,13 @@ provide_operations(StateOperations(extend_state, replay_logprobs, generate_from_
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConvRecurrentState",
     "GDNState",
     "KVGrad",
     "KVPages",
     "LayerState",
     "LongStrawError",
+    "Mamba2State",
     "PromptState",
     "PromptTooLongError",
     "StateGrads",

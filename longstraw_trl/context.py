@@ -20,7 +20,15 @@ from longstraw_trl.kernels.attention import pages_attention, prompt_response_att
 
 from .distributed import communicator
 from .errors import LongStrawError
-from .state import KVPages, LayerState, PromptState, StateGrads, WindowKV, storage_device
+from .state import (
+    ConvRecurrentState,
+    KVPages,
+    LayerState,
+    PromptState,
+    StateGrads,
+    WindowKV,
+    storage_device,
+)
 
 CTX_KWARG = "longstraw"
 
@@ -355,6 +363,23 @@ class ReplayContext:
         """Decode: the sequences' own state of fixed-size layer ``idx`` after the previous steps (``None`` before
         the first step, and in every other mode)."""
         return self.running.get(idx) if self.mode.keeps_running_state else None
+
+    def recurrent_start(self, idx: int, cls: type[ConvRecurrentState], batch: int) -> ConvRecurrentState:
+        """The state a recurrent layer (GDN, Mamba-2) of ``batch`` sequences starts this call from, never written (the
+        kernels treat it as a constant): decode: the sequences' running state after the previous steps; otherwise the
+        prompt state expanded to the batch (in the full gradient: its leaf); the initial state (no tensors) when nothing
+        is captured yet."""
+        running = self.running_state(idx)
+        if running is not None:
+            if running.batch != batch:
+                raise LongStrawError(
+                    f"decode batch changed from {running.batch} to {batch} within one context"
+                )
+            return running
+        prompt = self.layer_state(idx, cls, cls)
+        if prompt is None:  # nothing captured yet: the start of the sequence
+            return cls()
+        return prompt.expand(batch)
 
     def keep_final_state(self, idx: int, after: LayerState) -> None:
         """A fixed-size layer's state after the call's tokens (only asked for when ``mode.needs_final_state``):

@@ -294,16 +294,21 @@ def lora_parameters(config, rank: int) -> int:
     return rank * _meta_counts(config, 1)[3]
 
 
+def _state_types(config) -> list[tuple[int, type]]:
+    """``(layer, LayerState class)`` of every layer that keeps a prompt state (the family's
+    ``layer_state_type``; ``None`` for blocks that keep none, e.g. Nemotron-H's MLP and MoE blocks)."""
+    patch = patch_for_model_type(config.model_type)
+    kinds = ((i, patch.layer_state_type(config, i)) for i in range(len(_layer_types(config))))
+    return [(i, cls) for i, cls in kinds if cls is not None]
+
+
 def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 16384, dtype_bytes: int = 2):
     """Per-rank prompt state by kind: each layer's ``LayerState.planned_bytes`` (the class its family patch
     keeps there), for the ``P - 1`` resident tokens on the rank holding the most pages (rank 0)."""
-    types = _layer_types(config)
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     out: dict[str, int] = {}
-    patch = patch_for_model_type(config.model_type)
-    for i in range(len(types)):
-        cls = patch.layer_state_type(config, i)
+    for i, cls in _state_types(config):
         tokens = on_rank if cls.sharded else resident
         for kind, n in cls.planned_bytes_by_kind(config, i, tokens, dtype_bytes).items():
             out[kind] = out.get(kind, 0) + n
@@ -319,10 +324,8 @@ def offload_bytes(
     (``LayerState.planned_offload_workspace``)."""
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
-    patch = patch_for_model_type(config.model_type)
     host = workspace = 0
-    for i in range(len(_layer_types(config))):
-        cls = patch.layer_state_type(config, i)
+    for i, cls in _state_types(config):
         if cls.offloadable:
             tokens = on_rank if cls.sharded else resident
             host += cls.planned_bytes(config, i, tokens, dtype_bytes)
@@ -350,10 +353,8 @@ def full_gradient_bytes(
     resident = max(prompt_tokens - 1, 0)
     on_rank = owned_tokens(0, resident, page_size, 0, cp_size)
     boundaries = max(-(-resident // chunk_size) - 1, 0)
-    patch = patch_for_model_type(config.model_type)
     buffers = kept = workspace = host_buffers = 0
-    for i in range(len(_layer_types(config))):
-        cls = patch.layer_state_type(config, i)
+    for i, cls in _state_types(config):
         n = cls.planned_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
         if cls.grad_kind == "buffer":
             fp32 = cls.planned_grad_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
@@ -378,10 +379,8 @@ def shared_prefix_boundary_bytes(
     every capture-chunk boundary, where a later prompt may branch off (growing kinds give a prefix view instead)."""
     resident = max(prompt_tokens - 1, 0)
     boundaries = max(-(-resident // chunk_size) - 1, 0)
-    patch = patch_for_model_type(config.model_type)
     fixed = 0
-    for i in range(len(_layer_types(config))):
-        cls = patch.layer_state_type(config, i)
+    for i, cls in _state_types(config):
         if not cls.sharded:
             fixed += cls.planned_bytes(config, i, resident, dtype_bytes)
     return boundaries * fixed
@@ -389,6 +388,8 @@ def shared_prefix_boundary_bytes(
 
 def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
     """Tensors autograd keeps for one decoder layer over ``tokens`` response tokens."""
+    if getattr(config, "layers_block_type", None) is not None:  # Nemotron-H: one mixer a block
+        return tokens * _nemotron_h_block_bytes(config, kind, b)
     h = config.hidden_size
     # routed experts: `num_experts` (Qwen MoE) or `n_routed_experts` (GLM: glm4_moe, glm_moe_dsa)
     routed = getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
@@ -410,6 +411,30 @@ def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
         # norm in/out, projections (+ q/k norm and rope copies), output, the fp32 merged out kept for backward
         mixer = (2 * h + 3 * (q + 2 * kv) + 2 * q + 2 * gate) * b + q * 4
     return tokens * (mixer + mlp)
+
+
+def _nemotron_h_block_bytes(config, kind: str, b: int) -> int:
+    """Per response token, what autograd keeps for one Nemotron-H block (norm in/out plus its one mixer). An estimate
+    from the tensors the mixers keep, not yet checked against a device peak (``tests/test_planner.py`` measures the
+    Qwen and GLM families only)."""
+    h = config.hidden_size
+    if (
+        kind == "linear_attention"
+    ):  # Mamba-2: in_proj out, conv in/out, gate, gated norm; the SSD scan in fp32
+        heads, p, n, g = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups
+        inner, conv = heads * p, heads * p + 2 * g * n
+        chunk = (
+            config.chunk_size
+        )  # per token: its row of the chunk's decay and score matrices, x dt, B and C per head
+        scan = (2 * heads * chunk + inner + 2 * heads * n + 2 * inner) * 4
+        return (2 * h + (inner + conv + heads) + 2 * conv + 3 * inner) * b + scan
+    if kind == "full_attention":
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        return (2 * h + 3 * (q + 2 * kv) + 2 * q) * b + q * 4
+    if kind == "moe":
+        inter = config.moe_intermediate_size * config.num_experts_per_tok
+        return (2 * h + 3 * inter + 3 * config.moe_shared_expert_intermediate_size) * b
+    return (2 * h + 3 * config.intermediate_size) * b  # mlp: up, act(up), down in
 
 
 def plan_memory(

@@ -725,6 +725,65 @@ class WindowKV(LayerState):
         return KVPages.planned_bytes(config, layer_idx, tokens, dtype_bytes)
 
 
+class ConvRecurrentState(LayerState):
+    """The fixed-size state of a recurrent (linear-attention or state-space) layer at the prompt boundary: a short
+    conv's history and a recurrent state. Gated DeltaNet (``GDNState``) and Mamba-2 (``Mamba2State``) are its kinds;
+    each sets :attr:`kind` and its own :meth:`planned_bytes`.
+
+    ``conv`` holds the last ``kernel_size - 1`` pre-convolution inputs ``[B, C, kernel_size - 1]`` and
+    ``recurrent`` the layer's recurrent state (fp32: ``[B, H, K, V]`` for GDN, ``[B, H, head_dim, N]`` for Mamba-2);
+    ``B`` is 1 for a prompt, G while decoding. Its size does not depend on the prompt length; every context-parallel
+    rank holds all of it (the capture chunk is replicated there), and offload leaves it on the device. ``append``
+    rebinds the tensors (never writes into them), so forks and earlier states stay valid.
+    """
+
+    sharded = False
+
+    def __init__(self, conv: torch.Tensor | None = None, recurrent: torch.Tensor | None = None):
+        self.conv, self.recurrent = conv, recurrent
+
+    def append(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv, self.recurrent = conv, recurrent
+
+    def fork(self) -> ConvRecurrentState:
+        return type(self)(self.conv, self.recurrent)
+
+    def stream(self, device: torch.device):
+        yield tuple(
+            None if t is None else t.to(device, non_blocking=True) for t in (self.conv, self.recurrent)
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent) if t is not None)
+
+    # the full gradient: the boundary state is a leaf whose gradient is carried back to the segment before
+    grad_kind = "leaf"
+
+    def grad_tensors(self) -> list[torch.Tensor | None]:
+        return [self.conv, self.recurrent]
+
+    def with_tensors(self, tensors: list[torch.Tensor | None]) -> ConvRecurrentState:
+        return type(self)(*tensors)
+
+    @property
+    def batch(self) -> int | None:
+        """Sequences the state serves (``None``: the initial state, no tensors)."""
+        return None if self.recurrent is None else self.recurrent.shape[0]
+
+    def expand(self, batch: int) -> ConvRecurrentState:
+        """This state for ``batch`` sequences (a view: no copy)."""
+        return type(self)(self._expand(self.conv, batch), self._expand(self.recurrent, batch))
+
+    def _expand(self, t: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+        if t is None or t.shape[0] == batch:
+            return t
+        if t.shape[0] != 1:
+            raise LongStrawError(
+                f"a {type(self).__name__} of batch {t.shape[0]} cannot serve a batch of {batch}"
+            )
+        return t.expand(batch, *t.shape[1:])
+
+
 class PromptState:
     """The captured, read-only state of one prompt (see :func:`longstraw_trl.capture_prompt`).
 
@@ -972,7 +1031,7 @@ class StateGrads:
         if layer.grad_kind is None:
             raise LongStrawError(
                 f"layer {idx} keeps a {type(layer).__name__}, which has no full gradient (gradient_mode='full' "
-                "and reverse block replay support K/V pages and windows, MLA latent pages and Gated DeltaNet states)"
+                "and reverse block replay support K/V pages and windows, MLA latent pages, Gated DeltaNet and Mamba-2 states)"
             )
 
     def kv(self, idx: int) -> KVGrad:

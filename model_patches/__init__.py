@@ -17,6 +17,7 @@ from .glm_moe_dsa import DeepseekV32Patch, DSAPatch, GlmMoeDsaPatch
 from .gpt_oss import GptOssPatch
 from .gqa import GQAPatch
 from .mistral import MistralPatch
+from .nemotron_h import NemotronHPatch
 from .qwen3_5 import GatedDeltaNetHybridPatch, Qwen3_5Patch
 from .qwen3_next import Qwen3NextPatch
 
@@ -31,6 +32,7 @@ _PATCHES: list[FamilyPatch] = [
     GptOssPatch(),
     GlmMoeDsaPatch(),
     DeepseekV32Patch(),
+    NemotronHPatch(),
 ]
 
 PATCH_ATTR = "_longstraw_patch"
@@ -148,6 +150,11 @@ def apply_longstraw_to_deepseek_v32(model: nn.Module) -> nn.Module:
     return apply_family_patch(model, DeepseekV32Patch)
 
 
+def apply_longstraw_to_nemotron_h(model: nn.Module) -> nn.Module:
+    """Patch a Nemotron-H model (``nemotron_h``) in place (same as :func:`patch_model`)."""
+    return apply_family_patch(model, NemotronHPatch)
+
+
 __all__ = [
     "Cohere2Patch",
     "DSAPatch",
@@ -160,6 +167,7 @@ __all__ = [
     "GlmMoeDsaPatch",
     "GptOssPatch",
     "MistralPatch",
+    "NemotronHPatch",
     "SlidingWindowPatch",
     "Qwen3NextPatch",
     "Qwen3_5Patch",
@@ -173,6 +181,7 @@ __all__ = [
     "apply_longstraw_to_gpt_oss",
     "apply_longstraw_to_gqa",
     "apply_longstraw_to_mistral",
+    "apply_longstraw_to_nemotron_h",
     "apply_longstraw_to_qwen3_5",
     "apply_longstraw_to_qwen3_5_moe",
     "apply_longstraw_to_qwen3_next",

@@ -54,8 +54,9 @@ class FamilyPatch:
     def apply(self, model: nn.Module) -> None:
         """Install family-specific forwards (idempotent). Attention needs none: it is dispatched."""
 
-    def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
-        """The :class:`LayerState` subclass layer ``layer_idx`` keeps (K/V pages for full attention).
+    def layer_state_type(self, config, layer_idx: int) -> type[LayerState] | None:
+        """The :class:`LayerState` subclass layer ``layer_idx`` keeps (K/V pages for full attention); ``None`` for a
+        block that keeps none (Nemotron-H's MLP and MoE blocks).
 
         A family with other layer kinds returns its own state class here; the planner sizes the state
         with that class's ``planned_bytes``, and the family's layer forward creates it through

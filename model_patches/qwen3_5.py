@@ -39,7 +39,7 @@ from longstraw_trl.errors import LongStrawError
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule
 from longstraw_trl.kernels.gdn_decode import gdn_decode_ok, gdn_decode_step
-from longstraw_trl.state import KVPages, LayerState
+from longstraw_trl.state import ConvRecurrentState, KVPages, LayerState
 
 from .base import FamilyPatch
 
@@ -55,47 +55,14 @@ Projection = Callable[
 # ----------------------------------------------------------------------------------------------------
 # Gated DeltaNet state and replay (shared by every family with HF's Qwen3.5 / Qwen3-Next GDN layer)
 # ----------------------------------------------------------------------------------------------------
-class GDNState(LayerState):
-    """Gated DeltaNet state of one linear-attention layer at the prompt boundary.
+class GDNState(ConvRecurrentState):
+    """Gated DeltaNet state of one linear-attention layer at the prompt boundary (a :class:`ConvRecurrentState`).
 
     ``conv`` holds the last ``kernel_size - 1`` pre-convolution inputs ``[B, C, kernel_size - 1]`` and
     ``recurrent`` the delta-rule state ``[B, H, K, V]`` (fp32); ``B`` is 1 for a prompt, G while decoding.
-    Its size does not depend on the prompt length; every context-parallel rank holds all of it. ``append``
-    rebinds the tensors (never writes into them), so forks and earlier states stay valid.
     """
 
     kind = "gdn"
-    sharded = False
-
-    def __init__(self, conv: torch.Tensor | None = None, recurrent: torch.Tensor | None = None):
-        self.conv, self.recurrent = conv, recurrent
-
-    def append(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        self.conv, self.recurrent = conv, recurrent
-
-    def fork(self) -> GDNState:
-        return GDNState(self.conv, self.recurrent)
-
-    def stream(self, device: torch.device):
-        yield tuple(
-            None if t is None else t.to(device, non_blocking=True) for t in (self.conv, self.recurrent)
-        )
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent) if t is not None)
-
-    # the full gradient: the boundary state is a leaf whose gradient is carried back to the segment before
-    grad_kind = "leaf"
-
-    def grad_tensors(self) -> list[torch.Tensor | None]:
-        return [self.conv, self.recurrent]
-
-    def with_tensors(self, tensors: list[torch.Tensor | None]) -> GDNState:
-        return GDNState(*tensors)
-
-    def expand(self, batch: int) -> GDNState:
-        """This state for ``batch`` sequences (a view: no copy)."""
-        return GDNState(_expand(self.conv, batch), _expand(self.recurrent, batch))
 
     @classmethod
     def planned_bytes(cls, config, layer_idx: int, tokens_on_rank: int, dtype_bytes: int = 2) -> int:
@@ -103,29 +70,6 @@ class GDNState(LayerState):
         hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
         conv = (2 * hk * dk + hv * dv) * (config.linear_conv_kernel_dim - 1) * dtype_bytes
         return conv + hv * dk * dv * 4  # the recurrent state is fp32
-
-
-def _expand(t: torch.Tensor | None, batch: int) -> torch.Tensor | None:
-    if t is None or t.shape[0] == batch:
-        return t
-    if t.shape[0] != 1:
-        raise LongStrawError(f"a GDN state of batch {t.shape[0]} cannot serve a batch of {batch}")
-    return t.expand(batch, *t.shape[1:])
-
-
-def _initial_state(ctx, idx: int, batch: int) -> GDNState:
-    """The state the call starts from (never written: the kernels treat it as a constant)."""
-    running = ctx.running_state(idx)
-    if running is not None:
-        if running.recurrent.shape[0] != batch:
-            raise LongStrawError(
-                f"decode batch changed from {running.recurrent.shape[0]} to {batch} within one context"
-            )
-        return running
-    prompt = ctx.layer_state(idx, GDNState, GDNState)
-    if prompt is None:  # nothing captured yet: the start of the sequence
-        return GDNState()
-    return prompt.expand(batch)
 
 
 def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Projection) -> torch.Tensor:
@@ -137,7 +81,7 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
     idx = module.layer_idx
     batch, seq_len, _ = hidden_states.shape
     mixed_qkv, z, b, a = project(module, hidden_states)
-    start = _initial_state(ctx, idx, batch)
+    start = ctx.recurrent_start(idx, GDNState, batch)
     if (
         ctx.decoding
         and seq_len == 1

@@ -398,3 +398,78 @@ def build_glm_dsa(
             if name.endswith("indexer.weights_proj.weight"):
                 param.mul_(INDEXER_W_GAIN)
     return model.float().eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Nemotron-H (nemotron_h): Mamba-2 blocks between attention (no positional encoding), MLP and MoE blocks
+# ----------------------------------------------------------------------------------------------------
+NEMOTRON_H_PATTERN = "M*-ME"  # Mamba-2, attention, MLP, Mamba-2, MoE
+
+
+def nemotron_h_config(**overrides):
+    """A tiny Nemotron-H: 5 blocks ``M * - M E``; Mamba-2 with 4 heads of 8 in 2 groups, a 16-wide SSM state, a
+    4-tap conv and SSD chunks of 16 tokens (a capture chunk spans several); GQA attention 4 / 2 heads of 16; an MoE
+    of 4 sigmoid-routed experts (top 2) with a shared expert."""
+    from transformers import NemotronHConfig
+
+    spec = dict(
+        vocab_size=97,
+        hidden_size=64,
+        hybrid_override_pattern=NEMOTRON_H_PATTERN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        ssm_state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=1024,
+        layer_norm_epsilon=1e-6,
+        tie_word_embeddings=False,
+    )
+    spec.update(overrides)
+    return NemotronHConfig(**spec)
+
+
+def build_nemotron_h(seed: int = 0, attn_implementation: str = "eager", **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        nemotron_h_config(**overrides), attn_implementation=attn_implementation
+    )
+    _spread_router_bias(model)
+    _lively_mamba2(model)
+    return model.float().eval()
+
+
+MAMBA2_IN_GAIN, MAMBA2_CONV_GAIN = 4.0, 25.0
+
+
+@torch.no_grad()
+def _lively_mamba2(model):
+    """HF's init makes the Mamba-2 blocks nearly inert: ``dt`` in (0.001, 0.1) with ``D = 1`` leaves the SSM's share
+    of the output ~1e-3 of the skip term, so a test could drop the whole state and still pass at 1e-4. Draw ``dt`` in
+    (0.05, 0.5) (``dt_bias``), ``A`` in (0.02, 0.5), ``D`` in (0, 0.5) and scale ``in_proj`` and the conv
+    weight (std 0.02: B, C and x would be ~1e-2, their product in the output ~1e-5) up: every head then carries
+    state over tens of tokens and the state decides the outputs (``test_the_prompt_state_decides_the_logprobs``)."""
+    gen = torch.Generator().manual_seed(2024)
+    for name, param in model.named_parameters():
+        if name.endswith("mixer.dt_bias"):
+            dt = torch.empty(param.shape).uniform_(0.05, 0.5, generator=gen)
+            param.copy_(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
+        elif name.endswith("mixer.A_log"):
+            param.copy_(torch.empty(param.shape).uniform_(0.02, 0.5, generator=gen).log())
+        elif name.endswith("mixer.D"):
+            param.copy_(torch.empty(param.shape).uniform_(0.0, 0.5, generator=gen))
+        elif name.endswith("mixer.in_proj.weight"):
+            param.mul_(MAMBA2_IN_GAIN)
+        elif name.endswith("mixer.conv1d.weight"):
+            param.mul_(MAMBA2_CONV_GAIN)

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import build, build_glm_dsa, build_hybrid, build_window
+from _models import build, build_glm_dsa, build_hybrid, build_nemotron_h, build_window
 from _reference import VOCAB, padded_completions, stock_logprobs
 from _state import snapshot, unchanged
 
-from longstraw_trl import GDNState, KVPages, capture_prompt, patch_model, supported_model_types
+from longstraw_trl import (
+    ConvRecurrentState,
+    KVPages,
+    capture_prompt,
+    patch_model,
+    supported_model_types,
+)
 
 SMALL_TOPK = 4  # GLM-5 / DeepSeek-V3.2: fewer keys than the prompt, so the selection matters
 
@@ -40,6 +46,7 @@ MINI_MODELS = {
     "qwen3_next": lambda: build_hybrid("qwen3_next"),
     "glm_moe_dsa": lambda: build_glm_dsa(index_topk=SMALL_TOPK),
     "deepseek_v32": lambda: build_glm_dsa(index_topk=SMALL_TOPK, family="deepseek_v32"),
+    "nemotron_h": lambda: build_nemotron_h(),
 }
 
 
@@ -87,7 +94,9 @@ def test_extend_equals_capturing_the_concatenation(name):
         if isinstance(layer, KVPages):  # the K/V is shared, not copied: the extension adds its own segment
             old, new = layer.segments, extended.layers[i].segments
             assert [k.data_ptr() for k, _, _ in new[: len(old)]] == [k.data_ptr() for k, _, _ in old]
-        if isinstance(layer, GDNState):  # replaced, not written into; equal to the whole capture's
+        if isinstance(
+            layer, ConvRecurrentState
+        ):  # GDN, Mamba-2: replaced, not written into; equal to the whole capture's
             ext, full = extended.layers[i], whole.layers[i]
             assert ext.recurrent is not layer.recurrent
             assert torch.allclose(ext.recurrent, full.recurrent, atol=1e-6)
