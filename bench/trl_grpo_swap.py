@@ -61,6 +61,8 @@ def pytest_sessionstart(session):
 def pytest_runtest_logreport(report):
     """One JSON line per test as it finishes (`LONGSTRAW_RESULTS`), so a run cut at its deadline still reports."""
     path = os.environ.get("LONGSTRAW_RESULTS")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller writes each report once
+        return
     if not path or not (report.when == "call" or report.outcome != "passed"):
         return
     import json

@@ -47,7 +47,7 @@ def extract_tests(args, dest: Path) -> dict:
         for name in FILES:
             if (Path(args.trl_tests) / name).is_file():
                 shutil.copy(Path(args.trl_tests) / name, dest / name)
-        return {"trl_tests": str(args.trl_tests)}
+        return {"trl_tests": str(args.trl_tests), "trl_tests_commit": args.trl_rev}
     commit = _git(args.trl_git, "rev-parse", args.trl_rev).strip()
     for name in FILES:
         try:
@@ -71,11 +71,13 @@ def _run_pytest(work: Path, tag: str, swap: bool, args) -> subprocess.Popen:
         "LONGSTRAW_RESULTS": str(work / f"results_{tag}.jsonl"),
         "LONGSTRAW_TRL_BF16": "1" if args.bf16 else "0",
     }
-    (work / f"results_{tag}.jsonl").unlink(missing_ok=True)
+    (work / f"results_{tag}.jsonl").unlink(missing_ok=True)  # a rerun of one side replaces its lines
     cmd = [sys.executable, "-m", "pytest", "tests/test_grpo_trainer.py", "-p", "no:cacheprovider", "-p",
            "trl_grpo_swap", "-q", "-rN", "--tb=short"]  # fmt: skip
     if args.k:
         cmd += ["-k", args.k]
+    if args.xdist:
+        cmd += ["-n", str(args.xdist)]
     log = open(work / f"pytest_{tag}.log", "w")  # noqa: SIM115 - closed by the OS at exit
     return subprocess.Popen(
         ["nice", "-n", "10", *cmd], cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -112,6 +114,12 @@ def main():
     parser.add_argument(
         "--bf16", action="store_true", help="keep TRL's bf16=True default (CPU autocast, slow)"
     )
+    parser.add_argument(
+        "--xdist", type=int, default=0, help="pytest-xdist workers per side (where installed)"
+    )
+    parser.add_argument(
+        "--sides", default="stock,ours", help="which runs to make now (the other's JSON lines kept)"
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "trl_grpo_tests.json"))
     args = parser.parse_args()
     if not (args.trl_git or args.trl_tests):
@@ -125,7 +133,8 @@ def main():
     start = time.time()
     build_standins(work)
     standins_s = time.time() - start
-    procs = {"stock": _run_pytest(work, "stock", False, args), "ours": _run_pytest(work, "ours", True, args)}
+    sides = [side for side in args.sides.split(",") if side]
+    procs = {side: _run_pytest(work, side, side == "ours", args) for side in sides}
     codes = {}
     for tag, proc in procs.items():
         try:
