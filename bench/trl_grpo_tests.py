@@ -71,7 +71,8 @@ def _run_pytest(work: Path, tag: str, swap: bool, args) -> subprocess.Popen:
         "LONGSTRAW_RESULTS": str(work / f"results_{tag}.jsonl"),
         "LONGSTRAW_TRL_BF16": "1" if args.bf16 else "0",
     }
-    (work / f"results_{tag}.jsonl").unlink(missing_ok=True)  # a rerun of one side replaces its lines
+    if not args.append:  # a rerun of one side replaces its lines
+        (work / f"results_{tag}.jsonl").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "tests/test_grpo_trainer.py", "-p", "no:cacheprovider", "-p",
            "trl_grpo_swap", "-q", "-rN", "--tb=short"]  # fmt: skip
     if args.k:
@@ -119,6 +120,9 @@ def main():
     )
     parser.add_argument(
         "--sides", default="stock,ours", help="which runs to make now (the other's JSON lines kept)"
+    )
+    parser.add_argument(
+        "--append", action="store_true", help="add to the JSON lines of earlier runs (-k subsets)"
     )
     parser.add_argument("--out", default=str(HERE / "results" / "trl_grpo_tests.json"))
     args = parser.parse_args()
