@@ -86,14 +86,18 @@ def _run_pytest(work: Path, tag: str, swap: bool, args) -> subprocess.Popen:
 
 
 def parse_results(path: Path) -> dict[str, dict]:
-    """The plugin's JSON lines; a test with two reports (a failing teardown after its call) keeps the worse one."""
+    """The plugin's JSON lines. A later run's line for a test replaces an earlier run's (`--append` reruns); two
+    consecutive lines of one test are one run's call and a failing teardown, which keeps the worse."""
     out: dict[str, dict] = {}
     if not path.is_file():
         return out
+    previous = None
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        if row["test"] not in out or out[row["test"]]["outcome"] in ("passed", "skipped"):
-            out[row.pop("test")] = row
+        test = row.pop("test")
+        if test != previous or out[test]["outcome"] in ("passed", "skipped"):
+            out[test] = row
+        previous = test
     return out
 
 
@@ -119,7 +123,9 @@ def main():
         "--xdist", type=int, default=0, help="pytest-xdist workers per side (where installed)"
     )
     parser.add_argument(
-        "--sides", default="stock,ours", help="which runs to make now (the other's JSON lines kept)"
+        "--sides",
+        default="stock,ours",
+        help="which runs to make now (the other's JSON lines kept; '' reports only)",
     )
     parser.add_argument(
         "--append", action="store_true", help="add to the JSON lines of earlier runs (-k subsets)"
