@@ -37,6 +37,27 @@ _PATCHES: list[FamilyPatch] = [
 
 PATCH_ATTR = "_longstraw_patch"
 
+# Why a known architecture has no patch (the error names it, beside the supported types).
+_UNSUPPORTED_WHY = {
+    t: "its Mamba-2 / selective-state-space layers keep a conv and SSM state that no LongStraw family patch "
+    "captures or replays (the supported hybrids are Gated DeltaNet: qwen3_5, qwen3_5_moe, qwen3_next)"
+    for t in (
+        "nemotron_h",
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "falcon_h1",
+        "jamba",
+        "bamba",
+        "zamba",
+        "zamba2",
+    )
+}
+_CUSTOM_CODE_WHY = (
+    "it is custom modeling code (trust_remote_code), and LongStraw patches transformers' own modeling code, one "
+    "family at a time; load a transformers architecture (trust_remote_code=False)"
+)
+
 
 def register_family(patch: FamilyPatch) -> None:
     """Add a family patch (later registrations win for the same ``model_type``)."""
@@ -47,21 +68,27 @@ def supported_model_types() -> list[str]:
     return sorted({t for p in _PATCHES for t in p.model_types})
 
 
-def patch_for_model_type(model_type: str | None, what: str = "") -> FamilyPatch:
-    """The family patch serving ``config.model_type`` (``what`` names the model in the error)."""
+def patch_for_model_type(model_type: str | None, what: str = "", custom_code: bool = False) -> FamilyPatch:
+    """The family patch serving ``config.model_type`` (``what`` names the model in the error; ``custom_code``: its
+    class comes from a Hub repo's own code, which the error says)."""
     for patch in _PATCHES:
         if model_type in patch.model_types:
             return patch
+    why = _CUSTOM_CODE_WHY if custom_code else _UNSUPPORTED_WHY.get(model_type)
     raise UnsupportedModelError(
-        f"model_type {model_type!r}{what} is not supported by LongStraw-TRL; "
-        f"supported model types: {', '.join(supported_model_types())}"
+        f"model_type {model_type!r}{what} is not supported by LongStraw-TRL"
+        + (f": {why}" if why else "")
+        + f"; supported model types: {', '.join(supported_model_types())}"
     )
 
 
 def find_patch(model: nn.Module) -> FamilyPatch:
     base = unwrap_model(model)
     config = getattr(base, "config", None)
-    return patch_for_model_type(getattr(config, "model_type", None), f" ({type(base).__name__})")
+    custom_code = type(base).__module__.startswith(
+        "transformers_modules"
+    )  # trust_remote_code's dynamic modules
+    return patch_for_model_type(getattr(config, "model_type", None), f" ({type(base).__name__})", custom_code)
 
 
 def patch_model(model: nn.Module) -> nn.Module:

@@ -410,6 +410,55 @@ def test_unsupported_model_is_refused():
         make_tiny_longstraw_trainer(model=GPT2LMHeadModel(config))
 
 
+def _stock_accepts(model) -> None:
+    """Stock `GRPOTrainer` builds on `model` (the refusal below is LongStraw's, not the model's)."""
+    from _trl_helpers import _constant_reward, _tiny_config_kwargs
+    from trl import GRPOTrainer
+
+    GRPOTrainer(
+        model=model,
+        reward_funcs=_constant_reward,
+        args=GRPOConfig(**_tiny_config_kwargs("stock_accepts_", "dapo", 0.0)),
+        train_dataset=_dataset(4, PROMPTS[:1]),
+        processing_class=build_toy_tokenizer(TINY_VOCAB),
+    )
+
+
+def test_mamba2_hybrid_is_refused_naming_why():
+    """TRL's test_train[tiny-NemotronHForCausalLM-nano]: stock trains it; LongStraw refuses, saying why (Mamba-2)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    config = NemotronHConfig(
+        vocab_size=TINY_VOCAB, hidden_size=16, intermediate_size=32, layers_block_type=["mamba", "attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, mamba_num_heads=4, mamba_head_dim=4,
+        ssm_state_size=8, n_groups=1, mamba_d_conv=4, chunk_size=16, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    _stock_accepts(NemotronHForCausalLM(config))
+    with pytest.raises(UnsupportedModelError, match=r"'nemotron_h'.*Mamba-2.*supported model types: .*qwen3"):
+        make_tiny_longstraw_trainer(model=NemotronHForCausalLM(config))
+
+
+def test_custom_code_model_is_refused_naming_why():
+    """TRL's test_trust_remote_code: a Hub repo's own modeling code (`transformers_modules.*`) is refused, saying so."""
+    from _trl_helpers import tiny_qwen3_config
+
+    class RemoteConfig(type(tiny_qwen3_config())):
+        model_type = "remote"
+
+    class RemoteForCausalLM(Qwen3ForCausalLM):
+        config_class = RemoteConfig
+
+    RemoteForCausalLM.__module__ = (
+        "transformers_modules.tiny_remote.modeling_remote"  # as trust_remote_code loads it
+    )
+    config = RemoteConfig(
+        **{k: v for k, v in tiny_qwen3_config().to_diff_dict().items() if k != "model_type"}
+    )
+    _stock_accepts(RemoteForCausalLM(config))
+    with pytest.raises(UnsupportedModelError, match=r"'remote' \(RemoteForCausalLM\).*custom modeling code"):
+        make_tiny_longstraw_trainer(model=RemoteForCausalLM(config))
+
+
 def test_reward_function_that_raises_is_named():
     def broken_needle_reward(completions, **kwargs):
         raise KeyError("answer")
