@@ -424,18 +424,18 @@ def _stock_accepts(model) -> None:
     )
 
 
-def test_mamba2_hybrid_is_refused_naming_why():
-    """TRL's test_train[tiny-NemotronHForCausalLM-nano]: stock trains it; LongStraw refuses, saying why (Mamba-2)."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM
+def test_unwired_state_space_model_is_refused_naming_why():
+    """A Mamba-2 model without a family patch (plain `mamba2`; `nemotron_h` is supported): stock trains it, LongStraw
+    refuses, saying why."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
 
-    config = NemotronHConfig(
-        vocab_size=TINY_VOCAB, hidden_size=16, intermediate_size=32, layers_block_type=["mamba", "attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=4, mamba_num_heads=4, mamba_head_dim=4,
-        ssm_state_size=8, n_groups=1, mamba_d_conv=4, chunk_size=16, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    config = Mamba2Config(
+        vocab_size=TINY_VOCAB, hidden_size=16, num_hidden_layers=2, num_heads=4, head_dim=8, expand=2, state_size=8,
+        n_groups=1, conv_kernel=4, chunk_size=16, pad_token_id=0, eos_token_id=2, bos_token_id=1,
     )  # fmt: skip
-    _stock_accepts(NemotronHForCausalLM(config))
-    with pytest.raises(UnsupportedModelError, match=r"'nemotron_h'.*Mamba-2.*supported model types: .*qwen3"):
-        make_tiny_longstraw_trainer(model=NemotronHForCausalLM(config))
+    _stock_accepts(Mamba2ForCausalLM(config))
+    with pytest.raises(UnsupportedModelError, match=r"'mamba2'.*Mamba-2 state.*nemotron_h.*supported model types"):
+        make_tiny_longstraw_trainer(model=Mamba2ForCausalLM(config))
 
 
 def test_custom_code_model_is_refused_naming_why():
