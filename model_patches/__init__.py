@@ -42,7 +42,17 @@ _UNSUPPORTED_WHY = {
     t: "its Mamba / selective-state-space layers are not wired to LongStraw's Mamba-2 state (the supported "
     "state-space hybrid is nemotron_h; bamba, granitemoehybrid, falcon_h1, zamba2 and mamba2 share its scan but have "
     "no family patch yet), and the other supported hybrids are Gated DeltaNet: qwen3_5, qwen3_5_moe, qwen3_next"
-    for t in ("mamba", "mamba2", "falcon_mamba", "falcon_h1", "jamba", "bamba", "granitemoehybrid", "zamba", "zamba2")
+    for t in (
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "falcon_h1",
+        "jamba",
+        "bamba",
+        "granitemoehybrid",
+        "zamba",
+        "zamba2",
+    )
 }
 _CUSTOM_CODE_WHY = (
     "it is custom modeling code (trust_remote_code), and LongStraw patches transformers' own modeling code, one "

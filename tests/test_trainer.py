@@ -434,7 +434,9 @@ def test_unwired_state_space_model_is_refused_naming_why():
         n_groups=1, conv_kernel=4, chunk_size=16, pad_token_id=0, eos_token_id=2, bos_token_id=1,
     )  # fmt: skip
     _stock_accepts(Mamba2ForCausalLM(config))
-    with pytest.raises(UnsupportedModelError, match=r"'mamba2'.*Mamba-2 state.*nemotron_h.*supported model types"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'mamba2'.*Mamba-2 state.*nemotron_h.*supported model types"
+    ):
         make_tiny_longstraw_trainer(model=Mamba2ForCausalLM(config))
 
 
