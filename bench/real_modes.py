@@ -65,7 +65,7 @@ def stock_trainer(args, model, tokenizer, rows):
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
-        activation_checkpointing=False,
+        activation_checkpointing=not args.no_activation_checkpointing,  # main() turns it off
     )
     lora = LoraConfig(
         r=args.lora_rank,
