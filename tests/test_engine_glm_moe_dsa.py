@@ -27,7 +27,7 @@ from _reference import (
     response_only_reference,
 )
 from _spawn import exit_worker, run_processes
-from _state import snapshot, unchanged
+from _state import assert_generate_matches_stock
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as ds
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
@@ -409,22 +409,7 @@ def test_decode_token_by_token_equals_replay():
 def test_generate_matches_stock_generate(topk, sampling, family):
     model = build_glm_dsa(index_topk=topk, family=family)
     prompt = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(6))
-    state = capture_prompt(model, prompt, chunk_size=8, page_size=5)
-    snap = snapshot(state)
-    torch.manual_seed(5)
-    ids = state.generate(model, 3, 8, eos_token_id=7, pad_token_id=96, **sampling)
-    inp = prompt[None].expand(3, -1)
-    torch.manual_seed(5)
-    ref = model.generate(
-        inp,
-        attention_mask=torch.ones_like(inp),
-        max_new_tokens=8,
-        eos_token_id=7,
-        pad_token_id=96,
-        **sampling,
-    )[:, 21:]
-    assert torch.equal(ids, ref)
-    assert unchanged(snap)
+    assert_generate_matches_stock(model, prompt, 8, 5, sampling)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from _reference import (
     weighted_replay_grads,
 )
 from _spawn import exit_worker, run_processes
-from _state import snapshot, unchanged
+from _state import assert_generate_matches_stock, snapshot, unchanged
 from _trl_helpers import TINY_VOCAB, assert_updates_match, train_stock_and_full
 
 from longstraw_trl import (
@@ -242,22 +242,7 @@ def test_first_token_logits_match_stock():
 def test_generate_matches_stock_generate(sampling):
     model = build_nemotron_h()
     prompt = torch.randint(0, VOCAB, (61,), generator=torch.Generator().manual_seed(6))
-    state = capture_prompt(model, prompt, chunk_size=24, page_size=5)
-    snap = snapshot(state)
-    torch.manual_seed(5)
-    ids = state.generate(model, 3, 8, eos_token_id=7, pad_token_id=96, **sampling)
-    inp = prompt[None].expand(3, -1)
-    torch.manual_seed(5)
-    ref = model.generate(
-        inp,
-        attention_mask=torch.ones_like(inp),
-        max_new_tokens=8,
-        eos_token_id=7,
-        pad_token_id=96,
-        **sampling,
-    )[:, 61:]
-    assert torch.equal(ids, ref)
-    assert unchanged(snap)
+    assert_generate_matches_stock(model, prompt, 24, 5, sampling)
 
 
 # ----------------------------------------------------------------------------------------------------

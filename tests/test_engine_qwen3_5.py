@@ -16,7 +16,7 @@ from _reference import (
     check_logprobs_against_stock,
     check_replay_grads,
 )
-from _state import snapshot, unchanged
+from _state import assert_generate_matches_stock, snapshot, unchanged
 
 from longstraw_trl import (
     GDNState,
@@ -154,22 +154,7 @@ def test_generate_matches_stock_generate(family, sampling):
     """Shared-prefix generation on GDN states draws the same tokens as ``model.generate`` (same seed)."""
     model = build_hybrid(family)
     prompt = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(6))
-    state = capture_prompt(model, prompt, chunk_size=8, page_size=5)
-    snap = snapshot(state)
-    torch.manual_seed(5)
-    ids = state.generate(model, 3, 8, eos_token_id=7, pad_token_id=96, **sampling)
-    inp = prompt[None].expand(3, -1)
-    torch.manual_seed(5)
-    ref = model.generate(
-        inp,
-        attention_mask=torch.ones_like(inp),
-        max_new_tokens=8,
-        eos_token_id=7,
-        pad_token_id=96,
-        **sampling,
-    )[:, 21:]
-    assert torch.equal(ids, ref)
-    assert unchanged(snap)
+    assert_generate_matches_stock(model, prompt, 8, 5, sampling)
 
 
 # ----------------------------------------------------------------------------------------------------
