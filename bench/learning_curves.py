@@ -32,7 +32,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
@@ -40,8 +39,7 @@ sys.path.insert(0, str(HERE))
 
 import grpo_lockers as demo  # noqa: E402
 from common import git_revision  # noqa: E402
-from real_modes import stock_trainer  # noqa: E402
-
+from real_modes import StepTimes, stock_trainer  # noqa: E402
 from longstraw_trl.pretrained import load_pretrained  # noqa: E402
 
 ARMS = ("stock", "full", "response_only")
@@ -66,20 +64,6 @@ RUN_KEYS = (
 )
 
 
-class StepTimes(TrainerCallback):
-    """Wall time from one step's first callback to its last (placed first in the list, so it includes the
-    demo's document capture at step begin)."""
-
-    def __init__(self):
-        self.times, self._t = [], None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._t = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self._t)
-
-
 def settings_of(args) -> dict:
     return {k: getattr(args, k) for k in RUN_KEYS}
 
@@ -91,7 +75,7 @@ def run_one(arm: str, seed: int, args, held_out: list[dict], before: dict) -> di
     rows = demo.make_split(
         n_docs, args.questions_per_doc, args, seed=1000 + seed
     )  # the demo's data, per seed
-    timer = StepTimes()
+    timer = StepTimes()  # placed first: a step's time includes the demo's document capture at step begin
     t0 = time.perf_counter()
     if arm == "stock":
         trainer = stock_trainer(args, model, tokenizer, rows)
