@@ -40,6 +40,7 @@ sys.path.insert(0, str(HERE))
 import grpo_lockers as demo  # noqa: E402
 from common import git_revision  # noqa: E402
 from real_modes import StepTimes, stock_trainer  # noqa: E402
+
 from longstraw_trl.pretrained import load_pretrained  # noqa: E402
 
 ARMS = ("stock", "full", "response_only")
