@@ -36,23 +36,24 @@ def unchanged(snap) -> bool:
 
 
 def assert_generate_matches_stock(
-    model, prompt: torch.Tensor, chunk_size: int, page_size: int, sampling: dict
-) -> None:
-    """Shared-prefix generation of 3 x 8 tokens from a captured ``prompt`` draws the tokens ``model.generate`` draws
-    on the whole prompt (same seed, eos 7, pad 96), and leaves the captured state unchanged."""
+    model, prompt: torch.Tensor, chunk_size: int, page_size: int, sampling: dict, new_tokens: int = 8
+) -> torch.Tensor:
+    """Shared-prefix generation of 3 x ``new_tokens`` from a captured ``prompt`` draws the tokens ``model.generate``
+    draws on the whole prompt (same seed, eos 7, pad 96), and leaves the captured state unchanged; returns them."""
     state = capture_prompt(model, prompt, chunk_size=chunk_size, page_size=page_size)
     snap = snapshot(state)
     torch.manual_seed(5)
-    ids = state.generate(model, 3, 8, eos_token_id=7, pad_token_id=96, **sampling)
+    ids = state.generate(model, 3, new_tokens, eos_token_id=7, pad_token_id=96, **sampling)
     inp = prompt[None].expand(3, -1)
     torch.manual_seed(5)
     ref = model.generate(
         inp,
         attention_mask=torch.ones_like(inp),
-        max_new_tokens=8,
+        max_new_tokens=new_tokens,
         eos_token_id=7,
         pad_token_id=96,
         **sampling,
     )[:, prompt.numel() :]
     assert torch.equal(ids, ref)
     assert unchanged(snap)
+    return ids
