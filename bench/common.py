@@ -245,3 +245,53 @@ def bandwidth_gbs_at(nbytes: int, device: str, iters: int = 10) -> float:
             dst.copy_(src)
     del src, dst
     return 2 * nbytes * iters / t.seconds / 1e9
+
+
+def kernel_profiler() -> torch.profiler.profile:
+    """A torch profiler of CPU ops and, on a GPU, device kernels."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
+
+
+def top_kernels(prof: torch.profiler.profile, top: int) -> list[dict]:
+    """The ``top`` device kernels (CPU ops on CPU) of ``prof`` by self time, each with its share of the total."""
+    cuda = torch.cuda.is_available()
+    rows = []
+    for e in prof.key_averages():
+        self_us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if self_us > 0 and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA):
+            rows.append({"name": e.key[:120], "self_s": self_us / 1e6, "calls": e.count})
+    rows.sort(key=lambda r: -r["self_s"])
+    total = sum(r["self_s"] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r["self_s"] / total
+    return rows[:top]
+
+
+# kernel families by name, first match wins (device kernels of cuBLAS / cuDNN / torch / Triton)
+KERNEL_FAMILIES = (
+    ("attention", ("sdpa", "fmha", "flash", "attention", "dq_kernel", "dkdv", "_attn")),
+    (
+        "gdn",
+        ("chunk_", "gated_delta", "delta_rule", "conv1d", "fwd_h", "bwd_d", "solve_tril", "dqkwg", "trsm"),
+    ),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul")),
+    ("copy", ("copy", "cat", "index", "scatter", "gather", "memcpy", "memset", "fill")),
+    ("norm", ("norm", "rms")),
+    ("elementwise", ("elementwise", "reduce", "softmax", "mul", "add", "silu", "sigmoid", "exp")),
+)
+
+
+def kernel_families(prof: torch.profiler.profile) -> dict:
+    """Device seconds (CPU seconds on CPU) of ``prof`` by kernel family (:data:`KERNEL_FAMILIES`; ``other``), with
+    the kernel count: what a phase spends on GEMMs, attention, the GDN recurrence, copies and small kernels."""
+    out: dict[str, dict] = {}
+    for row in top_kernels(prof, 10**9):
+        name = row["name"].lower()
+        family = next((f for f, keys in KERNEL_FAMILIES if any(k in name for k in keys)), "other")
+        slot = out.setdefault(family, {"self_s": 0.0, "calls": 0})
+        slot["self_s"] += row["self_s"]
+        slot["calls"] += row["calls"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["self_s"]))

@@ -26,7 +26,17 @@ import contextlib
 import time
 
 import torch
-from common import GiB, Timer, peak_gib, preallocate_gradients, print_table, reset_peak, write_result
+from common import (
+    GiB,
+    Timer,
+    kernel_profiler,
+    peak_gib,
+    preallocate_gradients,
+    print_table,
+    reset_peak,
+    top_kernels,
+    write_result,
+)
 from engine_slice import slice_config
 from transformers import AutoModelForCausalLM
 
@@ -63,28 +73,6 @@ def check_full_gradient(model, vocab: int, dev: str, prompt_len: int, r: int, ch
         del state, grads
     model.zero_grad(set_to_none=True)
     return out
-
-
-def _profiler():
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=acts)
-
-
-def _top_kernels(prof, top: int) -> list[dict]:
-    """The ``top`` device kernels (CPU ops on CPU) by self time: where the prompt backward's seconds go."""
-    cuda = torch.cuda.is_available()
-    rows = []
-    for e in prof.key_averages():
-        self_us = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if self_us > 0 and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA):
-            rows.append({"name": e.key[:120], "self_s": self_us / 1e6, "calls": e.count})
-    rows.sort(key=lambda r: -r["self_s"])
-    total = sum(r["self_s"] for r in rows) or 1.0
-    for r in rows:
-        r["share"] = r["self_s"] / total
-    return rows[:top]
 
 
 def step(model, config, args, prompt_len: int, dev: str, mode: str) -> dict:
@@ -127,12 +115,12 @@ def step(model, config, args, prompt_len: int, dev: str, mode: str) -> dict:
     if full:
         out["gradient_buffer_bytes"] = grads.nbytes()
         reset_peak()
-        profiler = _profiler() if args.profile else contextlib.nullcontext()
+        profiler = kernel_profiler() if args.profile else contextlib.nullcontext()
         with profiler as prof, Timer() as t_back:
             prompt_backward(state, model, grads, progress=False)
         out["prompt_backward_s"] = t_back.seconds
         if args.profile:
-            out["prompt_backward_profile"] = _top_kernels(prof, args.profile)
+            out["prompt_backward_profile"] = top_kernels(prof, args.profile)
             args.profile = 0  # the first full step only: the profiler slows what it watches
         out["prompt_backward_peak_gib"] = peak_gib()
     out["step_s"] = out["capture_s"] + out["replay_s_total"] + out["prompt_backward_s"]

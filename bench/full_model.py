@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
 import importlib.util
 import os
@@ -55,9 +56,13 @@ from common import (
     attention_tflops_at,
     bandwidth_gbs_at,
     gemm_tflops_at,
+    kernel_families,
+    kernel_profiler,
     peak_gib,
     print_table,
     reset_peak,
+    sync,
+    top_kernels,
     write_result,
 )
 from compare_stock import attempt, build_trainers, stock_step
@@ -68,6 +73,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, PromptState
+from longstraw_trl import engine as longstraw_engine
 from longstraw_trl.planner import plan_memory
 from longstraw_trl.planner import state_bytes as planned_state_bytes
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -159,6 +165,14 @@ def parse_args() -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="TRL's gradient_checkpointing (its default, on); off to see what checkpointing costs a step",
+    )
+    ap.add_argument(
+        "--profile-segment",
+        type=int,
+        default=0,
+        metavar="N",
+        help="full mode: profile the middle recomputed segment of each measured prompt backward (its top N kernels "
+        "and kernel families; every segment is timed either way)",
     )
     ap.add_argument("--tiny", action="store_true", help="dry run on CPU, fp32, tiny dimensions and P")
     args = ap.parse_args()
@@ -303,6 +317,52 @@ def record_progress(trainer, entry: dict, save) -> None:
     trainer._generate_single_turn = recording(trainer._generate_single_turn)
 
 
+class SegmentProbe:
+    """Times each recomputed segment of the full mode's prompt backward (``engine.backward_segment``, which
+    ``prompt_backward`` looks up at call time; synchronised) and profiles one of them: where the prompt backward's
+    seconds go, segment by segment (later segments attend to more pages) and kernel family by family."""
+
+    def __init__(self, profile_top: int):
+        self.top = profile_top
+        self.stock = longstraw_engine.backward_segment
+        longstraw_engine.backward_segment = self._timed
+        self.start_step(0)
+
+    def start_step(self, segments: int) -> None:
+        self.seconds: list[float] = []
+        self.profile: dict | None = None
+        self.profile_at = segments // 2 if self.top else None
+
+    def _timed(self, *args, **kwargs):
+        profiled = len(self.seconds) == self.profile_at
+        prof = kernel_profiler() if profiled else contextlib.nullcontext()
+        sync()
+        start = time.perf_counter()
+        with prof:
+            out = self.stock(*args, **kwargs)
+            sync()
+        seconds = time.perf_counter() - start
+        if profiled:
+            families = kernel_families(prof)
+            device_s = sum(f["self_s"] for f in families.values())
+            self.profile = {
+                "segment_index": len(self.seconds),
+                "wall_s": seconds,
+                "device_s": device_s,
+                "device_busy_share": device_s / seconds,
+                "families": families,
+                "top_kernels": top_kernels(prof, self.top),
+            }
+        self.seconds.append(seconds)
+        return out
+
+    def result(self) -> dict:
+        return {"segment_s": [round(x, 4) for x in self.seconds], "segment_profile": self.profile}
+
+
+PROBE: SegmentProbe | None = None
+
+
 def longstraw_trainer(
     model, tokenizer, args, p: int, r: int, peft_config=None, gradient_mode: str = "response_only"
 ) -> LongStrawGRPOTrainer:
@@ -371,8 +431,18 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
     trainer.add_callback(keep)
     trainer.model.zero_grad(set_to_none=True)
     reset_peak()
+    if PROBE is not None:
+        PROBE.start_step(-(-p // args.chunk))
+    alloc_before = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
     with Timer() as t:
         trainer.train()
+    alloc_after = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    # cudaMalloc retries (the caching allocator freed its cache and synchronised to find room) and device
+    # allocations during the step: an allocator near the memory limit shows here
+    allocator = {
+        k: alloc_after.get(k, 0) - alloc_before.get(k, 0)
+        for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+    }
     m = keep.kept
     peak = peak_gib() if torch.cuda.is_available() else None
     state_by_kind = {
@@ -445,6 +515,8 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
             "fits": plan.fits,
         },
         "peak_over_planner": peak / (plan.peak / GiB) if peak is not None else None,
+        "allocator": allocator,
+        **(PROBE.result() if PROBE is not None and full else {}),
     }
 
 
@@ -595,7 +667,10 @@ def summary_rows(payload: dict) -> list[dict]:
 
 
 def main() -> None:
+    global PROBE
     args = parse_args()
+    if "full" in args.gradient_modes:
+        PROBE = SegmentProbe(args.profile_segment)
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # under `accelerate launch`: this rank's GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     start = time.perf_counter()
