@@ -19,6 +19,13 @@ add, three more passes over the layer's output and two more kernels per adapted 
 capture or decode step are thousands of launches and passes over every linear layer's output. The update is
 then accumulated once in fp32 and rounded once, instead of rounded after each of the three steps.
 
+In the passes that train, under autocast (TRL's default ``bf16=True``), PEFT's input cast is a round trip:
+``x.to(float32)`` copies a bf16 activation to fp32, and autocast casts it straight back to bf16 for the adapter's
+GEMM. :func:`bind_autocast_lora_inputs` skips that cast exactly when it is one (autocast on, the input already in
+autocast's dtype, a vanilla adapter): bit for bit PEFT's forward and gradients, without two passes over each
+adapted layer's input a call. In the whole Qwen3.6-27B's full-mode prompt backward the casts were about 4,000
+copy kernels per recomputed segment (``bench/results/full_model_qwen3.6-27b_full_P128K_probe.json``).
+
 One exception reaches the passes that train: LoRA on a MoE block's fused 3-D expert weights (PEFT's
 ``ParamWrapper``). PEFT forms every expert's adapted weight in each forward; :func:`bind_expert_adapters` (the
 trainer binds it for good) applies the low-rank factors to the activations instead, in every pass, equal to
@@ -226,6 +233,41 @@ def fused_lora_forwards(model: nn.Module, enabled: bool = True) -> Iterator[int]
             delattr(module, "forward")
             if attr is not None:
                 delattr(module, attr)
+
+
+def _vanilla_lora_linear(module: nn.Module) -> bool:
+    """A PEFT LoRA ``Linear`` whose adapters are all vanilla (no variant such as DoRA) without dropout."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:  # no peft: nothing to bind
+        return False
+    if not isinstance(module, LoraLinear) or getattr(module, "lora_variant", None):
+        return False
+    return all(isinstance(d, nn.Identity) for d in module.lora_dropout.values()) and all(
+        isinstance(a, nn.Linear) for a in module.lora_A.values()
+    )
+
+
+def _cast_input_unless_autocast(self, x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """PEFT's cast of a LoRA layer's input to its adapter's dtype, skipped when it is a round trip: autocast is
+    on and the input is already in autocast's dtype, so the adapter's ``F.linear`` would cast the fp32 copy
+    straight back (forward and gradients are bit for bit the same; a bf16 -> fp32 -> bf16 cast is exact)."""
+    if x is not None and x.dtype != dtype and dtype == torch.float32:
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.dtype == torch.get_autocast_dtype(device):
+            return x
+    return type(self)._cast_input_dtype(self, x, dtype)
+
+
+def bind_autocast_lora_inputs(model: nn.Module) -> int:
+    """Bind :func:`_cast_input_unless_autocast` as ``_cast_input_dtype`` of every vanilla PEFT LoRA ``Linear`` of
+    ``model`` (idempotent; bound per instance, so ``deepcopy`` rebinds it). Returns how many layers it bound."""
+    bound = 0
+    for module in model.modules():
+        if "_cast_input_dtype" not in module.__dict__ and _vanilla_lora_linear(module):
+            module._cast_input_dtype = _cast_input_unless_autocast.__get__(module)
+            bound += 1
+    return bound
 
 
 def bind_expert_adapters(model: nn.Module) -> int:

@@ -93,7 +93,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
 
-from .adapters import adapters_in_model_dtype, bind_expert_adapters
+from .adapters import adapters_in_model_dtype, bind_autocast_lora_inputs, bind_expert_adapters
 from .agents import grouped_rollout_func
 from .config import LongStrawGRPOConfig, check_whole_groups
 from .distributed import ExpertParallel, check_expert_parallel, is_fsdp2, new_cp_groups
@@ -297,6 +297,7 @@ def _check_model(model) -> None:
                     "prefix K/V), which the prompt state does not carry. Use LoRA-style adapters."
                 )
     _bind_expert_adapters(model)
+    bind_autocast_lora_inputs(model)  # PEFT's fp32 input copies under autocast (bit-exact without them)
     patch_model(model)
 
 

@@ -221,3 +221,66 @@ def test_bound_expert_lora_trains_as_peft_and_steps_aside_when_disabled():
     for name, g in ref_grads.items():
         err = float((got_grads[name] - g).norm() / g.norm().clamp_min(1e-30))
         assert err <= 1e-5, (name, err, float(g.norm()))
+
+
+class _CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts dtype conversions to fp32 (``aten._to_copy`` with ``dtype=float32``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_fp32 = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.float32:
+            self.to_fp32 += 1
+        return func(*args, **kwargs)
+
+
+def _forward_backward(model, ids, autocast: bool):
+    model.zero_grad(set_to_none=True)
+    counter = _CastCounter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), counter:
+        logits = model(ids).logits
+        logits.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads, counter.to_fp32
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_autocast_lora_inputs_are_bit_exact_and_skip_the_round_trip(autocast):
+    """Under autocast the bound LoRA layers skip PEFT's fp32 copy of a bf16 input (autocast casts it straight back):
+    logits and every gradient bit for bit PEFT's, with fewer fp32 casts; without autocast PEFT's cast stays."""
+    import copy
+
+    from longstraw_trl.adapters import bind_autocast_lora_inputs
+
+    peft_model = _lora(build("qwen3").to(torch.bfloat16))
+    bound_model = copy.deepcopy(peft_model)
+    assert bind_autocast_lora_inputs(bound_model) == sum(
+        1 for m in peft_model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")
+    )
+    assert bind_autocast_lora_inputs(bound_model) == 0  # idempotent
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    ref_logits, ref_grads, ref_casts = _forward_backward(peft_model, ids, autocast)
+    logits, grads, casts = _forward_backward(bound_model, ids, autocast)
+    assert torch.equal(logits, ref_logits)
+    assert ref_grads.keys() == grads.keys() and any("lora_A" in n for n in grads)
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+    if autocast:
+        assert casts < ref_casts, (casts, ref_casts)
+    else:
+        assert casts == ref_casts
+
+
+def test_autocast_lora_inputs_survive_deepcopy():
+    import copy
+
+    from longstraw_trl.adapters import bind_autocast_lora_inputs
+
+    model = _lora(build("qwen3").to(torch.bfloat16))
+    bind_autocast_lora_inputs(model)
+    clone = copy.deepcopy(model)
+    layer = next(m for m in clone.modules() if "_cast_input_dtype" in m.__dict__)
+    assert layer._cast_input_dtype.__self__ is layer
