@@ -25,6 +25,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-start   # a fresh process's first step, cold and disk-cached
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-pins    # this GPU's autotune pins, then a pinned cold 512K step
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh grad-profile --prompt 65536  # the full-mode prompt backward's kernels
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh segment-bwd --prompts 262144 ...  # cuDNN backward, full mode
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gdn-bwd     # issue 25: GDN backward via fla + our dqkwg
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh prefix-tree # prefix sharing: 8 decision points of a 512K trajectory
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp1-plain # issue 28: the 27B LoRA step at 512K, plain (then fsdp1)
@@ -68,6 +69,8 @@ switch_off_failed() {
   failed test_kernels_gdn.py::test_gpu_fla_conv && echo 'export LONGSTRAW_FLA_CONV=0' >> "$switches"
   failed test_kernels_attention.py::test_prompt_dq && echo 'export LONGSTRAW_PROMPT_DQ=0' >> "$switches"
   failed test_kernels_indexer && echo 'export LONGSTRAW_INDEXER_KERNEL=0' >> "$switches"
+  failed 'test_kernels_attention.py::test_page_grads_on_cuda_match_math\[cudnn' \
+    && echo 'export LONGSTRAW_CUDNN_BACKWARD=0' >> "$switches"
   echo "switched off: $(tr '\n' ' ' < "$switches")"; source "$switches"
 }
 # GPU tests without fla, into $OUT/pytest_gpu_$1.log with timeout $2 s: the exit status, how many passed, the failures
@@ -78,6 +81,17 @@ gpu_tests() {
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$log" | tail -8
 }
 case "$1" in
+segment-bwd)  # issue 25: the full mode's prompt segments: the attention GPU tests (cuDNN's backward on the merged
+              # out/LSE, the page dK/dV), flash against cuDNN's backward at the segment's shapes, then the whole 27B
+              # in both modes (full_model.py, args after the mode; --profile-segment: one segment's kernels)
+  shift
+  gpu_tests attention 150 tests/test_kernels_attention.py -k "flash_path or page_grads or softcap"
+  switch_off_failed "$OUT/pytest_gpu_attention.log"
+  (cd bench && PYTHONPATH=/tmp/site timeout 90 python3 -u attention_backward_probe.py 2>&1 | grep -v -i warn \
+    | tee "$OUT/attention_backward_probe.log" | tail -7)
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 560 python3 -u full_model.py --skip-stock "$@" 2>&1 \
+    | grep -v -i warn | tee "$OUT/full.log" | tail -6
+  ;;
 gdn-bwd)  # issue 25: the GDN backward through fla with our torch chunk_bwd_dqkwg (LONGSTRAW_GDN_BACKWARD): its GPU
           # tests, the GDN kernels' and the engine's full gradient on CUDA (their backward takes it now), then the
           # probe at the capture chunk (16K) and at 64K

@@ -16,7 +16,7 @@ prompt part (no mask there, so the ``Hq / Hkv`` query heads of one group are jus
 
 ``*_reference`` functions are the plain torch math (the test oracle, and the path for soft-capped scores);
 on CUDA the forward uses PyTorch's cuDNN attention op for calls with many queries and its flash-attention
-op for decode (both return the LSE), the backward the flash backward. On CPU, forward and backward use
+op for decode (both return the LSE), the backward cuDNN's for calls with many queries and flash's otherwise. On CPU, forward and backward use
 PyTorch's CPU flash-attention ops (``_scaled_dot_product_flash_attention_for_cpu``: the LSE is natural-log,
 fp32, ``[B, H, T]``; it reads grouped K/V heads itself, takes any head dim, and its causal flag is
 top-left aligned, so a causal call with fewer queries than keys passes an additive mask instead);
@@ -379,30 +379,98 @@ def flash_backward_ok(q: torch.Tensor) -> bool:
     key = (q.device, q.dtype, q.shape[-1])
     if key not in _FLASH_BWD_OK:
         try:
-            g = torch.Generator(device=q.device).manual_seed(0)
-            x = [
-                torch.randn(1, 2, 96, q.shape[-1], device=q.device, dtype=q.dtype, generator=g)
-                for _ in range(4)
-            ]
-            qq, kk, vv, do = x
-            sc = q.shape[-1] ** -0.5
-            # a part over half the keys, merged with the other half: the final out/lse differ from the part's
-            o1, l1 = attention_lse(qq, kk[:, :, :48], vv[:, :, :48], sc)
-            o2, l2 = attention_lse(qq, kk[:, :, 48:], vv[:, :, 48:], sc)
-            out, lse = merge_partials(o1, l1, o2, l2)
-            got = _flash_grads(qq, kk[:, :, :48], vv[:, :, :48], out, lse, do, sc, False)
-            ref = attention_grad_reference(qq, kk[:, :, :48], vv[:, :, :48], out, lse, do, sc)
-            ok = all(((a - b).norm() / b.norm()).item() < 2e-2 for a, b in zip(got, ref, strict=True))
+            _FLASH_BWD_OK[key] = _backward_matches_reference(_flash_grads, q)
         except Exception:  # noqa: BLE001 - any failure means: use the math path
-            ok = False
-        _FLASH_BWD_OK[key] = ok
+            _FLASH_BWD_OK[key] = False
     return _FLASH_BWD_OK[key]
 
 
+_CUDNN_AUX: dict = {}
+_CUDNN_BWD_OK: dict = {}
+
+
+def _cudnn_aux(q: torch.Tensor):
+    """The cuDNN op's bookkeeping outputs (cumulative lengths: none for dense inputs; RNG seed and offset)."""
+    key = (q.device, q.dtype, q.shape[-1])
+    if key not in _CUDNN_AUX:
+        x = torch.zeros(1, 1, 8, q.shape[-1], device=q.device, dtype=q.dtype)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+        _CUDNN_AUX[key] = (res[2], res[3], res[6], res[7])
+    return _CUDNN_AUX[key]
+
+
+def _cudnn_grads(q, k, v, out, lse, dout, scale, causal):
+    """cuDNN's attention backward fed the *final* ``out``/``lse`` (the FlashAttention identity holds for it as for
+    flash): about twice flash's rate at head dim 256 on Hopper, where flash's backward is FlashAttention-2's."""
+    cum_q, cum_k, seed, offset = _cudnn_aux(q)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.to(q.dtype).contiguous(),
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        out.to(q.dtype).contiguous(),
+        lse.float().contiguous().unsqueeze(-1),
+        seed,
+        offset,
+        None,
+        cum_q,
+        cum_k,
+        q.shape[-2],
+        k.shape[-2],
+        0.0,
+        causal,
+        scale=scale,
+    )
+    return dq.float(), dk.float(), dv.float()
+
+
+def _backward_matches_reference(grads_fn, q: torch.Tensor) -> bool:
+    """Whether ``grads_fn`` (flash's or cuDNN's backward), fed the final merged out/LSE of a part over half the keys
+    merged with the other half, matches the plain math, non-causal and causal, on a small problem here."""
+    g = torch.Generator(device=q.device).manual_seed(0)
+    qq, kk, vv, do = (
+        torch.randn(1, 2, 96, q.shape[-1], device=q.device, dtype=q.dtype, generator=g) for _ in range(4)
+    )
+    sc = q.shape[-1] ** -0.5
+    o1, l1 = attention_lse(qq, kk[:, :, :48], vv[:, :, :48], sc)
+    o2, l2 = attention_lse(qq, kk[:, :, 48:], vv[:, :, 48:], sc)
+    out, lse = merge_partials(o1, l1, o2, l2)
+    got = grads_fn(qq, kk[:, :, :48], vv[:, :, :48], out, lse, do, sc, False)
+    ref = attention_grad_reference(qq, kk[:, :, :48], vv[:, :, :48], out, lse, do, sc)
+    ok = all(((a - b).norm() / b.norm()).item() < 2e-2 for a, b in zip(got, ref, strict=True))
+    oc, lc = attention_lse_reference(qq, kk[:, :, :96], vv[:, :, :96], sc, causal=True)
+    got = grads_fn(qq, kk[:, :, :96], vv[:, :, :96], oc, lc, do, sc, True)
+    ref = attention_grad_reference(qq, kk[:, :, :96], vv[:, :, :96], oc, lc, do, sc, causal=True)
+    return ok and all(((a - b).norm() / b.norm()).item() < 2e-2 for a, b in zip(got, ref, strict=True))
+
+
+def cudnn_backward_ok(q: torch.Tensor) -> bool:
+    """Whether cuDNN's backward, fed the final merged out/LSE, matches the plain math here (checked once per device,
+    dtype and head dim; any error or mismatch means: flash's backward). ``LONGSTRAW_CUDNN_BACKWARD=0``: off."""
+    if not switch("LONGSTRAW_CUDNN_BACKWARD"):
+        return False
+    key = (q.device, q.dtype, q.shape[-1])
+    if key not in _CUDNN_BWD_OK:
+        try:
+            _CUDNN_BWD_OK[key] = cudnn_attention_ok(q) and _backward_matches_reference(_cudnn_grads, q)
+        except Exception:  # noqa: BLE001 - any failure means: use flash
+            _CUDNN_BWD_OK[key] = False
+    return _CUDNN_BWD_OK[key]
+
+
 def attention_grads(q, k, v, out, lse, dout, scale, causal=False, need_kv=True, softcap=None):
-    """Gradients of one key part given the final ``out``/``lse``: flash backward where it is verified,
-    else :func:`attention_grad_reference` (causal = queries are the last ``T`` of the keys, T == L;
-    ``softcap`` always takes the plain math)."""
+    """Gradients of one key part given the final ``out``/``lse``: cuDNN's backward for calls of many query rows and
+    flash's otherwise, each where it is verified, else :func:`attention_grad_reference` (causal = queries are the
+    last ``T`` of the keys, T == L; ``softcap`` always takes the plain math)."""
+    if (
+        softcap is None
+        and _flash_ok(q, k)
+        and q.shape[-2] >= CUDNN_MIN_QUERY_ROWS
+        and (not causal or q.shape[-2] == k.shape[-2])
+        and cudnn_backward_ok(q)
+    ):
+        dq, dk, dv = _cudnn_grads(q, k, v, out, lse, dout, scale, causal)
+        return (dq, dk, dv) if need_kv else (dq, None, None)
     if softcap is None and _flash_ok(q, k) and flash_backward_ok(q):
         dq, dk, dv = _flash_grads(q, k, v, out, lse, dout, scale, causal)
         return (dq, dk, dv) if need_kv else (dq, None, None)

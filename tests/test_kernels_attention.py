@@ -126,8 +126,8 @@ def _math_path_called(name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("forward", ["flash", "cudnn"])
 def test_flash_path_matches_math_on_cuda(dtype, forward):
-    """The CUDA fast paths against the fp32 math: forward by flash (few query rows) or cuDNN (many), backward
-    by flash. Each must actually run: the math path is disabled, and cuDNN's use is counted."""
+    """The CUDA fast paths against the fp32 math: forward and backward by flash (few query rows) or cuDNN (many).
+    Each must actually run: the math path is disabled, and cuDNN's use is counted."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, hq, hkv, t, d, p = 2, 8, 2, 128, 128, 1000
     q = torch.randn(b, hq, t, d, generator=gen, device="cuda", dtype=dtype, requires_grad=True)
@@ -146,17 +146,19 @@ def test_flash_path_matches_math_on_cuda(dtype, forward):
     assert attn.flash_backward_ok(q), "the flash backward failed its self-check on this PyTorch"
     if forward == "cudnn":
         assert attn.cudnn_attention_ok(q), "cuDNN attention failed its self-check on this PyTorch"
-    cudnn_calls = []
-    cudnn = attn._cudnn_lse
+        assert attn.cudnn_backward_ok(q), "cuDNN's backward failed its self-check on this PyTorch"
+    cudnn_calls, cudnn_grad_calls = [], []
+    cudnn, cudnn_grads = attn._cudnn_lse, attn._cudnn_grads
     with pytest.MonkeyPatch.context() as m:
         for name in ("attention_lse_reference", "attention_grad_reference"):
             m.setattr(attn, name, _math_path_called(name))
         m.setattr(attn, "CUDNN_MIN_QUERY_ROWS", 1 if forward == "cudnn" else 1 << 30)
         m.setattr(attn, "_cudnn_lse", lambda *a: cudnn_calls.append(1) or cudnn(*a))
+        m.setattr(attn, "_cudnn_grads", lambda *a: cudnn_grad_calls.append(1) or cudnn_grads(*a))
         out = prompt_response_attention(q, k, v, pages, d**-0.5)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert bool(cudnn_calls) == (forward == "cudnn")
+    assert bool(cudnn_calls) == bool(cudnn_grad_calls) == (forward == "cudnn")
     args = [x.detach().float().requires_grad_() for x in (q, k, v)]
     ref = full_softmax_reference(args[0], kp.float(), vp.float(), args[1], args[2], d**-0.5)
     ref_grads = torch.autograd.grad(ref, args, dout.float())
@@ -165,6 +167,54 @@ def test_flash_path_matches_math_on_cuda(dtype, forward):
         for a, b in zip((out, *grads), (ref, *ref_grads), strict=False)
     ]
     print(f"{dtype} relative errors out/dq/dk/dv: {errors}")
+    assert max(errors) <= 1e-2, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backward", ["flash", "cudnn"])
+def test_page_grads_on_cuda_match_math(backward, monkeypatch):
+    """The full gradient's page dK/dV (a sink per page) and dQ at Qwen3.6's attention shape (24 q / 4 kv heads,
+    d = 256, bf16) by flash's or cuDNN's backward, against autograd through the fp32 softmax over all keys."""
+    if backward == "flash":
+        monkeypatch.setenv("LONGSTRAW_CUDNN_BACKWARD", "0")
+    else:
+        assert attn.cudnn_backward_ok(torch.empty(1, 1, 1, 256, device="cuda", dtype=torch.bfloat16))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    b, hq, hkv, t, d, p = 1, 24, 4, 1024, 256, 2048
+    q, k, v = (
+        torch.randn(b, h, t, d, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for h in (hq, hkv, hkv)
+    )
+    kp, vp = (torch.randn(1, hkv, p, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    page_starts = range(0, p, 512)
+    dk_pages, dv_pages = torch.zeros(hkv, p, d, device="cuda"), torch.zeros(hkv, p, d, device="cuda")
+
+    def pages():
+        return [(kp[0, :, s : s + 512], vp[0, :, s : s + 512]) for s in page_starts]
+
+    def sink(i):
+        s = page_starts[i]
+
+        def add(dk, dv):
+            dk_pages[:, s : s + 512] += dk.float()
+            dv_pages[:, s : s + 512] += dv.float()
+
+        return add
+
+    calls = []
+    grads_fn = attn._cudnn_grads
+    monkeypatch.setattr(attn, "_cudnn_grads", lambda *a: calls.append(1) or grads_fn(*a))
+    out = prompt_response_attention(q, k, v, pages, d**-0.5, page_grads=sink)
+    dout = torch.randn(out.shape, generator=gen, device="cuda", dtype=out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert bool(calls) == (backward == "cudnn")
+    args = [x.detach().float().requires_grad_() for x in (q, k, v, kp, vp)]
+    ref = full_softmax_reference(args[0], args[3], args[4], args[1], args[2], d**-0.5)
+    ref_grads = torch.autograd.grad(ref, args, dout.float())
+    got = (out, *grads, dk_pages[None], dv_pages[None])
+    errors = [((a.float() - r).norm() / r.norm()).item() for a, r in zip(got, (ref, *ref_grads), strict=True)]
+    print(f"{backward}: relative errors out/dq/dk/dv/dk_pages/dv_pages: {errors}")
     assert max(errors) <= 1e-2, errors
 
 
