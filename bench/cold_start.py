@@ -49,6 +49,40 @@ def _count_compiled(cache_dir: Path) -> int:
     return sum(1 for d in cache_dir.iterdir() if d.is_dir() and any(d.glob("*.json")))
 
 
+def _listen_to_compilations(stats: dict) -> None:
+    """Count what Triton compiles in this process, by kernel: binaries built, specialisations of each kernel
+    (distinct source hashes), seconds in the compiler (its own timer), and cache hits, into ``stats``. What is
+    left of a cold step once nothing is tuned is mostly this, so it says which kernels to compile ahead or
+    specialise less."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    if not hasattr(knobs.compilation, "listener"):
+        return
+    by_kernel: dict = {}
+    stats["compile_s"] = 0.0
+    stats["compiled_by_kernel"] = by_kernel
+    t_start = time.perf_counter()
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
+        name = metadata.get("name") or getattr(src, "name", "?")
+        entry = by_kernel.setdefault(
+            name, {"compiled": 0, "cache_hits": 0, "compile_s": 0.0, "first_at_s": None}
+        )
+        if entry["first_at_s"] is None:
+            entry["first_at_s"] = round(time.perf_counter() - t_start, 1)
+        if cache_hit:
+            entry["cache_hits"] += 1
+            return
+        seconds = times.total / 1e6
+        entry["compiled"] += 1
+        entry["compile_s"] = round(entry["compile_s"] + seconds, 3)
+        stats["compile_s"] += seconds
+
+    knobs.compilation.listener = listener
+
+
 def child(argv: list[str], dump_pins: str | None) -> None:
     """Run full_model.py in this process with Triton's autotuner instrumented; print the counts last, and with
     ``dump_pins`` write the autotuners' choices as this GPU's pin file (kernels/autotune.py)."""
@@ -72,6 +106,7 @@ def child(argv: list[str], dump_pins: str | None) -> None:
                     stats["autotuned_kernels"].append(name)
 
         Autotuner._bench = timed_bench
+    _listen_to_compilations(stats)
     t0 = time.perf_counter()
     sys.argv = [str(HERE / "full_model.py"), *argv]
     try:
@@ -86,7 +121,13 @@ def child(argv: list[str], dump_pins: str | None) -> None:
 
 
 def run_case(
-    name: str, cache_dir: Path, args, out_dir: Path, prompts: list[int], dump_pins: Path | None = None
+    name: str,
+    cache_dir: Path,
+    args,
+    out_dir: Path,
+    prompts: list[int],
+    dump_pins: Path | None = None,
+    extra: tuple[str, ...] = (),
 ) -> dict:
     """One fresh process of full_model.py on ``cache_dir``: its step results and the child's counts."""
     before = _count_compiled(cache_dir)
@@ -97,6 +138,7 @@ def run_case(
     cmd += ["--generations", str(args.generations), "--budget-s", str(args.budget_s)]
     if args.tiny:
         cmd.append("--tiny")
+    cmd += extra
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "OUT": str(out_dir)}
     t = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=HERE)
@@ -139,7 +181,19 @@ def main() -> None:
         help="instead: a 'tune' process at --tune-prompt writes this GPU's autotune pins into kernels/autotune_pins/ "
         "(and $OUT), then a 'pinned' process on another empty cache takes two steps at --prompt",
     )
-    ap.add_argument("--tune-prompt", type=int, default=32768)
+    ap.add_argument(
+        "--tune-prompt",
+        type=int,
+        default=32768,
+        help="two capture chunks at least: the second meets the kernels' keys with an initial (conv / GDN) state",
+    )
+    ap.add_argument(
+        "--tune-layers",
+        type=int,
+        default=4,
+        help="the tune process's model slice (full_model.py --layers): every layer of a kind runs the same kernels "
+        "at the same keys, so a slice holding each kind meets them all, in a fraction of the whole model's time",
+    )
     ap.add_argument(
         "--skip-tune",
         action="store_true",
@@ -166,8 +220,9 @@ def main() -> None:
             if args.skip_tune:
                 payload["pins"] = {p.name: json.loads(p.read_text()) for p in sorted(PINS_DIR.glob("*.json"))}
             else:
+                layers = () if args.tiny else ("--layers", str(args.tune_layers))
                 tune = run_case(
-                    "tune", Path(tmp) / "tune", args, Path(children_out), [args.tune_prompt], pins
+                    "tune", Path(tmp) / "tune", args, Path(children_out), [args.tune_prompt], pins, layers
                 )
                 payload["cases"].append(tune)
                 payload["pins"] = json.loads(pins.read_text()) if pins.exists() else None
@@ -208,9 +263,15 @@ def main() -> None:
                     "autotune s (process)": f"{case.get('autotune_s', 0):.1f}" if i == 0 else "",
                     "configs timed": case.get("autotune_configs_benchmarked", 0) if i == 0 else "",
                     "kernels compiled": case["kernels_compiled"] if i == 0 else "",
+                    "compile s (process)": f"{case.get('compile_s', 0):.1f}" if i == 0 else "",
                 }
             )
     print_table(rows)
+    for case in payload["cases"]:
+        slowest = sorted(case.get("compiled_by_kernel", {}).items(), key=lambda kv: -kv[1]["compile_s"])[:8]
+        if slowest:
+            print(f"{case['case']}: slowest to compile: " + ", ".join(
+                f"{k} {v['compile_s']:.1f} s/{v['compiled']}" for k, v in slowest))  # fmt: skip
     for case in payload["cases"]:
         steps = [s for s in case["steps"] if s.get("ok")]
         if len(steps) == 2:  # the same step twice in one process: what being first cost
