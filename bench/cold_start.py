@@ -107,6 +107,14 @@ def child(argv: list[str], dump_pins: str | None) -> None:
 
         Autotuner._bench = timed_bench
     _listen_to_compilations(stats)
+    recorder = None
+    if dump_pins:  # the pinned process: also the specialisations it compiled (kernels/compile_ahead.py)
+        try:
+            from longstraw_trl.kernels.compile_ahead import record_compilations
+
+            recorder = record_compilations()
+        except ImportError:  # no Triton: nothing compiles
+            pass
     t0 = time.perf_counter()
     sys.argv = [str(HERE / "full_model.py"), *argv]
     try:
@@ -117,6 +125,9 @@ def child(argv: list[str], dump_pins: str | None) -> None:
             from longstraw_trl.kernels.autotune import dump_autotune_choices
 
             stats["pins_written"] = dump_autotune_choices(dump_pins)
+            if recorder is not None:
+                manifest = Path(dump_pins).with_name(Path(dump_pins).stem + "_compile_manifest.json")
+                stats["compile_manifest_entries"] = recorder.dump(manifest)
         print(STATS_PREFIX + json.dumps(stats), flush=True)
 
 
