@@ -39,6 +39,7 @@ from common import print_table, write_result
 
 HERE = Path(__file__).parent
 PINS_DIR = HERE.parent / "kernels" / "autotune_pins"
+MANIFEST_DIR = HERE.parent / "kernels" / "compile_manifest"
 STATS_PREFIX = "COLD_START_STATS "
 
 
@@ -121,6 +122,15 @@ def child(argv: list[str], dump_pins: str | None) -> None:
         runpy.run_path(str(HERE / "full_model.py"), run_name="__main__")
     finally:
         stats["process_s"] = time.perf_counter() - t0
+        try:
+            from longstraw_trl.kernels.compile_ahead import active_compile_ahead
+
+            ahead = active_compile_ahead()
+            if ahead is not None:
+                ahead.wait(60)
+                stats["compile_ahead"] = ahead.stats()
+        except ImportError:
+            pass
         if dump_pins:
             from longstraw_trl.kernels.autotune import dump_autotune_choices
 
@@ -240,6 +250,12 @@ def main() -> None:
                 if payload["pins"] and payload["pins"]["gpu"]:  # where the library looks for them
                     PINS_DIR.mkdir(exist_ok=True)
                     (PINS_DIR / f"{payload['pins']['gpu']}.json").write_text(pins.read_text())
+                # and the specialisations it compiled, which the pinned process compiles ahead (compile_ahead.py)
+                manifest = pins.with_name(pins.stem + "_compile_manifest.json")
+                if manifest.exists() and json.loads(manifest.read_text()).get("gpu"):
+                    MANIFEST_DIR.mkdir(exist_ok=True)
+                    gpu = json.loads(manifest.read_text())["gpu"]
+                    (MANIFEST_DIR / f"{gpu}.json").write_text(manifest.read_text())
                 write_result(name, payload)
             payload["cases"].append(
                 run_case("pinned", Path(tmp) / "pinned", args, Path(children_out), [args.prompt] * 2, after)

@@ -17,11 +17,18 @@ applies only on the same GPU name and Triton version (fla's only with the same f
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import re
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
+
+from .switches import switch
 
 logger = logging.getLogger(__name__)
 
@@ -93,3 +100,221 @@ def record_compilations() -> CompileRecorder:
     recorder._previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = recorder
     return recorder
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiling ahead
+
+
+def load_manifest(gpu: str | None = None, directory: Path = MANIFEST_DIR) -> list[dict]:
+    """The manifest entries that apply here: this GPU's file, the same Triton version, fla's entries only with the
+    same fla version (none where fla is not importable). Empty when nothing applies."""
+    gpu = gpu or _gpu_name()
+    path = directory / f"{gpu}.json" if gpu else None
+    if path is None or not path.exists():
+        return []
+    manifest = json.loads(path.read_text())
+    versions = _versions()
+    if manifest.get("triton") != versions["triton"]:
+        logger.info("compile manifest %s is for Triton %s, not %s: not used", path.name, manifest.get("triton"),
+                    versions["triton"])  # fmt: skip
+        return []
+    same_fla = manifest.get("fla") is not None and manifest.get("fla") == versions.get("fla")
+    return [e for e in manifest["entries"] if same_fla or not e["module"].startswith("fla")]
+
+
+def _unwrap_jit(obj):
+    """The ``JITFunction`` under ``@triton.autotune`` / ``@triton.heuristics`` wrappers (their ``.fn``), or None."""
+    from triton.runtime.jit import JITFunction
+
+    for _ in range(8):
+        if isinstance(obj, JITFunction):
+            return obj
+        obj = getattr(obj, "fn", None)
+        if obj is None:
+            return None
+    return None
+
+
+def _search_built(obj, qualname: str, depth: int = 0):
+    """A JITFunction named ``qualname`` inside what a kernel module's cached builder returned (a kernel, a tuple,
+    a namespace)."""
+    jit = _unwrap_jit(obj)
+    if jit is not None:
+        return jit if jit.fn.__qualname__ == qualname else None
+    if depth > 2:
+        return None
+    if isinstance(obj, (tuple, list)):
+        children = obj
+    elif isinstance(obj, dict):
+        children = obj.values()
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__ == "types":
+        children = vars(obj).values()
+    else:
+        return None
+    for child in children:
+        found = _search_built(child, qualname, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def find_jit_function(module_name: str, qualname: str):
+    """The JITFunction a manifest entry names: a module attribute (through its autotune / heuristics wrappers), or,
+    for a kernel defined inside a cached builder (``_kernel.<locals>.dq_kernel``), what that builder returns."""
+    module = importlib.import_module(module_name)
+    head, *rest = qualname.split(".")
+    obj = getattr(module, head, None)
+    if obj is None:
+        return None
+    if rest and rest[0] == "<locals>":
+        return _search_built(obj(), qualname)
+    jit = _unwrap_jit(obj)
+    return jit if jit is not None and jit.fn.__qualname__ == qualname else None
+
+
+def _worker(manifest_path: str, indices: list[int]) -> None:
+    """A compile worker: compile the given entries (Triton's ``JITFunction.preload``: the same source, signature,
+    constants and options, so the same cache key as the step's own call), print ``done i`` or ``failed i why``."""
+    entries = json.loads(Path(manifest_path).read_text())
+    for i in indices:
+        entry = entries[i]
+        try:
+            jit = find_jit_function(entry["module"], entry["qualname"])
+            if jit is None:
+                raise LookupError(f"no kernel {entry['module']}.{entry['qualname']}")
+            jit.preload(entry["specialization"])
+            print(f"done {i}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - one entry's failure leaves the step to compile it itself
+            print(f"failed {i} {type(exc).__name__}: {str(exc)[:200]}".replace("\n", " "), flush=True)
+
+
+class CompileAhead:
+    """Worker processes compiling a manifest's entries into Triton's cache directory (the environment's
+    ``TRITON_CACHE_DIR``, inherited), and a ``jit_cache_hook`` that makes this process wait for an entry a worker is
+    still compiling instead of compiling it again. :meth:`stats` says what it did."""
+
+    def __init__(self, entries: list[dict], workers: int, wait_s: float = 120.0) -> None:
+        import subprocess
+
+        from triton import knobs
+
+        self.started = time.perf_counter()
+        self.entries = entries
+        self.wait_s = wait_s
+        self.index = {e["specialization"]: i for i, e in enumerate(entries)}
+        self.done = [threading.Event() for _ in entries]
+        self.outcome: dict[int, str] = {}
+        self.waited_s = 0.0
+        self.waits = 0
+        self.finished_s: float | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="longstraw_compile_ahead_")
+        manifest = Path(self._dir.name) / "entries.json"
+        manifest.write_text(json.dumps(entries))
+        workers = max(1, min(workers, len(entries)))
+        self.procs = []
+        self._readers = []
+        for w in range(workers):
+            indices = list(
+                range(w, len(entries), workers)
+            )  # round robin keeps first-met first in each worker
+            cmd = [sys.executable, "-m", __name__, manifest, ",".join(map(str, indices))]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.procs.append(proc)
+            reader = threading.Thread(target=self._read, args=(proc, indices), daemon=True)
+            reader.start()
+            self._readers.append(reader)
+        self._previous = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._hook
+
+    def _read(self, proc, indices: list[int]) -> None:
+        for line in proc.stdout:
+            word, _, rest = line.strip().partition(" ")
+            number, _, why = rest.partition(" ")
+            if word in ("done", "failed") and number.isdigit():
+                i = int(number)
+                self.outcome[i] = "done" if word == "done" else f"failed: {why}"
+                self.done[i].set()
+        proc.wait()
+        for i in indices:  # a worker that died leaves its remaining entries to the step
+            self.outcome.setdefault(i, f"worker exited {proc.returncode}")
+            self.done[i].set()
+        if all(e.is_set() for e in self.done):
+            self.finished_s = time.perf_counter() - self.started
+
+    def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
+        i = self.index.get(compile["specialization_data"])
+        if i is not None and not self.done[i].is_set():
+            t = time.perf_counter()
+            self.done[i].wait(self.wait_s)
+            self.waited_s += time.perf_counter() - t
+            self.waits += 1
+        if self._previous is not None:
+            return self._previous(
+                key=key,
+                repr=repr,
+                fn=fn,
+                compile=compile,
+                is_manual_warmup=is_manual_warmup,
+                already_compiled=already_compiled,
+            )
+        return None  # Triton now finds the worker's binary in its cache directory (or compiles it itself)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every entry is compiled or given up; whether all are."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for event in self.done:
+            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            if not event.wait(left):
+                return False
+        return True
+
+    def stats(self) -> dict:
+        failed = {i: why for i, why in self.outcome.items() if why != "done"}
+        return {
+            "entries": len(self.entries),
+            "workers": len(self.procs),
+            "compiled_ahead": sum(1 for why in self.outcome.values() if why == "done"),
+            "failed": len(failed),
+            "first_failures": [
+                f"{self.entries[i]['qualname']}: {why}" for i, why in sorted(failed.items())[:3]
+            ],
+            "finished_s": self.finished_s,
+            "step_waited_s": round(self.waited_s, 3),
+            "step_waits": self.waits,
+        }
+
+
+_ACTIVE: list[CompileAhead] = []
+
+
+def start_compile_ahead(workers: int | None = None) -> CompileAhead | None:
+    """Start compiling this GPU's manifest (:func:`load_manifest`) in worker processes, once per process; ``None``
+    where nothing applies (no CUDA, no Triton, no manifest for this GPU and these versions, or
+    ``LONGSTRAW_COMPILE_AHEAD=0``). Call it after Triton's cache directory is set (the workers inherit it)."""
+    if _ACTIVE:
+        return _ACTIVE[0]
+    if not switch(SWITCH):
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    entries = load_manifest()
+    if not entries:
+        return None
+    workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
+    ahead = CompileAhead(entries, workers)
+    _ACTIVE.append(ahead)
+    logger.info("compiling %d Triton kernel specialisations ahead in %d processes (kernels/compile_ahead.py)",
+                len(entries), ahead.stats()["workers"])  # fmt: skip
+    return ahead
+
+
+def active_compile_ahead() -> CompileAhead | None:
+    """The compile-ahead this process started, if any (for its stats)."""
+    return _ACTIVE[0] if _ACTIVE else None
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], [int(i) for i in sys.argv[2].split(",") if i])

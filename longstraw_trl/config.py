@@ -185,6 +185,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             restarted in a fresh container that keeps its output directory (e.g. to resume) skips that (the leading
             underscore keeps it out of `push_to_hub` uploads); a path: that directory; `None`: Triton's default
             (`~/.triton/cache`). A `TRITON_CACHE_DIR` set in the environment always wins.
+        compile_ahead (`bool`, *optional*, defaults to `True`):
+            On a GPU with a compile manifest for it (`kernels/compile_manifest/<GPU>.json`, same Triton and fla
+            versions), compile the Triton kernel specialisations a step uses in worker processes while the trainer
+            sets up, instead of one after another inside the first step; the step waits only for a kernel still
+            being compiled. The workers hold a CUDA context each for those seconds. Also `LONGSTRAW_COMPILE_AHEAD=0`.
         refresh_probe_period (`int`, *optional*, defaults to `4`):
             For `"adaptive"`: measure the drift on every k-th stale use of a state.
         refresh_max_interval (`int`, *optional*, defaults to `16`):
@@ -244,6 +249,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             "help": "Triton's cache of compiled kernels and autotuning choices: 'auto' (<output_dir>/"
             "_longstraw_kernel_cache: a restarted job skips the ~100 s of compilation of a cold first step), a "
             "directory, or None (Triton's default). TRITON_CACHE_DIR in the environment wins."
+        },
+    )
+    compile_ahead: bool = field(
+        default=True,
+        metadata={
+            "help": "Compile this GPU's recorded Triton kernel specialisations (kernels/compile_manifest) in worker "
+            "processes while the trainer sets up, rather than one by one inside the first step."
         },
     )
     replay_batch_tokens: int = field(
