@@ -194,7 +194,7 @@ class CompileAhead:
     ``TRITON_CACHE_DIR``, inherited), and a ``jit_cache_hook`` that makes this process wait for an entry a worker is
     still compiling instead of compiling it again. :meth:`stats` says what it did."""
 
-    def __init__(self, entries: list[dict], workers: int, wait_s: float = 120.0) -> None:
+    def __init__(self, entries: list[dict], workers: int, wait_s: float = 30.0) -> None:
         import subprocess
 
         from triton import knobs
@@ -207,6 +207,7 @@ class CompileAhead:
         self.outcome: dict[int, str] = {}
         self.waited_s = 0.0
         self.waits = 0
+        self.gave_up = False
         self.finished_s: float | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="longstraw_compile_ahead_")
         manifest = Path(self._dir.name) / "entries.json"
@@ -244,9 +245,10 @@ class CompileAhead:
 
     def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
         i = self.index.get(compile["specialization_data"])
-        if i is not None and not self.done[i].is_set():
+        if i is not None and not self.done[i].is_set() and not self.gave_up:
             t = time.perf_counter()
-            self.done[i].wait(self.wait_s)
+            if not self.done[i].wait(self.wait_s):
+                self.gave_up = True  # a stuck worker: compile here from now on, never wait again
             self.waited_s += time.perf_counter() - t
             self.waits += 1
         if self._previous is not None:
@@ -282,6 +284,7 @@ class CompileAhead:
             "finished_s": self.finished_s,
             "step_waited_s": round(self.waited_s, 3),
             "step_waits": self.waits,
+            "gave_up_waiting": self.gave_up,
         }
 
 
