@@ -208,6 +208,8 @@ class CompileAhead:
         self.waited_s = 0.0
         self.waits = 0
         self.gave_up = False
+        self._lock = threading.Lock()
+        self._unsettled = len(entries)
         self.finished_s: float | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="longstraw_compile_ahead_")
         manifest = Path(self._dir.name) / "entries.json"
@@ -235,13 +237,19 @@ class CompileAhead:
             if word in ("done", "failed") and number.isdigit():
                 i = int(number)
                 self.outcome[i] = "done" if word == "done" else f"failed: {why}"
-                self.done[i].set()
+                self._settle(i)
         proc.wait()
         for i in indices:  # a worker that died leaves its remaining entries to the step
-            self.outcome.setdefault(i, f"worker exited {proc.returncode}")
+            if not self.done[i].is_set():
+                self.outcome.setdefault(i, f"worker exited {proc.returncode}")
+                self._settle(i)
+
+    def _settle(self, i: int) -> None:
+        with self._lock:
             self.done[i].set()
-        if all(e.is_set() for e in self.done):
-            self.finished_s = time.perf_counter() - self.started
+            self._unsettled -= 1
+            if self._unsettled == 0:
+                self.finished_s = round(time.perf_counter() - self.started, 3)
 
     def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
         i = self.index.get(compile["specialization_data"])
