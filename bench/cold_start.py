@@ -267,6 +267,12 @@ def main() -> None:
                 gpu = json.loads(after.read_text())["gpu"]
                 (PINS_DIR / f"{gpu}.json").write_text(after.read_text())
                 payload["pins_after_pinned"] = json.loads(after.read_text())
+            # and the specialisations the pinned step compiled: exactly what a step needs (the tune process's
+            # manifest also holds every configuration its autotuners timed)
+            after_manifest = after.with_name(after.stem + "_compile_manifest.json")
+            if after_manifest.exists() and json.loads(after_manifest.read_text()).get("gpu"):
+                gpu = json.loads(after_manifest.read_text())["gpu"]
+                (MANIFEST_DIR / f"{gpu}.json").write_text(after_manifest.read_text())
         else:
             cache_dir = Path(tmp) / "triton"
             for case in ("cold", "disk cache"):

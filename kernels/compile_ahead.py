@@ -322,6 +322,20 @@ def start_compile_ahead(workers: int | None = None) -> CompileAhead | None:
     return ahead
 
 
+def start_compile_ahead_here(kernel_cache_dir: str | None) -> CompileAhead | None:
+    """:func:`start_compile_ahead` where it belongs: with CUDA, in the first process of a machine only (its
+    workers use the first visible GPU; the other ranks find the binaries in the shared cache directory), after
+    pointing Triton's cache at ``kernel_cache_dir`` (``autotune.use_kernel_cache``)."""
+    import torch
+
+    if not torch.cuda.is_available() or int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
+        return None
+    from .autotune import use_kernel_cache
+
+    use_kernel_cache(kernel_cache_dir)
+    return start_compile_ahead()
+
+
 def active_compile_ahead() -> CompileAhead | None:
     """The compile-ahead this process started, if any (for its stats)."""
     return _ACTIVE[0] if _ACTIVE else None

@@ -11,6 +11,7 @@ from trl import GRPOConfig
 from .distributed import EP_IMPLEMENTATIONS
 from .errors import LongStrawError
 from .generation import SamplingParams
+from .kernels.compile_ahead import start_compile_ahead_here
 from .loss import GRPOLossSpec
 
 REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
@@ -187,9 +188,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             (`~/.triton/cache`). A `TRITON_CACHE_DIR` set in the environment always wins.
         compile_ahead (`bool`, *optional*, defaults to `True`):
             On a GPU with a compile manifest for it (`kernels/compile_manifest/<GPU>.json`, same Triton and fla
-            versions), compile the Triton kernel specialisations a step uses in worker processes while the trainer
-            sets up, instead of one after another inside the first step; the step waits only for a kernel still
-            being compiled. The workers hold a CUDA context each for those seconds. Also `LONGSTRAW_COMPILE_AHEAD=0`.
+            versions), compile the Triton kernel specialisations a step uses in worker processes from the moment the
+            config is created (so it overlaps with loading the model), instead of one after another inside the first
+            step; the step waits only for a kernel still being compiled. Only the first process of each machine
+            compiles (the others find its binaries in the shared `kernel_cache_dir`); its workers hold a CUDA
+            context each for those seconds. Also `LONGSTRAW_COMPILE_AHEAD=0`.
         refresh_probe_period (`int`, *optional*, defaults to `4`):
             For `"adaptive"`: measure the drift on every k-th stale use of a state.
         refresh_max_interval (`int`, *optional*, defaults to `16`):
@@ -373,6 +376,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             self.kernel_cache_dir = None
         if self.kernel_cache_dir == "auto":
             self.kernel_cache_dir = os.path.join(self.output_dir, KERNEL_CACHE_SUBDIR)
+        if self.compile_ahead:
+            start_compile_ahead_here(self.kernel_cache_dir)
         if self.gradient_mode == "full" and self.refresh_policy != "recapture":
             raise LongStrawError(
                 f"gradient_mode='full' with refresh_policy={self.refresh_policy!r} is not supported: a prompt state "

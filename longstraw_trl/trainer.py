@@ -108,7 +108,7 @@ from .errors import (
 from .fused_forwards import fused_elementwise_forwards
 from .generation import SamplingParams
 from .kernels.autotune import use_kernel_cache
-from .kernels.compile_ahead import start_compile_ahead
+from .kernels.compile_ahead import start_compile_ahead_here
 from .loss import GRPOLossSpec, adaptive_entropy_coef, applied_entropy_coef
 from .model_patches import patch_model, unwrap_model
 from .prompt_states import CaptureOptions, PromptStates, peak_memory_gib
@@ -432,8 +432,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self.cp_group = self._context_parallel_group(args.cp_size)
         self.expert_parallel = self._shard_experts(args)
         kernel_cache = use_kernel_cache(args.kernel_cache_dir)
-        if torch.cuda.is_available() and args.compile_ahead:
-            start_compile_ahead()  # this GPU's recorded kernel specialisations, compiled in parallel while we set up
+        if args.compile_ahead:  # started when the config was made; again for a config made without CUDA
+            start_compile_ahead_here(args.kernel_cache_dir)
         if torch.cuda.is_available():
             logger.info(
                 "Triton kernel cache: %s (an empty cache makes the first step compile and autotune the GPU kernels, "
