@@ -82,11 +82,17 @@ def _gpu_name() -> str | None:
     return re.sub(r"[^0-9A-Za-z]+", "_", torch.cuda.get_device_name()).strip("_")
 
 
-def _versions() -> dict:
+def _versions(import_fla: bool = False) -> dict:
+    """Triton's version, and fla's where it is loaded (``import_fla``: where it is importable)."""
     import triton
 
     versions = {"triton": triton.__version__}
     fla = sys.modules.get("fla")
+    if fla is None and import_fla:
+        try:
+            import fla
+        except ImportError:
+            fla = None
     if fla is not None:
         versions["fla"] = getattr(fla, "__version__", "?")
     return versions

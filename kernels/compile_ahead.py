@@ -21,13 +21,14 @@ import importlib
 import json
 import logging
 import os
-import re
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from .autotune import _gpu_name
+from .autotune import _versions as versions
 from .switches import switch
 
 logger = logging.getLogger(__name__)
@@ -36,29 +37,17 @@ MANIFEST_DIR = Path(__file__).parent / "compile_manifest"
 SWITCH = "LONGSTRAW_COMPILE_AHEAD"
 
 
-def _gpu_name() -> str | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return re.sub(r"[^0-9A-Za-z]+", "_", torch.cuda.get_device_name()).strip("_")
-
-
 def _versions() -> dict:
-    import triton
-
-    versions = {"triton": triton.__version__}
-    try:
-        import fla
-
-        versions["fla"] = getattr(fla, "__version__", "?")
-    except ImportError:
-        pass
-    return versions
+    return versions(import_fla=True)  # fla is imported by the step later; its kernels' entries depend on it
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Recording
+
+
+def _chain(previous, **hook_kwargs):
+    """Call the ``jit_cache_hook`` that was installed before ours (its answer decides whether Triton compiles)."""
+    return previous(**hook_kwargs) if previous is not None else None
 
 
 class CompileRecorder:
@@ -74,16 +63,8 @@ class CompileRecorder:
         if data not in self._seen:
             self._seen.add(data)
             self.entries.append({"module": fn.module, "qualname": fn.name, "specialization": data})
-        if self._previous is not None:
-            return self._previous(
-                key=key,
-                repr=repr,
-                fn=fn,
-                compile=compile,
-                is_manual_warmup=is_manual_warmup,
-                already_compiled=already_compiled,
-            )
-        return None  # None: Triton compiles as usual
+        return _chain(self._previous, key=key, repr=repr, fn=fn, compile=compile,
+                      is_manual_warmup=is_manual_warmup, already_compiled=already_compiled)  # fmt: skip
 
     def dump(self, path: str | os.PathLike) -> int:
         """Write the manifest (this GPU, the versions, the entries); returns how many entries."""
@@ -259,16 +240,9 @@ class CompileAhead:
                 self.gave_up = True  # a stuck worker: compile here from now on, never wait again
             self.waited_s += time.perf_counter() - t
             self.waits += 1
-        if self._previous is not None:
-            return self._previous(
-                key=key,
-                repr=repr,
-                fn=fn,
-                compile=compile,
-                is_manual_warmup=is_manual_warmup,
-                already_compiled=already_compiled,
-            )
-        return None  # Triton now finds the worker's binary in its cache directory (or compiles it itself)
+        # then Triton finds the worker's binary in its cache directory (or compiles it itself)
+        return _chain(self._previous, key=key, repr=repr, fn=fn, compile=compile,
+                      is_manual_warmup=is_manual_warmup, already_compiled=already_compiled)  # fmt: skip
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every entry is compiled or given up; whether all are."""
