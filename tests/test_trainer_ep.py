@@ -4,15 +4,18 @@ step (docs/parallelism.md).
 The experts are split with transformers' own EP (``base_model_ep_plan``: ``grouped_gemm`` shards of the fused expert
 weights, ``ep_dispatch_experts`` with ``ep_implementation="all_reduce"`` or ``"all_to_all"``; gloo runs both) over EP
 groups inside the context-parallel groups, whose ranks hold the same batch. Launched with the shipped
-``examples/accelerate/cp2.yaml`` (``--num_processes`` 2 or 4, ``--mixed_precision no``), compared with the
-single-process step run in the test's own process (``_cp_step.main``), never with itself:
+``examples/accelerate/cp2.yaml`` (DDP) or ``examples/accelerate/fsdp2.yaml`` (FSDP2: the dense parameters sharded over
+the world, the experts left out of ``fully_shard``), ``--num_processes`` 2 or 4, ``--mixed_precision no``, compared
+with the single-process step run in the test's own process (``_cp_step.main``), never with itself:
 
-- EP2 x CP2 on 2 processes (tiny Qwen3-MoE, 4 experts; tiny GLM-5, 8 experts): each rank holds half the experts;
-  every gradient (experts gathered from their owners) and every updated parameter within 1e-5 relative, the loss
-  within 1e-5;
-- DP2 x CP2 x EP2 on 4 processes (tiny GLM-5): two CP groups sample their own completions (``DesyncRandomness``),
-  each expert lives on one rank of each group and its gradient is averaged over its two replicas; the reference is
-  the mean of two single-process steps sampling with those ranks' streams (``loss_type="grpo"``).
+- EP2 x CP2 on 2 processes (tiny Qwen3-MoE, Qwen3.5-MoE, GPT-OSS: 4 experts; tiny GLM-4.5, GLM-5: 8 experts), under
+  DDP or FSDP2: each rank holds half the experts; every gradient (experts gathered from their owners) and every
+  updated parameter within 1e-5 relative, the loss within 1e-5; with ``max_grad_norm`` below the norm, the logged norm
+  within 1e-5 relative too;
+- DP2 x CP2 x EP2 on 4 processes (tiny GLM-5; tiny Qwen3-MoE clipped), under DDP or FSDP2: two CP groups sample their
+  own completions (``DesyncRandomness``), each expert lives on one rank of each group and its gradient is averaged over
+  its two replicas; the reference is the mean of two single-process steps sampling with those ranks' streams
+  (``loss_type="grpo"``).
 """
 
 from __future__ import annotations
@@ -244,3 +247,34 @@ def test_ep_on_a_dense_model_indivisible_experts_an_fsdp2_model_and_a_single_pro
         check_expert_parallel(moe, 2, world=2, fsdp=True)
     check_expert_parallel(moe, 2, world=4)
     check_expert_parallel(build_glm_dsa(), 4, world=4)  # GLM-5's 8 routed experts (n_routed_experts)
+
+
+def test_keep_out_of_fsdp_adds_the_expert_modules_to_accelerates_ignored_modules():
+    """What the trainer hands Accelerate's FSDP2 plugin (``ignored_modules``, which ``fsdp2_prepare_model`` passes to
+    every ``fully_shard`` as ``ignored_params``): exactly the modules of the split experts, after a user's own modules
+    or name regex, without duplicates. On rank 0 of a fake group of 2 (no collective runs)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from _trl_helpers import tiny_qwen3_moe
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from longstraw_trl.distributed import ExpertParallel
+
+    model = tiny_qwen3_moe(router_aux_loss_coef=0.0)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        ep = ExpertParallel(model, 2)
+    finally:
+        dist.destroy_process_group()
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert {id(p) for m in experts for p in m.parameters()} == {id(p) for p in ep.parameters}
+    plugin = SimpleNamespace(ignored_modules=None)
+    ep.keep_out_of_fsdp(plugin, model)
+    assert plugin.ignored_modules == experts
+    plugin = SimpleNamespace(ignored_modules=r"model\.embed_tokens")
+    ep.keep_out_of_fsdp(plugin, model)
+    assert plugin.ignored_modules == [model.model.embed_tokens, *experts]
+    plugin = SimpleNamespace(ignored_modules=[experts[1], model.lm_head])
+    ep.keep_out_of_fsdp(plugin, model)
+    assert plugin.ignored_modules == [experts[1], model.lm_head, experts[0]]
