@@ -43,10 +43,20 @@ def _single(out: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-def _launch(out: Path, processes: int, *extra: str, fsdp: bool = False) -> dict:
-    return launch_step(
-        FSDP2_CONFIG if fsdp else CP2_CONFIG, out, *extra, num_processes=processes, timeout=400
+def _launch(out: Path, processes: int, *extra: str, fsdp: bool = False, config: Path | None = None) -> dict:
+    config = config or (FSDP2_CONFIG if fsdp else CP2_CONFIG)
+    return launch_step(config, out, *extra, num_processes=processes, timeout=400)
+
+
+def _hsdp_config(tmp_path: Path) -> Path:
+    """The shipped fsdp2.yaml with Accelerate's ``parallelism_config`` of 2 replicas x 2 shards (HSDP: FSDP2 on a
+    ``(dp_replicate, dp_shard_cp)`` mesh)."""
+    config = tmp_path / "hsdp.yaml"
+    config.write_text(
+        FSDP2_CONFIG.read_text()
+        + "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 2\n"
     )
+    return config
 
 
 def _assert_experts_split(sharded: dict, ep_size: int, fsdp_world: int | None = None) -> None:
@@ -174,17 +184,24 @@ def test_ep2_cp2_router_aux_loss_step_equals_single_process(tmp_path, mode):
     _check_ep2_cp2(tmp_path, "--family", "qwen3_moe", "--router-aux", "0.3", "--gradient-mode", mode)
 
 
-def _check_dp2_cp2_ep2(tmp_path: Path, *extra: str, fsdp: bool = False, clip: float | None = None) -> None:
+def _check_dp2_cp2_ep2(
+    tmp_path: Path, *extra: str, fsdp: bool = False, clip: float | None = None, hsdp: bool = False
+) -> dict:
     """4 processes: two CP groups of 2 (data parallel), each also an EP group; an expert's two replicas (ranks 0 and
     2, or 1 and 3) average their gradients; the dense ones are averaged over the world by DDP, or by FSDP2's
     reduce-scatter (``fsdp``: in quarters). Against the mean of two single-process steps sampling with the two groups'
-    streams (``loss_type="grpo"``). ``clip``: the norm of that mean gradient, clipped (checked to clip)."""
+    streams (``loss_type="grpo"``). ``clip``: the norm of that mean gradient, clipped (checked to clip). ``hsdp``:
+    FSDP2 as 2 replicas x 2 shards (the dense parameters in halves, averaged over both dimensions)."""
+    fsdp = fsdp or hsdp
     extra = ["--loss-type", "grpo", *extra]
     ranks = [_single(tmp_path / f"rank{r}.json", "--as-rank", str(r), *extra) for r in (0, 2)]
     launched = [*extra, *(["--max-grad-norm", str(clip)] if clip else [])]
-    sharded = _launch(tmp_path / "ep.json", 4, "--cp-size", "2", "--ep-size", "2", *launched, fsdp=fsdp)
+    config = _hsdp_config(tmp_path) if hsdp else None
+    sharded = _launch(
+        tmp_path / "ep.json", 4, "--cp-size", "2", "--ep-size", "2", *launched, fsdp=fsdp, config=config
+    )
     _assert_experts_split(sharded, 2, fsdp_world=4 if fsdp else None)
-    what = f"{'FSDP2 x ' if fsdp else ''}DP2 x CP2 x EP2 {' '.join(launched)}"
+    what = f"{'HSDP 2x2 x ' if hsdp else 'FSDP2 x ' if fsdp else ''}DP2 x CP2 x EP2 {' '.join(launched)}"
     loss = (ranks[0]["loss"][0] + ranks[1]["loss"][0]) / 2
     print(f"{what}: loss {sharded['loss'][0]:.8f} vs mean of singles {loss:.8f}")
     assert abs(sharded["loss"][0] - loss) <= TOL
@@ -198,6 +215,7 @@ def _check_dp2_cp2_ep2(tmp_path: Path, *extra: str, fsdp: bool = False, clip: fl
         assert norm > 2 * clip and abs(got - norm) <= TOL * norm
         grads = {n: g * (clip / (norm + 1e-6)) for n, g in grads.items()}  # torch's clip coefficient
     _assert_grads(sharded, grads, what)
+    return sharded
 
 
 @pytest.mark.slow
@@ -217,6 +235,23 @@ def test_fsdp2_dp2_cp2_ep2_glm5_step_equals_the_mean_of_two_single_process_steps
     """FSDP2 over 4 ranks x two CP groups of 2, each an EP group: dense gradients reduce-scattered (averaged) over the
     world, each expert averaged over its 2 replicas by ExpertParallel.reduce_gradients and by nothing else."""
     _check_dp2_cp2_ep2(tmp_path, "--family", "glm_moe_dsa", fsdp=True)
+
+
+@pytest.mark.slow
+def test_hsdp_dp2_cp2_ep2_step_equals_the_mean_of_two_single_process_steps(tmp_path):
+    """The whole mesh of issue 28, dp_replicate x dp_shard x cp x ep on 4 processes: FSDP2 as 2 replicas x 2 shards
+    (Accelerate's parallelism_config), two CP groups of 2, each an EP group; the dense parameters in halves on the 2-D
+    mesh, averaged over both of its dimensions, the experts averaged over their replicas only."""
+    sharded = _check_dp2_cp2_ep2(tmp_path, "--family", "qwen3_moe", hsdp=True)
+    assert {tuple(names) for names, _ in sharded["meshes"].values()} == {
+        ("dp_replicate", "dp_shard_cp"),
+        ("ep",),
+    }
+    dense = [n for n in sharded["local"] if ".mlp.experts." not in n]
+    assert all(
+        torch.Size(sharded["local"][n]).numel() * 2 >= torch.tensor(sharded["params"][n]).numel()
+        for n in dense
+    )
 
 
 def test_ep_sizes_are_validated(tmp_path):
