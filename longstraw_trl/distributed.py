@@ -13,7 +13,8 @@ model config's ``base_model_ep_plan``, ``grouped_gemm`` sharding of the fused ex
 ``ep_dispatch_experts`` implementation) applied over groups of ``ep_size`` consecutive ranks *inside* a CP group. Those
 ranks hold the same batch (the same prompt chunks, decode steps and replays, in step), which is what transformers'
 ``"all_reduce"`` implementation needs; no LongStraw code shards or dispatches tokens. Gradients (docs/parallelism.md):
-dense parameters are replicated and reduced by DDP (the mean over the world; identical on the ranks of a CP group);
+dense parameters are reduced by DDP or FSDP2 (the mean over the world; identical on the ranks of a CP group; under
+FSDP2 the experts are left out of ``fully_shard``, :meth:`ExpertParallel.keep_out_of_fsdp`);
 each expert lives on one rank of every EP group, and its gradient is averaged over its replicas, the ranks with the
 same EP index in the other EP groups (:meth:`ExpertParallel.reduce_gradients`), never over the EP group itself.
 """
