@@ -115,8 +115,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             `qwen3_5_moe`, `glm4_moe`, `glm_moe_dsa`, `gpt_oss`). An EP group lies inside a context-parallel group
             (`ep_size` must divide `cp_size`): its ranks hold the same batch, in step, which transformers'
             `"all_reduce"` implementation needs. The routers, attention and dense weights stay replicated. Expert
-            gradients are averaged over the expert's replicas in the other EP groups, dense ones by DDP
-            (docs/parallelism.md). The model's weights must be equal on every rank when the trainer is built.
+            gradients are averaged over the expert's replicas in the other EP groups, dense ones by DDP or FSDP2
+            (Accelerate's FSDP2 plugin shards the dense weights; the experts are left out of `fully_shard`:
+            docs/parallelism.md). The model's weights must be equal on every rank when the trainer is built.
         ep_implementation (`str`, *optional*, defaults to `"all_reduce"`):
             transformers' `ep_implementation` for `ep_size > 1`: `"all_reduce"` (every rank runs its own experts on
             all tokens and an all-reduce sums the outputs; no host sync, decode steps stay CUDA graphs) or

@@ -13,12 +13,15 @@ model config's ``base_model_ep_plan``, ``grouped_gemm`` sharding of the fused ex
 ``ep_dispatch_experts`` implementation) applied over groups of ``ep_size`` consecutive ranks *inside* a CP group. Those
 ranks hold the same batch (the same prompt chunks, decode steps and replays, in step), which is what transformers'
 ``"all_reduce"`` implementation needs; no LongStraw code shards or dispatches tokens. Gradients (docs/parallelism.md):
-dense parameters are replicated and reduced by DDP (the mean over the world; identical on the ranks of a CP group);
+dense parameters are reduced by DDP or FSDP2 (the mean over the world; identical on the ranks of a CP group; under
+FSDP2 the experts are left out of ``fully_shard``, :meth:`ExpertParallel.keep_out_of_fsdp`);
 each expert lives on one rank of every EP group, and its gradient is averaged over its replicas, the ranks with the
 same EP index in the other EP groups (:meth:`ExpertParallel.reduce_gradients`), never over the EP group itself.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.distributed as dist
@@ -191,13 +194,16 @@ def num_routed_experts(config) -> int | None:
 
 
 def check_expert_parallel(model: nn.Module, ep_size: int, world: int, fsdp: bool = False) -> None:
-    """Refuse what :class:`ExpertParallel` cannot run, each with what to change: FSDP2 (``fsdp``), a dense model, an
-    ``ep_size`` that does not divide the routed experts or the ``world`` size (1 without a distributed launch)."""
+    """Refuse what :class:`ExpertParallel` cannot run, each with what to change: a model already sharded by FSDP2
+    (``fsdp``: the experts must be split before ``fully_shard`` runs, so that it can leave them out), a dense model,
+    an ``ep_size`` that does not divide the routed experts or the ``world`` size (1 without a distributed launch)."""
     if fsdp:
         raise LongStrawError(
-            "ep_size > 1 with FSDP2 is not supported yet: fully_shard would shard the experts' DTensors, which live on "
-            "the expert-parallel mesh, over the data-parallel ranks. Launch with DDP (e.g. "
-            "examples/accelerate/cp2.yaml) or set ep_size=1."
+            f"ep_size={ep_size} on a model that is already sharded by FSDP2 (an FSDPModule, e.g. loaded with "
+            "transformers' DistributedConfig(fsdp_size=...)): fully_shard has already taken the experts' weights as "
+            "flat shards over its mesh, and transformers' EP needs them whole to split them over the EP groups. Pass "
+            "an unsharded model and launch with Accelerate's FSDP2 plugin (examples/accelerate/fsdp2.yaml): the "
+            "trainer splits the experts first and keeps them out of fully_shard."
         )
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     experts = num_routed_experts(config)
@@ -267,6 +273,34 @@ class ExpertParallel:
             model, self.mesh["ep"], self.mesh["ep"], plan, ep_implementation=implementation
         )
         self.parameters = [p for p in model.parameters() if isinstance(p, DTensor)]
+
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of ``model`` that hold the sharded expert parameters (the plan's ``ep_dispatch_experts``
+        modules, e.g. ``layers.N.mlp.experts``), checked to hold exactly those parameters."""
+        mine = {id(p) for p in self.parameters}
+        modules = [m for m in model.modules() if getattr(m, "_is_expert_parallel", False)]
+        held = {id(p) for m in modules for p in m.parameters()}
+        if held != mine:
+            raise LongStrawError(
+                "the expert-parallel modules do not hold exactly the sharded expert parameters "
+                f"({len(held)} held, {len(mine)} sharded): cannot keep the experts out of FSDP2."
+            )
+        return modules
+
+    def keep_out_of_fsdp(self, plugin, model: nn.Module) -> None:
+        """Make Accelerate's FSDP2 plugin leave the experts out of ``fully_shard`` (its ``ignored_modules``, passed to
+        every ``fully_shard`` call as ``ignored_params``): they stay DTensor shards on the EP mesh, unsharded by
+        FSDP2 and never reduced by it (:meth:`reduce_gradients` averages them over their replicas). The dense
+        parameters are sharded over the world as without EP. A user's own ``ignored_modules`` (modules or a regular
+        expression of module names) is kept."""
+        experts = self.expert_modules(model)
+        user = plugin.ignored_modules
+        if isinstance(user, str):
+            reg = re.compile(user)
+            user = [m for n, m in model.named_modules() if reg.fullmatch(n)]
+        plugin.ignored_modules = list(user or []) + [
+            m for m in experts if all(m is not u for u in user or [])
+        ]
 
     def ignored_by_ddp(self, model: nn.Module) -> list[str]:
         """Names (in ``model``, e.g. a peft wrapper of the sharded model) of the expert parameters, for DDP's

@@ -260,17 +260,22 @@ def fsdp_shard_elements(shapes: list[tuple[int, ...]], fsdp_size: int) -> int:
     return total
 
 
-def fsdp_groups(config, lora_rank: int | None = None) -> dict[str, list[tuple[tuple[int, ...], bool]]]:
+def fsdp_groups(
+    config, lora_rank: int | None = None, without_experts: bool = False
+) -> dict[str, list[tuple[tuple[int, ...], bool]]]:
     """``(shape, trainable)`` of the parameters of each FSDP2 group of ``config``'s model as Accelerate's
     ``TRANSFORMER_BASED_WRAP`` builds them: one group per decoder layer (``"layer.<i>"``), the rest in the root
     (``"root"``). With ``lora_rank`` the model's own parameters are frozen and each non-expert decoder Linear also
-    holds its trainable LoRA A ``[r, in]`` and B ``[out, r]``."""
+    holds its trainable LoRA A ``[r, in]`` and B ``[out, r]``. ``without_experts``: leave out the routed experts
+    (``ep_size > 1``: the trainer keeps them out of ``fully_shard``, docs/parallelism.md)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     groups: dict[str, list[tuple[tuple[int, ...], bool]]] = {}
     for name, mod in model.named_modules():
+        if without_experts and name.endswith(".experts"):
+            continue
         direct = [(tuple(p.shape), not lora_rank) for p in mod.parameters(recurse=False)]
         if (
             lora_rank
@@ -470,7 +475,8 @@ def plan_memory(
     ``host_memory_gib`` (this rank's share of the host's memory: a 2 TiB host with 8 GPUs by default).
     ``fsdp_size``: the policy sharded with FSDP2 over that many ranks (weights, gradients and optimizer states by
     :func:`fsdp_shard_elements`; plus :attr:`MemoryPlan.fsdp_gathered` and, since the replays accumulate under
-    ``no_sync``, :attr:`MemoryPlan.fsdp_unsharded_gradients`). Raises
+    ``no_sync``, :attr:`MemoryPlan.fsdp_unsharded_gradients`); with ``ep_size > 1`` too, the routed experts are left
+    out of FSDP2 (this rank's 1/``ep_size`` of them whole, their gradients and states too). Raises
     :class:`~longstraw_trl.errors.UnsupportedModelError` for a model type it does not model.
     """
     check_plannable(getattr(config, "model_type", None))
@@ -483,20 +489,20 @@ def plan_memory(
     if fsdp_size < 1:
         raise LongStrawError(f"fsdp_size must be >= 1, got {fsdp_size}")
     if fsdp_size > 1:
-        if ep_size > 1:
-            raise LongStrawError(
-                "the plan does not combine fsdp_size > 1 with ep_size > 1 (expert parallelism) yet"
-            )
-        groups = fsdp_groups(config, lora_rank)
+        # with ep_size > 1 the routed experts stay out of fully_shard: this rank's 1/ep_size of them, whole
+        kept = experts if ep_size > 1 else 0
+        kept_trainable = 0 if lora_rank else kept
+        groups = fsdp_groups(config, lora_rank, without_experts=ep_size > 1)
         every = [entry for entries in groups.values() for entry in entries]
-        weights = fsdp_shard_elements([shape for shape, _ in every], fsdp_size) * dtype_bytes
+        weights = (fsdp_shard_elements([shape for shape, _ in every], fsdp_size) + kept) * dtype_bytes
         largest_layer = max(
             sum(math.prod(shape) for shape, _ in entries) for key, entries in groups.items() if key != "root"
         )
         root = sum(math.prod(shape) for shape, _ in groups["root"])
         fsdp_gathered = (root + 2 * largest_layer) * dtype_bytes
         sharded_trainable = fsdp_shard_elements([shape for shape, trainable in every if trainable], fsdp_size)
-        fsdp_unsharded_gradients = gradients
+        fsdp_unsharded_gradients = gradients - kept_trainable * dtype_bytes
+        sharded_trainable += kept_trainable
         gradients = sharded_trainable * dtype_bytes
         optimizer_bytes = {"adamw": 2 * sharded_trainable * dtype_bytes, "none": 0}[optimizer]
     types = _layer_types(config)
@@ -586,7 +592,10 @@ def plan_memory(
     elif offload is not None:
         raise LongStrawError(f"offload must be None or 'cpu', got {offload!r}")
     if experts and ep_size > 1:
-        plan.notes.append(f"experts sharded over {ep_size} EP ranks")
+        plan.notes.append(
+            f"experts sharded over {ep_size} EP ranks"
+            + (" and left out of FSDP2 (not sharded further)" if fsdp_size > 1 else "")
+        )
     plan.notes.append(
         f"G={num_generations}: {together} response(s) replayed together under autograd (replay_batch_tokens="
         f"{replay_batch_tokens}); the peak does not grow with G beyond that"

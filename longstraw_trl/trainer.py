@@ -516,9 +516,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _shard_experts(self, args) -> ExpertParallel | None:
         """``ep_size > 1``: split the policy's routed experts over EP groups with transformers' EP
-        (:class:`~longstraw_trl.distributed.ExpertParallel`) before DDP wraps the model (at ``train()``): DDP then leaves
-        the expert parameters alone (``_ddp_params_and_buffers_to_ignore``), and their gradients are averaged over
-        their replicas before the gradient norm (:meth:`_clip_grad_norm`, :meth:`_get_grad_norm`). A reference copy
+        (:class:`~longstraw_trl.distributed.ExpertParallel`) before DDP or FSDP2 wraps the model (at ``train()``): DDP
+        then leaves the expert parameters alone (``_ddp_params_and_buffers_to_ignore``), FSDP2 too (Accelerate's
+        ``ignored_modules``: ``fully_shard(..., ignored_params=...)``), and their gradients are averaged over their
+        replicas before the gradient norm (:meth:`_clip_grad_norm`, :meth:`_get_grad_norm`). A reference copy
         (``beta > 0`` without adapters) keeps every expert."""
         if args.ep_size == 1:
             return None
@@ -527,10 +528,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             base,
             args.ep_size,
             self.accelerator.num_processes if dist.is_initialized() else 1,
-            fsdp=is_fsdp2(self.model) or self.accelerator.state.distributed_type == "FSDP",
+            fsdp=is_fsdp2(self.model),
         )
         ep = ExpertParallel(base, args.ep_size, args.ep_implementation)
         self.model._ddp_params_and_buffers_to_ignore = ep.ignored_by_ddp(self.model)
+        if self.accelerator.state.distributed_type == "FSDP":
+            ep.keep_out_of_fsdp(self.accelerator.state.fsdp_plugin, self.model)
         return ep
 
     def _clip_grad_norm(self, model):

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _fsdp_shim import fsdp_on_cpu, full_tensor  # noqa: E402
-from _models import build_glm_dsa  # noqa: E402
+from _models import build_glm_dsa, build_moe  # noqa: E402
 from _trl_helpers import (  # noqa: E402
     TINY_VOCAB,
     make_tiny_longstraw_trainer,
@@ -87,10 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--as-rank", type=int, default=0)
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0: reference log-probs)")
-    ap.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe", "glm_moe_dsa"])
+    ap.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe", "glm_moe_dsa", *MOE_FAMILIES])
     ap.add_argument("--ep-size", type=int, default=1)
     ap.add_argument("--ep-implementation", default="all_reduce")
     ap.add_argument("--router-aux", type=float, default=0.0, help="router_aux_loss_coef (qwen3_moe)")
+    ap.add_argument(
+        "--max-grad-norm", type=float, default=0.0, help="> 0: clip (the recorded gradients are clipped)"
+    )
     a = ap.parse_args(argv)
     fsdp_on_cpu()
     threads = torch.get_num_threads()
@@ -103,12 +106,20 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(threads)
 
 
+MOE_FAMILIES = ("glm4_moe", "qwen3_5_moe", "gpt_oss")
+"""The other MoE families, built by ``_models.build_moe`` with the toy tokenizer's vocabulary."""
+
+
 def build_model(family: str, router_aux: float = 0.0):
     """The step's policy, equal on every rank (seed 0): the dense tiny Qwen3, a 2-layer Qwen3-MoE (4 experts, top-2,
     sharpened routers) or a 4-layer GLM-5 (2 dense + 2 MoE layers, 8 routed experts + 1 shared, MLA + DSA with
     ``index_topk`` above the length), each with the toy tokenizer's vocabulary."""
     if family == "qwen3_moe":
         return tiny_qwen3_moe(router_aux_loss_coef=router_aux, seed=0)
+    if family in MOE_FAMILIES:
+        return build_moe(
+            family, seed=0, vocab_size=TINY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        ).train()
     if family == "glm_moe_dsa":
         return build_glm_dsa(
             seed=0, vocab_size=TINY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2
@@ -139,7 +150,7 @@ def step(a: argparse.Namespace) -> None:
         capture_chunk_size=64,
         page_size=32,
         seed=0,
-        max_grad_norm=0.0,  # no clipping: the recorded gradients are the raw ones
+        max_grad_norm=a.max_grad_norm,  # 0: no clipping, the recorded gradients are the raw ones
         bf16=a.bf16,
         gradient_mode=a.gradient_mode,
         replay_block_size=a.replay_block_size,
@@ -156,8 +167,14 @@ def step(a: argparse.Namespace) -> None:
     trainer.add_callback(DesyncRandomness(int(os.environ.get("RANK", 0)) or a.as_rank))
     trainer.train()
     # the expert shards this rank holds (transformers' EP: DTensors on the EP mesh), to show the experts were split
+    # and, under FSDP2, the dense parameters' shards: every DTensor's local shape and mesh (its dimension names, size)
     local_shapes = {
         n: list(p.to_local().shape) for n, p in trainer.model.named_parameters() if hasattr(p, "to_local")
+    }
+    meshes = {
+        n: [list(p.device_mesh.mesh_dim_names or []), p.device_mesh.size()]
+        for n, p in trainer.model.named_parameters()
+        if hasattr(p, "to_local")
     }
     # gathered on every rank (a collective under FSDP2)
     params = {
@@ -173,6 +190,8 @@ def step(a: argparse.Namespace) -> None:
                     "params": params,
                     "initial": initial,
                     "local": local_shapes,
+                    "meshes": meshes,
+                    "grad_norm": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
                 },
                 f,
             )

@@ -473,3 +473,41 @@ def _lively_mamba2(model):
             param.mul_(MAMBA2_IN_GAIN)
         elif name.endswith("mixer.conv1d.weight"):
             param.mul_(MAMBA2_CONV_GAIN)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The other MoE families of the expert-parallel tests (tests/test_trainer_ep.py), with the given overrides (e.g. the
+# trainer tests' vocabulary and special tokens)
+# ----------------------------------------------------------------------------------------------------
+def build_moe(family: str, seed: int = 0, **overrides):
+    """A tiny ``glm4_moe`` (1 dense + 2 MoE layers, 8 routed experts + 1 shared, grouped sigmoid router),
+    ``qwen3_5_moe`` (GDN / full / GDN, 4 experts top-2 + a shared expert, routers sharpened) or ``gpt_oss`` (sliding /
+    full / sliding, 4 experts top-2, sinks, biases drawn away from zero) with ``overrides`` set on its config before
+    the weights are drawn."""
+    if family == "gpt_oss":
+        model = build_window(family, seed, **overrides)
+        _spread_zero_biases(model)
+        return model
+    torch.manual_seed(seed)
+    config = (GQA_CONFIGS if family == "glm4_moe" else HYBRID_CONFIGS)[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if family == "glm4_moe":
+        _spread_router_bias(model)
+    else:
+        _moderate_gdn_decay(model)
+        sharp_routers(model)
+    return model.float().eval()
+
+
+@torch.no_grad()
+def _spread_zero_biases(model):
+    """HF initialises GPT-OSS's biases (attention, router, experts) to zeros, so after one step such a bias holds only
+    the update, Adam's ``lr * g / (|g| + eps)``, whose elements with ``|g|`` near ``eps`` turn the gradient's fp32
+    rounding into a relative error of the updated bias far above the gradient's (watched: 2e-5 to 4e-5 from gradients
+    equal within 1.2e-6). Draw them away from zero, as trained checkpoints have them."""
+    gen = torch.Generator().manual_seed(2468)
+    for name, param in model.named_parameters():
+        if name.endswith("bias") and not param.any():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.02)

@@ -417,3 +417,45 @@ def test_fsdp_per_rank_bytes_equal_fully_shard_storage(lora_rank):
     assert plan.gradients == 2 * stored[True] and plan.optimizer == 4 * stored[True]
     assert plan.fsdp_unsharded_gradients == single.gradients
     assert plan.weights < single.weights
+
+
+def test_fsdp_with_ep_per_rank_bytes_equal_fully_shard_and_ep_storage():
+    """`plan_memory(fsdp_size=4, ep_size=2)` against a rank of 4 (a single-process fake group) holding a tiny Qwen3-MoE
+    as the trainer leaves it: the experts split by transformers' EP (`ExpertParallel`, 2 of the 4 on this rank), then
+    every decoder layer and the root `fully_shard`-ed with the experts as `ignored_params`. The dense parameters'
+    padded FSDP2 storage plus the rank's expert shards are the plan's weights (and, all trainable, its gradients)."""
+    import torch.distributed as dist
+    from _trl_helpers import tiny_qwen3_moe
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from longstraw_trl.distributed import ExpertParallel
+
+    n, ep = 4, 2
+    model = tiny_qwen3_moe(router_aux_loss_coef=0.0)
+    config = model.config
+    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    try:
+        experts = ExpertParallel(model, ep)
+        ignored = {p for m in experts.expert_modules(model) for p in m.parameters()}
+        mesh = init_device_mesh("cpu", (n,))
+        for layer in model.get_decoder().layers:
+            fully_shard(layer, mesh=mesh, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, ignored_params=ignored)
+        dense = 0
+        for module in model.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
+            for p in group.fsdp_params if group is not None else []:
+                dense += p._sharded_param_data.numel()
+        local = sum(p.to_local().numel() for p in ignored)
+    finally:
+        dist.destroy_process_group()
+    routed = sum(p.numel() for n_, p in tiny_qwen3_moe().named_parameters() if ".mlp.experts." in n_)
+    assert local * ep == routed > 0 and dense > 0
+    plan = plan_memory(config, 256, num_generations=2, response_tokens=16, fsdp_size=n, ep_size=ep)
+    ep_only = plan_memory(config, 256, num_generations=2, response_tokens=16, ep_size=ep)
+    assert plan.weights == 2 * (dense + local) and plan.gradients == plan.weights  # bf16, all trainable
+    assert plan.optimizer == 2 * plan.gradients
+    assert plan.fsdp_unsharded_gradients == ep_only.gradients - 2 * local  # the dense ones, under no_sync
+    assert plan.weights < ep_only.weights

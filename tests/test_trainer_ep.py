@@ -4,15 +4,18 @@ step (docs/parallelism.md).
 The experts are split with transformers' own EP (``base_model_ep_plan``: ``grouped_gemm`` shards of the fused expert
 weights, ``ep_dispatch_experts`` with ``ep_implementation="all_reduce"`` or ``"all_to_all"``; gloo runs both) over EP
 groups inside the context-parallel groups, whose ranks hold the same batch. Launched with the shipped
-``examples/accelerate/cp2.yaml`` (``--num_processes`` 2 or 4, ``--mixed_precision no``), compared with the
-single-process step run in the test's own process (``_cp_step.main``), never with itself:
+``examples/accelerate/cp2.yaml`` (DDP) or ``examples/accelerate/fsdp2.yaml`` (FSDP2: the dense parameters sharded over
+the world, the experts left out of ``fully_shard``), ``--num_processes`` 2 or 4, ``--mixed_precision no``, compared
+with the single-process step run in the test's own process (``_cp_step.main``), never with itself:
 
-- EP2 x CP2 on 2 processes (tiny Qwen3-MoE, 4 experts; tiny GLM-5, 8 experts): each rank holds half the experts;
-  every gradient (experts gathered from their owners) and every updated parameter within 1e-5 relative, the loss
-  within 1e-5;
-- DP2 x CP2 x EP2 on 4 processes (tiny GLM-5): two CP groups sample their own completions (``DesyncRandomness``),
-  each expert lives on one rank of each group and its gradient is averaged over its two replicas; the reference is
-  the mean of two single-process steps sampling with those ranks' streams (``loss_type="grpo"``).
+- EP2 x CP2 on 2 processes (tiny Qwen3-MoE, Qwen3.5-MoE, GPT-OSS: 4 experts; tiny GLM-4.5, GLM-5: 8 experts), under
+  DDP or FSDP2: each rank holds half the experts; every gradient (experts gathered from their owners) and every
+  updated parameter within 1e-5 relative, the loss within 1e-5; with ``max_grad_norm`` below the norm, the logged norm
+  within 1e-5 relative too;
+- DP2 x CP2 x EP2 on 4 processes (tiny GLM-5; tiny Qwen3-MoE clipped), under DDP or FSDP2: two CP groups sample their
+  own completions (``DesyncRandomness``), each expert lives on one rank of each group and its gradient is averaged over
+  its two replicas; the reference is the mean of two single-process steps sampling with those ranks' streams
+  (``loss_type="grpo"``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from longstraw_trl.distributed import check_expert_parallel
 
 STEP = Path(__file__).parent / "_cp_step.py"
 CP2_CONFIG = Path(__file__).parent.parent / "examples" / "accelerate" / "cp2.yaml"
+FSDP2_CONFIG = Path(__file__).parent.parent / "examples" / "accelerate" / "fsdp2.yaml"
 TOL = 1e-5
 
 
@@ -39,18 +43,43 @@ def _single(out: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-def _launch(out: Path, processes: int, *extra: str) -> dict:
-    return launch_step(CP2_CONFIG, out, *extra, num_processes=processes, timeout=400)
+def _launch(out: Path, processes: int, *extra: str, fsdp: bool = False, config: Path | None = None) -> dict:
+    config = config or (FSDP2_CONFIG if fsdp else CP2_CONFIG)
+    return launch_step(config, out, *extra, num_processes=processes, timeout=400)
 
 
-def _assert_experts_split(sharded: dict, ep_size: int) -> None:
-    """The rank's expert weights are DTensor shards of 1/ep_size of the experts (transformers' ``grouped_gemm``)."""
+def _hsdp_config(tmp_path: Path) -> Path:
+    """The shipped fsdp2.yaml with Accelerate's ``parallelism_config`` of 2 replicas x 2 shards (HSDP: FSDP2 on a
+    ``(dp_replicate, dp_shard_cp)`` mesh)."""
+    config = tmp_path / "hsdp.yaml"
+    config.write_text(
+        FSDP2_CONFIG.read_text()
+        + "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 2\n"
+    )
+    return config
+
+
+def _assert_experts_split(sharded: dict, ep_size: int, fsdp_world: int | None = None) -> None:
+    """The rank's routed expert weights are DTensor shards of 1/ep_size of the experts (transformers' ``grouped_gemm``)
+    on the EP mesh. Under FSDP2 (``fsdp_world`` ranks) every other parameter is a shard of FSDP2's mesh over the world
+    (the experts left out of ``fully_shard``); under DDP no other parameter is a DTensor."""
     full = {n: torch.tensor(p).numel() for n, p in sharded["params"].items()}
-    local = sharded["local"]
-    assert local, "no expert parameter was sharded"
-    for name, shape in local.items():
-        assert "experts" in name
-        assert torch.Size(shape).numel() * ep_size == full[name], name
+    local, meshes = sharded["local"], sharded["meshes"]
+    experts = {n for n in full if ".mlp.experts." in n}
+    assert experts and experts <= set(local), "not every routed expert parameter was sharded"
+    for name in experts:
+        assert meshes[name] == [["ep"], ep_size], (name, meshes[name])
+        assert torch.Size(local[name]).numel() * ep_size == full[name], name
+    dense = set(full) - experts
+    if fsdp_world is None:
+        assert not dense & set(local), sorted(dense & set(local))
+        return
+    for name in dense:
+        assert name in local and meshes[name][1] == fsdp_world and "ep" not in meshes[name][0], name
+        numel = torch.Size(local[name]).numel()
+        assert numel < full[name] <= numel * fsdp_world, (
+            name
+        )  # rank 0 holds its rows of every dense parameter
 
 
 def _assert_grads(sharded: dict, grads: dict[str, torch.Tensor], what: str) -> float:
@@ -62,15 +91,26 @@ def _assert_grads(sharded: dict, grads: dict[str, torch.Tensor], what: str) -> f
     return worst
 
 
-def _check_ep2_cp2(tmp_path: Path, *extra: str) -> None:
+def _check_ep2_cp2(tmp_path: Path, *extra: str, fsdp: bool = False, clip: float | None = None) -> None:
+    """EP2 x CP2 on 2 processes (under FSDP2 with ``fsdp``: the dense parameters in halves too) against the single
+    process. ``clip``: train with ``max_grad_norm=clip``, checked to clip (the single step's norm above it, the recorded
+    gradients scaled down to it), the logged norms within 1e-5 relative."""
+    extra = (*extra, *(["--max-grad-norm", str(clip)] if clip else []))
     single = _single(tmp_path / "single.json", *extra)
-    sharded = _launch(tmp_path / "ep.json", 2, "--cp-size", "2", "--ep-size", "2", *extra)
-    _assert_experts_split(sharded, 2)
-    what = f"EP2 x CP2 {' '.join(extra)}"
+    sharded = _launch(tmp_path / "ep.json", 2, "--cp-size", "2", "--ep-size", "2", *extra, fsdp=fsdp)
+    _assert_experts_split(sharded, 2, fsdp_world=2 if fsdp else None)
+    what = f"{'FSDP2 x ' if fsdp else ''}EP2 x CP2 {' '.join(extra)}"
     assert len(single["loss"]) == len(sharded["loss"]) == 1
     print(f"{what}: loss {sharded['loss'][0]:.8f} vs {single['loss'][0]:.8f}")
     assert abs(single["loss"][0] - sharded["loss"][0]) <= TOL
-    _assert_grads(sharded, {n: torch.tensor(g) for n, g in single["grads"].items()}, what)
+    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
+    if clip:
+        norm, got = single["grad_norm"][0], sharded["grad_norm"][0]
+        clipped = float(torch.stack([g.norm() for g in grads.values()]).norm())
+        print(f"{what}: grad norm {got:.8f} vs {norm:.8f}, clipped to {clipped:.6f}")
+        assert norm > 2 * clip and abs(clipped - clip) <= 1e-3 * clip  # it clipped, by more than half
+        assert abs(got - norm) <= TOL * norm
+    _assert_grads(sharded, grads, what)
     worst = max(relative_l2(sharded["params"][n], torch.tensor(p)) for n, p in single["params"].items())
     print(f"{what}: worst updated parameter rel L2 {worst:.2e}")
     assert worst <= TOL
@@ -90,6 +130,46 @@ def test_ep2_cp2_step_equals_single_process(tmp_path, family, mode):
     _check_ep2_cp2(tmp_path, "--family", family, "--gradient-mode", mode)
 
 
+def test_ep2_cp2_qwen3_5_moe_step_equals_single_process(tmp_path):
+    """Qwen3.5 / 3.6 MoE (GDN and gated attention, a shared expert beside the routed ones)."""
+    _check_ep2_cp2(tmp_path, "--family", "qwen3_5_moe")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss"])
+def test_ep2_cp2_other_families_step_equals_single_process(tmp_path, family):
+    """GLM-4.5 class (a dense first layer, grouped sigmoid router, shared expert) and GPT-OSS (sliding windows, sinks,
+    expert biases, which its EP plan shards with the weights)."""
+    _check_ep2_cp2(tmp_path, "--family", family)
+
+
+def test_fsdp2_ep2_cp2_qwen3_moe_step_equals_single_process(tmp_path):
+    """FSDP2 x EP2 x CP2 on 2 processes (the shipped fsdp2.yaml): the dense parameters in halves by FSDP2 over the
+    world, the experts split by EP and left out of fully_shard; FSDP2's reduce-scatter averages the CP ranks' identical
+    dense gradients, the experts are reduced by nobody (one EP group, no replicas)."""
+    _check_ep2_cp2(tmp_path, "--family", "qwen3_moe", fsdp=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["response_only", "full"])
+def test_fsdp2_ep2_cp2_glm5_step_equals_single_process(tmp_path, mode):
+    """GLM-5 (dense layers, shared expert, MLA + DSA) under FSDP2 x EP2 x CP2, both gradient modes (the full gradient's
+    chunk recomputes gather FSDP2's layers around the experts)."""
+    _check_ep2_cp2(tmp_path, "--family", "glm_moe_dsa", "--gradient-mode", mode, fsdp=True)
+
+
+def test_ep2_cp2_clipped_step_equals_single_process(tmp_path):
+    """max_grad_norm well below the gradient norm: transformers' norm of mixed meshes (the dense gradients, the experts'
+    shards summed over the EP mesh, each expert once) and the clipped gradients as the single process's."""
+    _check_ep2_cp2(tmp_path, "--family", "qwen3_moe", clip=0.05)
+
+
+@pytest.mark.slow
+def test_fsdp2_ep2_cp2_clipped_step_equals_single_process(tmp_path):
+    """Clipping under FSDP2 x EP2 x CP2: two meshes of DTensor gradients (FSDP2's over the world, the experts' EP)."""
+    _check_ep2_cp2(tmp_path, "--family", "qwen3_moe", fsdp=True, clip=0.05)
+
+
 @pytest.mark.slow
 def test_ep2_cp2_all_to_all_step_equals_single_process(tmp_path):
     """transformers' all-to-all dispatch (the shared batch sliced over the EP group, tokens exchanged)."""
@@ -104,22 +184,74 @@ def test_ep2_cp2_router_aux_loss_step_equals_single_process(tmp_path, mode):
     _check_ep2_cp2(tmp_path, "--family", "qwen3_moe", "--router-aux", "0.3", "--gradient-mode", mode)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["response_only", "full"])
-def test_dp2_cp2_ep2_glm5_step_equals_the_mean_of_two_single_process_steps(tmp_path, mode):
+def _check_dp2_cp2_ep2(
+    tmp_path: Path, *extra: str, fsdp: bool = False, clip: float | None = None, hsdp: bool = False
+) -> dict:
     """4 processes: two CP groups of 2 (data parallel), each also an EP group; an expert's two replicas (ranks 0 and
-    2, or 1 and 3) average their gradients, DDP averages the dense ones over the world."""
-    extra = ["--family", "glm_moe_dsa", "--loss-type", "grpo", "--gradient-mode", mode]
+    2, or 1 and 3) average their gradients; the dense ones are averaged over the world by DDP, or by FSDP2's
+    reduce-scatter (``fsdp``: in quarters). Against the mean of two single-process steps sampling with the two groups'
+    streams (``loss_type="grpo"``). ``clip``: the norm of that mean gradient, clipped (checked to clip). ``hsdp``:
+    FSDP2 as 2 replicas x 2 shards (the dense parameters in halves, averaged over both dimensions)."""
+    fsdp = fsdp or hsdp
+    extra = ["--loss-type", "grpo", *extra]
     ranks = [_single(tmp_path / f"rank{r}.json", "--as-rank", str(r), *extra) for r in (0, 2)]
-    sharded = _launch(tmp_path / "ep.json", 4, "--cp-size", "2", "--ep-size", "2", *extra)
-    _assert_experts_split(sharded, 2)
+    launched = [*extra, *(["--max-grad-norm", str(clip)] if clip else [])]
+    config = _hsdp_config(tmp_path) if hsdp else None
+    sharded = _launch(
+        tmp_path / "ep.json", 4, "--cp-size", "2", "--ep-size", "2", *launched, fsdp=fsdp, config=config
+    )
+    _assert_experts_split(sharded, 2, fsdp_world=4 if fsdp else None)
+    what = f"{'HSDP 2x2 x ' if hsdp else 'FSDP2 x ' if fsdp else ''}DP2 x CP2 x EP2 {' '.join(launched)}"
     loss = (ranks[0]["loss"][0] + ranks[1]["loss"][0]) / 2
-    print(f"DP2 x CP2 x EP2 {mode}: loss {sharded['loss'][0]:.8f} vs mean of singles {loss:.8f}")
+    print(f"{what}: loss {sharded['loss'][0]:.8f} vs mean of singles {loss:.8f}")
     assert abs(sharded["loss"][0] - loss) <= TOL
     grads = {
         n: (torch.tensor(g) + torch.tensor(ranks[1]["grads"][n])) / 2 for n, g in ranks[0]["grads"].items()
     }
-    _assert_grads(sharded, grads, f"DP2 x CP2 x EP2 {mode}")
+    if clip:
+        norm = float(torch.stack([g.norm() for g in grads.values()]).norm())
+        got = sharded["grad_norm"][0]
+        print(f"{what}: grad norm {got:.8f} vs the mean gradient's {norm:.8f}")
+        assert norm > 2 * clip and abs(got - norm) <= TOL * norm
+        grads = {n: g * (clip / (norm + 1e-6)) for n, g in grads.items()}  # torch's clip coefficient
+    _assert_grads(sharded, grads, what)
+    return sharded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["response_only", "full"])
+def test_dp2_cp2_ep2_glm5_step_equals_the_mean_of_two_single_process_steps(tmp_path, mode):
+    _check_dp2_cp2_ep2(tmp_path, "--family", "glm_moe_dsa", "--gradient-mode", mode)
+
+
+@pytest.mark.slow
+def test_dp2_cp2_ep2_clipped_step_equals_the_clipped_mean_of_two_single_process_steps(tmp_path):
+    """Clipping with expert replicas: the experts' norm after their replica average, each expert counted once."""
+    _check_dp2_cp2_ep2(tmp_path, "--family", "qwen3_moe", clip=0.02)
+
+
+@pytest.mark.slow
+def test_fsdp2_dp2_cp2_ep2_glm5_step_equals_the_mean_of_two_single_process_steps(tmp_path):
+    """FSDP2 over 4 ranks x two CP groups of 2, each an EP group: dense gradients reduce-scattered (averaged) over the
+    world, each expert averaged over its 2 replicas by ExpertParallel.reduce_gradients and by nothing else."""
+    _check_dp2_cp2_ep2(tmp_path, "--family", "glm_moe_dsa", fsdp=True)
+
+
+@pytest.mark.slow
+def test_hsdp_dp2_cp2_ep2_step_equals_the_mean_of_two_single_process_steps(tmp_path):
+    """The whole mesh of issue 28, dp_replicate x dp_shard x cp x ep on 4 processes: FSDP2 as 2 replicas x 2 shards
+    (Accelerate's parallelism_config), two CP groups of 2, each an EP group; the dense parameters in halves on the 2-D
+    mesh, averaged over both of its dimensions, the experts averaged over their replicas only."""
+    sharded = _check_dp2_cp2_ep2(tmp_path, "--family", "qwen3_moe", hsdp=True)
+    assert {tuple(names) for names, _ in sharded["meshes"].values()} == {
+        ("dp_replicate", "dp_shard_cp"),
+        ("ep",),
+    }
+    dense = [n for n in sharded["local"] if ".mlp.experts." not in n]
+    assert all(
+        torch.Size(sharded["local"][n]).numel() * 2 >= torch.tensor(sharded["params"][n]).numel()
+        for n in dense
+    )
 
 
 def test_ep_sizes_are_validated(tmp_path):
@@ -135,7 +267,7 @@ def test_ep_sizes_are_validated(tmp_path):
     LongStrawGRPOConfig(**common, ep_size=2, cp_size=4)  # two EP groups inside each CP group of 4
 
 
-def test_ep_on_a_dense_model_indivisible_experts_fsdp2_and_a_single_process_are_refused():
+def test_ep_on_a_dense_model_indivisible_experts_an_fsdp2_model_and_a_single_process_are_refused():
     from _models import build
     from _trl_helpers import tiny_qwen3_moe
 
@@ -146,7 +278,38 @@ def test_ep_on_a_dense_model_indivisible_experts_fsdp2_and_a_single_process_are_
         check_expert_parallel(moe, 3, world=3)
     with pytest.raises(LongStrawError, match="needs a distributed launch"):
         check_expert_parallel(moe, 2, world=1)
-    with pytest.raises(LongStrawError, match="with FSDP2 is not supported yet"):
+    with pytest.raises(LongStrawError, match="already sharded by FSDP2"):
         check_expert_parallel(moe, 2, world=2, fsdp=True)
     check_expert_parallel(moe, 2, world=4)
     check_expert_parallel(build_glm_dsa(), 4, world=4)  # GLM-5's 8 routed experts (n_routed_experts)
+
+
+def test_keep_out_of_fsdp_adds_the_expert_modules_to_accelerates_ignored_modules():
+    """What the trainer hands Accelerate's FSDP2 plugin (``ignored_modules``, which ``fsdp2_prepare_model`` passes to
+    every ``fully_shard`` as ``ignored_params``): exactly the modules of the split experts, after a user's own modules
+    or name regex, without duplicates. On rank 0 of a fake group of 2 (no collective runs)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from _trl_helpers import tiny_qwen3_moe
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from longstraw_trl.distributed import ExpertParallel
+
+    model = tiny_qwen3_moe(router_aux_loss_coef=0.0)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        ep = ExpertParallel(model, 2)
+    finally:
+        dist.destroy_process_group()
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert {id(p) for m in experts for p in m.parameters()} == {id(p) for p in ep.parameters}
+    plugin = SimpleNamespace(ignored_modules=None)
+    ep.keep_out_of_fsdp(plugin, model)
+    assert plugin.ignored_modules == experts
+    plugin = SimpleNamespace(ignored_modules=r"model\.embed_tokens")
+    ep.keep_out_of_fsdp(plugin, model)
+    assert plugin.ignored_modules == [model.model.embed_tokens, *experts]
+    plugin = SimpleNamespace(ignored_modules=[experts[1], model.lm_head])
+    ep.keep_out_of_fsdp(plugin, model)
+    assert plugin.ignored_modules == [experts[1], model.lm_head, experts[0]]
