@@ -423,15 +423,18 @@ fsdp1-plain|fsdp1|cp2|fsdp2-cp2)
   # fsdp2.yaml on 1 process: every FSDP2 hook runs, every collective is trivial): its step must take at most 5% more
   # than fsdp1-plain's, run first on the same machine (its Triton cache then serves both). cp2 and fsdp2-cp2 run on
   # a 2-GPU machine (nvidia-h200-x2): CP2 under DDP, then FSDP2 x CP2 on the same 2 ranks.
+  # FSDP1_PROMPT: another P (e.g. 262144 where 512K does not fit the lent GPU); the JSON names carry it
   mode=$1
   shift
-  common=(--skip-stock --prompts 524288 --response 256 --budget-s 560 "$@")
+  P=${FSDP1_PROMPT:-524288}
+  tagp=$([[ $P == 524288 ]] && echo 512k || echo "$P")
+  common=(--skip-stock --prompts "$P" --response 256 --budget-s 560 "$@")
   launch=(python3 -u -m accelerate.commands.launch --mixed_precision bf16)
   cd bench
   case $mode in
-    fsdp1-plain) cmd=(python3 -u full_model.py "${common[@]}" --tag _plain512k) ;;
+    fsdp1-plain) cmd=(python3 -u full_model.py "${common[@]}" --tag "_plain$tagp") ;;
     fsdp1) cmd=("${launch[@]}" --config_file ../examples/accelerate/fsdp2.yaml --num_processes 1 full_model.py
-                "${common[@]}" --tag _fsdp1) ;;
+                "${common[@]}" --tag "_fsdp1$([[ $tagp == 512k ]] || echo "_$tagp")") ;;
     cp2) cmd=("${launch[@]}" --config_file ../examples/accelerate/cp2.yaml full_model.py "${common[@]}"
               --cp-size 2 --tag _cp2) ;;
     fsdp2-cp2) cmd=("${launch[@]}" --config_file ../examples/accelerate/fsdp2.yaml --num_processes 2 full_model.py
@@ -439,9 +442,10 @@ fsdp1-plain|fsdp1|cp2|fsdp2-cp2)
   esac
   PYTHONPATH=/tmp/site:/tmp/fla timeout 590 "${cmd[@]}" 2>&1 | grep -v -i warn | tee "$OUT/$mode.log" | tail -16
   # the plain step's JSON waits in /tmp (kept on a warm machine) for fsdp1's comparison
-  if [[ $mode == fsdp1-plain ]]; then cp "$OUT"/full_model_qwen3.6-27b_plain512k.json /tmp/ 2>/dev/null; fi
-  if [[ $mode == fsdp1 && -f /tmp/full_model_qwen3.6-27b_plain512k.json ]]; then
-    python3 - "$OUT"/full_model_qwen3.6-27b_fsdp1.json /tmp/full_model_qwen3.6-27b_plain512k.json <<'PY' | tee "$OUT/fsdp1_vs_plain.txt"
+  if [[ $mode == fsdp1-plain ]]; then cp "$OUT/full_model_qwen3.6-27b_plain$tagp.json" /tmp/ 2>/dev/null; fi
+  fsdp_json="$OUT/full_model_qwen3.6-27b_fsdp1$([[ $tagp == 512k ]] || echo "_$tagp").json"
+  if [[ $mode == fsdp1 && -f /tmp/full_model_qwen3.6-27b_plain$tagp.json ]]; then
+    python3 - "$fsdp_json" "/tmp/full_model_qwen3.6-27b_plain$tagp.json" <<'PY' | tee "$OUT/fsdp1_vs_plain.txt"
 import json, sys
 fsdp, plain = (json.load(open(p))["longstraw"][-1] for p in sys.argv[1:])
 ratio = fsdp["train_s"] / plain["train_s"]
