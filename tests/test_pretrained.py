@@ -201,7 +201,7 @@ def _head_grad(hidden, weight, targets, dtype, fused: bool) -> torch.Tensor:
 
 
 def test_fp32_head_gradient_conditioning_on_smollm2(smollm2):
-    """Why the trainer tests' completion is :data:`COMPLETION` and not the prompt's own continuation.
+    """Why the gradient tests score :data:`COMPLETION` and not the prompt's own continuation.
 
     d log p_t / d z_t = 1 - p_t. In fp32 the logits and their log-sum-exp (|z| ~ 35, ulp 3.8e-6) carry absolute
     rounding errors of ~1e-6, and so do log p_t and 1 - p_t: on near-certain tokens (1 - p_t ~ 1e-3) that is a
