@@ -7,6 +7,9 @@ Gemma's run well past its 512-token window.
 - response-only parameter gradients against the stock response-only reference (tests/_reference.py;
   relative L2 <= 1e-4);
 - ``gradient_mode="full"`` through the trainer against TRL's stock ``GRPOTrainer`` (LoRA; <= 1e-4), marked slow.
+
+The gradient tests score a completion whose tokens the model does not predict (:data:`COMPLETION`): on near-certain
+tokens fp32 gradients are only good to ~1e-3 (test_fp32_head_gradient_conditioning_on_smollm2).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ TEXT = (
     "noon. The weather was mild and the office stayed quiet for most of the afternoon.\n"
 )
 NAMES = "Alice Bruno Chen Dana Elif Farid Greta Hiro Ines Jonas Kemal Lena Mateo Nadia Oskar Priya".split()
+# The gradient tests' completion (its first 5 or 9 tokens): unrelated words, which the model does not predict
+# (SmolLM2: p <= 1.2e-3 each). The prompt's own continuation (every token at p > 0.99) makes the gradient too
+# ill-conditioned for two fp32 implementations to agree to 1e-4 (test_fp32_head_gradient_conditioning_on_smollm2).
+COMPLETION = " blue river seven quiet lamp under green paper cloud"
 
 
 def real_prompt(tokenizer, length: int) -> torch.Tensor:
@@ -37,6 +44,13 @@ def real_prompt(tokenizer, length: int) -> torch.Tensor:
         ids = tokenizer("".join(parts), add_special_tokens=False)["input_ids"]
         i += 1
     return torch.tensor(ids[:length])
+
+
+def completion_ids(tokenizer, n: int = 5) -> torch.Tensor:
+    """The first ``n`` tokens of :data:`COMPLETION`."""
+    ids = tokenizer(COMPLETION, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= n
+    return torch.tensor(ids[:n])
 
 
 def _load(name: str):
@@ -118,7 +132,7 @@ def _response_only_check(model, tokenizer, prompt_len: int, chunk: int, trainabl
     parameters that take gradients (the rest are frozen, to keep the reference cheap)."""
     prompt = real_prompt(tokenizer, prompt_len)
     gen = torch.Generator().manual_seed(7)
-    completion = real_prompt(tokenizer, prompt_len + 9)[-9:]
+    completion = completion_ids(tokenizer, 9)  # not the prompt's continuation: see COMPLETION
     weights = torch.randn(9, generator=gen)
     for name, p in model.named_parameters():
         p.requires_grad_(trainable is None or any(t in name for t in trainable))
@@ -171,9 +185,52 @@ def test_smollm2_full_gradient_matches_stock_full_forward(smollm2):
     assert_grads_close(param_grads(model), ref)
 
 
+def _head_grad(hidden, weight, targets, dtype, fused: bool) -> torch.Tensor:
+    """d sum_i log p(targets_i) / d hidden through the LM head alone, in ``dtype``: ``torch.log_softmax`` over the
+    full logits (the stock forward's, and ours) or TRL's fused chunked head (``GRPOTrainer``'s)."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    x = hidden.detach().to(dtype, copy=True).requires_grad_()
+    w = weight.to(dtype)
+    if fused:
+        logp = ChunkedLogProbFunction.apply(x, w, None, targets, 1.0, 32768, None, 1.0, ("log_probs",))[0]
+    else:
+        logp = torch.log_softmax(x @ w.T, -1).gather(-1, targets[:, None])[:, 0]
+    logp.sum().backward()
+    return x.grad.double()
+
+
+def test_fp32_head_gradient_conditioning_on_smollm2(smollm2):
+    """Why the gradient tests score :data:`COMPLETION` and not the prompt's own continuation.
+
+    d log p_t / d z_t = 1 - p_t. In fp32 the logits and their log-sum-exp (|z| ~ 35, ulp 3.8e-6) carry absolute
+    rounding errors of ~1e-6, and so do log p_t and 1 - p_t: on near-certain tokens (1 - p_t ~ 1e-3) that is a
+    relative error of ~1e-3 in the gradient, different in every fp32 implementation. Measured on the LM head alone,
+    from the same fp32 hidden states against fp64: ``torch.log_softmax`` (the stock forward's, ours) 1.25e-3 and
+    TRL's fused chunked head (``GRPOTrainer``'s) 1.28e-3 on the continuation (p = 0.997 .. 0.9996), 3.2e-5 and
+    3.1e-5 on :data:`COMPLETION` (p < 1e-4). Through the LoRA model, on the continuation, TRL's trainer is 9.6e-4
+    from the fp64 per-row gradient and the fp32 per-row stock forward (and ours) 8.2e-3 (per parameter): the old
+    xfail's gap."""
+    model, tokenizer = smollm2
+    prompt = real_prompt(tokenizer, 400)
+    weight = model.get_output_embeddings().weight.detach()
+    for name, completion, conditioned in (
+        ("continuation", real_prompt(tokenizer, 405)[-5:], False),
+        ("COMPLETION", completion_ids(tokenizer), True),
+    ):
+        with torch.no_grad():
+            hidden = model.model(torch.cat([prompt, completion])[None]).last_hidden_state[0, 399:-1]
+        exact = _head_grad(hidden, weight, completion, torch.float64, fused=False)
+        for fused in (False, True):
+            got = _head_grad(hidden, weight, completion, torch.float32, fused=fused)
+            rel = ((got - exact).norm() / exact.norm()).item()
+            assert (rel <= 1e-4) if conditioned else (rel >= 5e-4), f"{name}, fused={fused}: {rel:.2e}"
+
+
 def _trainer_pair_and_batch(model, tokenizer, prompt_len: int, **ours_kwargs):
     """Stock GRPOTrainer and LongStrawGRPOTrainer on two equal LoRA copies of ``model`` (seeded init), and one group
-    of TRL-shaped inputs on a real-text prompt (``random_grpo_inputs`` without old log-probs: no clipping)."""
+    of TRL-shaped inputs on a real-text prompt and :data:`COMPLETION` (``random_grpo_inputs`` without old log-probs:
+    no clipping)."""
     from _reference import with_lora
     from _trl_helpers import make_tiny_grpo_trainer, make_tiny_longstraw_trainer, random_grpo_inputs
 
@@ -190,7 +247,13 @@ def _trainer_pair_and_batch(model, tokenizer, prompt_len: int, **ours_kwargs):
     inputs, _, _ = random_grpo_inputs(lengths, seed=3, prompt_len=prompt_len, with_old=False)
     prompt = real_prompt(tokenizer, prompt_len)
     inputs["prompt_ids"] = prompt[None].expand(len(lengths), -1).clone()
-    completion = real_prompt(tokenizer, prompt_len + 5)[-5:]
+    completion = completion_ids(tokenizer)
+    with torch.no_grad():  # a well-conditioned gradient (COMPLETION): no completion token near-certain
+        logits = trl.model(torch.cat([prompt, completion])[None]).logits[0, prompt_len - 1 : -1]
+        p = torch.softmax(logits.double(), -1).gather(-1, completion[:, None])
+    assert p.max() < 0.5, (
+        f"near-certain completion tokens (p = {p.flatten().tolist()}): fp32 cannot compare them"
+    )
     inputs["completion_ids"] = completion[None].expand(len(lengths), -1) * inputs["completion_mask"]
     ours_inputs = {k: v for k, v in inputs.items() if k not in ("prompt_ids", "prompt_mask")}
     ours_inputs["longstraw_prompts"] = [(prompt_key(prompt), prompt)]
@@ -209,19 +272,11 @@ def test_smollm2_trainer_response_only_matches_stock_grpo_trainer(smollm2):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured (session 11, P = 400, LoRA q/v/down, 4 rows of one real-text completion, lengths 5/3/4/2): "
-    "the gap is on TRL's side. Ours equals the unpadded per-row stock full-sequence gradient (each row's "
-    "prompt + completion through the stock model, weighted by TRL's own d loss / d logp) to 5.8e-5; TRL's "
-    "GRPOTrainer is 1.66e-2 from it, although its batched, right-padded log-probs equal the per-row ones to 9.5e-6 "
-    "and its fp32 gradient equals its fp64 one to 1.6e-5: TRL's backward through its padded batch is not the "
-    "per-row gradient (which part of its batched forward: not isolated yet). Compare against the per-row stock "
-    "gradient instead (scripts in the session-11 report)",
-)
 def test_smollm2_full_gradient_matches_stock_grpo_trainer(smollm2):
     """gradient_mode="full" through LongStrawGRPOTrainer against TRL's stock GRPOTrainer (its own full-sequence
-    gradient), LoRA, a real-text prompt of 400 tokens."""
+    gradient, right-padded batch and fused LM head), LoRA, a real-text prompt of 400 tokens, four rows of 5/3/4/2
+    tokens of :data:`COMPLETION` (measured: 2.9e-5 per parameter at most; TRL's is 1.0e-5 from the fp64 per-row
+    gradient, ours 3.0e-5)."""
     trl, ours, inputs, ours_inputs, _ = _trainer_pair_and_batch(
         *smollm2, prompt_len=400, gradient_mode="full"
     )
