@@ -145,6 +145,28 @@ def is_fsdp2(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def fit_fsdp_wrap_classes(plugin, model: nn.Module) -> list[str]:
+    """Give Accelerate's transformer-based FSDP wrap policy only the layer classes ``model`` has.
+
+    With ``fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP`` and no layer class named, Accelerate wraps the classes
+    of the model's ``_no_split_modules`` and raises for any it cannot find. A text-only model that shares its
+    modeling file with a vision-language one lists the vision tower's block too (``Qwen3_5ForCausalLM``:
+    ``Qwen3_5VisionBlock``), so FSDP2 refused the whole Qwen3.5/3.6 family ("Could not find the transformer layer
+    class Qwen3_5VisionBlock"). Classes the user named are left alone. Returns the classes dropped."""
+    from accelerate.utils.dataclasses import get_module_class_from_name
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if plugin is None or plugin.auto_wrap_policy is not transformer_auto_wrap_policy:
+        return []
+    if plugin.transformer_cls_names_to_wrap is not None:
+        return []
+    listed = list(getattr(model, "_no_split_modules", None) or [])
+    present = [name for name in listed if get_module_class_from_name(model, name) is not None]
+    if present:  # none present: Accelerate's own error says so
+        plugin.transformer_cls_names_to_wrap = present
+    return [name for name in listed if name not in present]
+
+
 def new_cp_groups(cp_size: int):
     """Split the world into consecutive groups of ``cp_size`` ranks; returns this rank's group.
 

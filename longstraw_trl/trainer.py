@@ -96,7 +96,13 @@ from trl.trainer.utils import is_async_callable
 from .adapters import adapters_in_model_dtype, bind_autocast_lora_inputs, bind_expert_adapters
 from .agents import grouped_rollout_func
 from .config import LongStrawGRPOConfig, check_whole_groups
-from .distributed import ExpertParallel, check_expert_parallel, is_fsdp2, new_cp_groups
+from .distributed import (
+    ExpertParallel,
+    check_expert_parallel,
+    fit_fsdp_wrap_classes,
+    is_fsdp2,
+    new_cp_groups,
+)
 from .engine import checkpointing_off
 from .errors import (
     LongStrawError,
@@ -431,6 +437,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         self.cp_group = self._context_parallel_group(args.cp_size)
         self.expert_parallel = self._shard_experts(args)
+        if self.accelerator.state.distributed_type == "FSDP":
+            dropped = fit_fsdp_wrap_classes(getattr(self.accelerator.state, "fsdp_plugin", None), self.model)
+            if dropped:
+                logger.info("FSDP2 wraps the model's own layer classes; absent from this model: %s", dropped)
         kernel_cache = use_kernel_cache(args.kernel_cache_dir)
         if args.compile_ahead:  # started when the config was made; again for a config made without CUDA
             start_compile_ahead_here(args.kernel_cache_dir)

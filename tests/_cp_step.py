@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _fsdp_shim import fsdp_on_cpu, full_tensor  # noqa: E402
-from _models import build_glm_dsa, build_moe  # noqa: E402
+from _models import build_glm_dsa, build_hybrid, build_moe  # noqa: E402
 from _trl_helpers import (  # noqa: E402
     TINY_VOCAB,
     make_tiny_longstraw_trainer,
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--as-rank", type=int, default=0)
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0: reference log-probs)")
-    ap.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe", "glm_moe_dsa", *MOE_FAMILIES])
+    ap.add_argument(
+        "--family", default="qwen3", choices=["qwen3", "qwen3_5", "qwen3_moe", "glm_moe_dsa", *MOE_FAMILIES]
+    )
     ap.add_argument("--ep-size", type=int, default=1)
     ap.add_argument("--ep-implementation", default="all_reduce")
     ap.add_argument("--router-aux", type=float, default=0.0, help="router_aux_loss_coef (qwen3_moe)")
@@ -119,6 +121,12 @@ def build_model(family: str, router_aux: float = 0.0):
     if family in MOE_FAMILIES:
         return build_moe(
             family, seed=0, vocab_size=TINY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        ).train()
+    if (
+        family == "qwen3_5"
+    ):  # the hybrid GDN family (its _no_split_modules also names the vision tower's block)
+        return build_hybrid(
+            "qwen3_5", seed=0, vocab_size=TINY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2
         ).train()
     if family == "glm_moe_dsa":
         return build_glm_dsa(

@@ -169,9 +169,11 @@ def _conditional_generation(family: str):
     }.get(family)
 
 
-def build_hybrid(family: str, seed: int = 0, attn_implementation: str = "eager"):
+def build_hybrid(family: str, seed: int = 0, attn_implementation: str = "eager", **overrides):
     torch.manual_seed(seed)
     config = HYBRID_CONFIGS[family]()
+    for name, value in overrides.items():  # e.g. the toy tokenizer's vocabulary and special ids
+        setattr(config, name, value)
     cls = _conditional_generation(family)
     if cls is not None:
         model = cls._from_config(config, attn_implementation=attn_implementation)

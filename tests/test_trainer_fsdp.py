@@ -104,6 +104,44 @@ def test_fsdp2_data_parallel_step_equals_the_mean_of_two_single_process_steps(tm
     assert_step_matches(sharded, grads, None, f"FSDP2 data parallel {' '.join(extra)}")
 
 
+def test_fsdp2_wraps_only_the_layer_classes_the_model_has():
+    """Accelerate's transformer-based wrap policy takes the model's ``_no_split_modules``; Qwen3.5's text model lists
+    the vision tower's block too, which Accelerate cannot find (the whole 27B under FSDP2 failed with it on the
+    device, session 15). The trainer names only the classes the model has; a user's own choice is kept."""
+    from _models import build_hybrid
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from longstraw_trl.distributed import fit_fsdp_wrap_classes
+
+    model = build_hybrid("qwen3_5")
+    assert "Qwen3_5VisionBlock" in model._no_split_modules
+    stock = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    with pytest.raises(ValueError, match="Qwen3_5VisionBlock"):
+        stock.set_auto_wrap_policy(model)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    assert fit_fsdp_wrap_classes(plugin, model) == ["Qwen3_5VisionBlock"]
+    assert plugin.transformer_cls_names_to_wrap == ["Qwen3_5DecoderLayer"]
+    plugin.set_auto_wrap_policy(model)  # Accelerate's own step now passes
+    wrapped = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
+    assert {c.__name__ for c in wrapped} == {"Qwen3_5DecoderLayer"}
+    user = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Foo"]
+    )
+    assert fit_fsdp_wrap_classes(user, model) == [] and user.transformer_cls_names_to_wrap == ["Foo"]
+
+
+def test_fsdp2_data_parallel_step_on_the_hybrid_gdn_family(tmp_path):
+    """The same FSDP2 data-parallel step on a tiny Qwen3.5 (GDN + attention), through train() under the shipped
+    fsdp2.yaml: it failed at Accelerate's wrap policy before (the vision block above)."""
+    extra = ["--loss-type", "grpo", "--family", "qwen3_5"]
+    ranks = [_single(tmp_path / f"rank{r}.json", "--as-rank", str(r), *extra) for r in range(2)]
+    sharded = _fsdp2(tmp_path / "fsdp.json", *extra)
+    grads = {
+        n: (torch.tensor(g) + torch.tensor(ranks[1]["grads"][n])) / 2 for n, g in ranks[0]["grads"].items()
+    }
+    assert_step_matches(sharded, grads, None, f"FSDP2 data parallel {' '.join(extra)}")
+
+
 def test_fsdp_version_1_deepspeed_and_accelerate_cp_are_refused(tmp_path):
     common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=8)
     config = LongStrawGRPOConfig(**common)
