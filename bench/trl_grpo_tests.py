@@ -153,6 +153,23 @@ def main():
             proc.kill()
             codes[tag] = f"killed at the {args.deadline} s deadline"
     wall_s = time.time() - start
+    # every run into this --work, in order: with --append the JSON reports the union of their JSON lines
+    invocation = {
+        "command": " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_revision": subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),  # fmt: skip
+        "sides": sides,
+        "wall_s": round(wall_s, 1),
+        "pytest_exit": codes,
+    }
+    log_path = work / "invocations.jsonl"
+    if not args.append:
+        log_path.unlink(missing_ok=True)
+    with open(log_path, "a") as f:
+        f.write(json.dumps(invocation) + "\n")
+    invocations = [json.loads(line) for line in log_path.read_text().splitlines()]
     stock, ours = (parse_results(work / f"results_{tag}.jsonl") for tag in ("stock", "ours"))
     if any(isinstance(c, str) for c in codes.values()):  # compare only what both sides ran
         stock = {t: r for t, r in stock.items() if t in ours}
@@ -168,11 +185,8 @@ def main():
         for side, res in (("stock", stock), ("ours", ours))
     }  # fmt: skip
     result = {
-        "command": " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_revision": subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),  # fmt: skip
+        **{key: invocation[key] for key in ("command", "date", "git_revision")},
+        "invocations": invocations,
         "trl_version": trl.__version__,
         **source,
         "precision": "TRL's default (bf16 autocast on CPU)"
