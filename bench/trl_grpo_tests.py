@@ -9,6 +9,11 @@ clone of huggingface/trl at `--trl-rev` (or takes a checkout's `tests/` folder w
 pytest in that folder twice, in parallel: plain, and with `LONGSTRAW_SWAP=1` (bench/trl_grpo_swap.py swaps the
 names the test module imports). Writes each test's outcome on both sides, the counts, and the tests stock passes and
 ours does not with the first line of their error, to `--out` (bench/results/trl_grpo_tests.json).
+
+Each run into a `--work` folder is logged there (`invocations.jsonl`) and listed in the JSON's `invocations`; each
+test names the entries its two outcomes come from (`runs`). `--append` runs a `-k` subset on top of the earlier
+lines (a test's newest line counts), `--sides ours` re-runs one side, and `--seed JSON` fills in, from an earlier
+result JSON, the tests not yet run into the folder (as one more entry, with that JSON's own commands).
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ FILES = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py
 BY_DESIGN = {
     "test_trust_remote_code": "custom-code architecture: LongStraw supports the model types it has patches for",
     "test_train_with_generation_kwargs": "num_beams > 1: beam search is not sampled from one captured prompt state",
-    "NemotronH": "nemotron_h: Mamba-2 hybrid layers have no model-native state patch",
 }
 
 
@@ -58,7 +62,7 @@ def extract_tests(args, dest: Path) -> dict:
     return {"trl_tests_commit": commit, "trl_tests_version_file": version}
 
 
-def _run_pytest(work: Path, tag: str, swap: bool, args) -> subprocess.Popen:
+def _run_pytest(work: Path, tag: str, swap: bool, args, run_index: int) -> subprocess.Popen:
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -70,6 +74,7 @@ def _run_pytest(work: Path, tag: str, swap: bool, args) -> subprocess.Popen:
         "LONGSTRAW_SWAP": "1" if swap else "0",
         "LONGSTRAW_RESULTS": str(work / f"results_{tag}.jsonl"),
         "LONGSTRAW_TRL_BF16": "1" if args.bf16 else "0",
+        "LONGSTRAW_RUN_INDEX": str(run_index),  # which entry of invocations.jsonl wrote a line
     }
     if not args.append:  # a rerun of one side replaces its lines
         (work / f"results_{tag}.jsonl").unlink(missing_ok=True)
@@ -95,10 +100,35 @@ def parse_results(path: Path) -> dict[str, dict]:
     for line in path.read_text().splitlines():
         row = json.loads(line)
         test = row.pop("test")
+        row.setdefault("run", 0)
         if test != previous or out[test]["outcome"] in ("passed", "skipped"):
             out[test] = row
         previous = test
     return out
+
+
+def seed(work: Path, seed_json: Path) -> None:
+    """Import an earlier result JSON's per-test outcomes as one more entry of the invocation log, for the tests the
+    JSON lines of `work` do not hold yet (so every later `--append` run replaces them): a whole-file table from runs
+    made at different times, each test naming the run it comes from."""
+    earlier = json.loads(seed_json.read_text())
+    log_path = work / "invocations.jsonl"
+    index = len(log_path.read_text().splitlines()) if log_path.is_file() else 0
+    entry = {
+        "seeded_from": str(seed_json),
+        "invocations": earlier.get("invocations") or [{"command": earlier["command"]}],
+        "git_revision": earlier.get("git_revision"),
+        "date": earlier.get("date"),
+    }
+    for tag in ("stock", "ours"):
+        have = parse_results(work / f"results_{tag}.jsonl")
+        with open(work / f"results_{tag}.jsonl", "a") as f:
+            for test, row in earlier["tests"].items():
+                if test not in have:
+                    f.write(json.dumps({"test": test, "outcome": row[tag],
+                                        "message": row[f"{tag}_message"], "run": index}) + "\n")  # fmt: skip
+    with open(log_path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def _by_design(test_id: str) -> str | None:
@@ -131,6 +161,10 @@ def main():
         "--append", action="store_true", help="add to the JSON lines of earlier runs (-k subsets)"
     )
     parser.add_argument("--out", default=str(HERE / "results" / "trl_grpo_tests.json"))
+    parser.add_argument(
+        "--seed",
+        help="an earlier result JSON: its outcomes fill in the tests not run into --work yet (no pytest run)",
+    )
     args = parser.parse_args()
     if not (args.trl_git or args.trl_tests):
         parser.error("give --trl-git (a huggingface/trl clone) or --trl-tests")
@@ -143,8 +177,15 @@ def main():
     start = time.time()
     build_standins(work)
     standins_s = time.time() - start
+    if args.seed:
+        seed(work, Path(args.seed))
+        args.sides, args.append = "", True
     sides = [side for side in args.sides.split(",") if side]
-    procs = {side: _run_pytest(work, side, side == "ours", args) for side in sides}
+    log_path = work / "invocations.jsonl"
+    if not args.append and len(sides) == 2:
+        log_path.unlink(missing_ok=True)
+    run_index = len(log_path.read_text().splitlines()) if log_path.is_file() else 0
+    procs = {side: _run_pytest(work, side, side == "ours", args, run_index) for side in sides}
     codes = {}
     for tag, proc in procs.items():
         try:
@@ -164,11 +205,9 @@ def main():
         "wall_s": round(wall_s, 1),
         "pytest_exit": codes,
     }
-    log_path = work / "invocations.jsonl"
-    if not args.append:
-        log_path.unlink(missing_ok=True)
-    with open(log_path, "a") as f:
-        f.write(json.dumps(invocation) + "\n")
+    if sides:  # a report-only call (`--sides ''`, `--seed`) adds no run
+        with open(log_path, "a") as f:
+            f.write(json.dumps(invocation) + "\n")
     invocations = [json.loads(line) for line in log_path.read_text().splitlines()]
     stock, ours = (parse_results(work / f"results_{tag}.jsonl") for tag in ("stock", "ours"))
     if any(isinstance(c, str) for c in codes.values()):  # compare only what both sides ran
@@ -206,6 +245,7 @@ def main():
                 "ours": ours.get(t, {}).get("outcome", "missing"),
                 "stock_message": stock[t]["message"],
                 "ours_message": ours.get(t, {}).get("message", ""),
+                "runs": [stock[t]["run"], ours.get(t, {}).get("run")],  # their entries in "invocations"
             }
             for t in stock
         },  # fmt: skip
