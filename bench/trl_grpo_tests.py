@@ -131,6 +131,18 @@ def seed(work: Path, seed_json: Path) -> None:
         f.write(json.dumps(entry) + "\n")
 
 
+def _optional_packages() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("jmespath", "liger-kernel", "vllm", "peft", "bitsandbytes"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def _by_design(test_id: str) -> str | None:
     return next((why for key, why in BY_DESIGN.items() if key in test_id), None)
 
@@ -202,6 +214,7 @@ def main():
             ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),  # fmt: skip
         "sides": sides,
+        "optional_packages": _optional_packages(),  # TRL's tests skip without them (require_*)
         "wall_s": round(wall_s, 1),
         "pytest_exit": codes,
     }
