@@ -78,7 +78,11 @@ def _run_pytest(work: Path, tag: str, swap: bool, args, run_index: int) -> subpr
     }
     if not args.append:  # a rerun of one side replaces its lines
         (work / f"results_{tag}.jsonl").unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "tests/test_grpo_trainer.py", "-p", "no:cacheprovider", "-p",
+    targets = ["tests/test_grpo_trainer.py"]
+    if args.ids:  # exact test ids (`Class::test[param]`), one a line
+        ids = [line.strip() for line in Path(args.ids).read_text().splitlines() if line.strip()]
+        targets = [f"tests/test_grpo_trainer.py::{test_id}" for test_id in ids]
+    cmd = [sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider", "-p",
            "trl_grpo_swap", "-q", "-rN", "--tb=short"]  # fmt: skip
     if args.k:
         cmd += ["-k", args.k]
@@ -156,6 +160,9 @@ def main():
     parser.add_argument("--trl-tests", help="instead of --trl-git: a checkout's tests/ folder")
     parser.add_argument("--work", default=os.path.expanduser("~/.cache/longstraw_trl/trl_grpo_tests"))
     parser.add_argument("-k", help="pytest -k expression (a subset)")
+    parser.add_argument(
+        "--ids", help="a file of test ids (`Class::test[param]`, one a line): run exactly these"
+    )
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per pytest process")
     parser.add_argument("--deadline", type=float, default=3600.0, help="seconds before both runs are cut")
     parser.add_argument(
@@ -214,6 +221,7 @@ def main():
             ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),  # fmt: skip
         "sides": sides,
+        **({"ids": Path(args.ids).read_text().split()} if args.ids else {}),  # the file's content
         "optional_packages": _optional_packages(),  # TRL's tests skip without them (require_*)
         "wall_s": round(wall_s, 1),
         "pytest_exit": codes,
