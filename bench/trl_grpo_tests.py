@@ -62,6 +62,10 @@ def extract_tests(args, dest: Path) -> dict:
     return {"trl_tests_commit": commit, "trl_tests_version_file": version}
 
 
+def _read_ids(path: str) -> list[str]:
+    return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def _run_pytest(work: Path, tag: str, swap: bool, args, run_index: int) -> subprocess.Popen:
     env = {
         **os.environ,
@@ -80,8 +84,7 @@ def _run_pytest(work: Path, tag: str, swap: bool, args, run_index: int) -> subpr
         (work / f"results_{tag}.jsonl").unlink(missing_ok=True)
     targets = ["tests/test_grpo_trainer.py"]
     if args.ids:  # exact test ids (`Class::test[param]`), one a line
-        ids = [line.strip() for line in Path(args.ids).read_text().splitlines() if line.strip()]
-        targets = [f"tests/test_grpo_trainer.py::{test_id}" for test_id in ids]
+        targets = [f"tests/test_grpo_trainer.py::{test_id}" for test_id in _read_ids(args.ids)]
     cmd = [sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider", "-p",
            "trl_grpo_swap", "-q", "-rN", "--tb=short"]  # fmt: skip
     if args.k:
@@ -221,7 +224,7 @@ def main():
             ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),  # fmt: skip
         "sides": sides,
-        **({"ids": Path(args.ids).read_text().split()} if args.ids else {}),  # the file's content
+        **({"ids": _read_ids(args.ids)} if args.ids else {}),
         "optional_packages": _optional_packages(),  # TRL's tests skip without them (require_*)
         "wall_s": round(wall_s, 1),
         "pytest_exit": codes,
