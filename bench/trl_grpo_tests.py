@@ -207,6 +207,9 @@ def main():
     if not args.append and len(sides) == 2:
         log_path.unlink(missing_ok=True)
     run_index = len(log_path.read_text().splitlines()) if log_path.is_file() else 0
+    if sides:  # the entry is reserved now, so a run started meanwhile (the other side, say) gets the next one
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"running": " ".join(sys.argv[1:])}) + "\n")
     procs = {side: _run_pytest(work, side, side == "ours", args, run_index) for side in sides}
     codes = {}
     for tag, proc in procs.items():
@@ -229,10 +232,10 @@ def main():
         "wall_s": round(wall_s, 1),
         "pytest_exit": codes,
     }
-    if sides:  # a report-only call (`--sides ''`, `--seed`) adds no run
-        with open(log_path, "a") as f:
-            f.write(json.dumps(invocation) + "\n")
     invocations = [json.loads(line) for line in log_path.read_text().splitlines()]
+    if sides:  # a report-only call (`--sides ''`, `--seed`) adds no run
+        invocations[run_index] = invocation
+        log_path.write_text("".join(json.dumps(entry) + "\n" for entry in invocations))
     stock, ours = (parse_results(work / f"results_{tag}.jsonl") for tag in ("stock", "ours"))
     if any(isinstance(c, str) for c in codes.values()):  # compare only what both sides ran
         stock = {t: r for t, r in stock.items() if t in ours}
