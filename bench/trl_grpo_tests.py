@@ -207,6 +207,9 @@ def main():
     if not args.append and len(sides) == 2:
         log_path.unlink(missing_ok=True)
     run_index = len(log_path.read_text().splitlines()) if log_path.is_file() else 0
+    revision = subprocess.run(  # the code the run loads (commits made while it runs do not count)
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     if sides:  # the entry is reserved now, so a run started meanwhile (the other side, say) gets the next one
         with open(log_path, "a") as f:
             f.write(json.dumps({"running": " ".join(sys.argv[1:])}) + "\n")
@@ -223,9 +226,7 @@ def main():
     invocation = {
         "command": " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_revision": subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),  # fmt: skip
+        "git_revision": revision,
         "sides": sides,
         **({"ids": _read_ids(args.ids)} if args.ids else {}),
         "optional_packages": _optional_packages(),  # TRL's tests skip without them (require_*)
