@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -224,7 +225,7 @@ def main():
     wall_s = time.time() - start
     # every run into this --work, in order: with --append the JSON reports the union of their JSON lines
     invocation = {
-        "command": " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
+        "command": shlex.join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_revision": revision,
         "sides": sides,
@@ -260,8 +261,10 @@ def main():
         if args.bf16
         else "fp32 on both sides (bf16=False)",
         "standins_s": round(standins_s, 1),
+        # this call's pytest runs (none for a report-only call) and the time of every run listed
         "wall_s": round(wall_s, 1),
         "pytest_exit": codes,
+        "runs_wall_s": round(sum(entry.get("wall_s", 0.0) for entry in invocations), 1),
         "counts": count,
         "stock_passes": len(stock_pass),
         "ours_passes_of_stock_passes": len(stock_pass) - len(regressions),
