@@ -79,4 +79,4 @@ def pytest_runtest_logreport(report):
     test_id = report.nodeid.split("::", 1)[-1]
     with open(path, "a") as f:
         f.write(json.dumps({"test": test_id, "outcome": outcome, "time_s": round(report.duration, 2),
-                            "message": message}) + "\n")  # fmt: skip
+                            "message": message, "run": int(os.environ.get("LONGSTRAW_RUN_INDEX", "0"))}) + "\n")  # fmt: skip

@@ -712,12 +712,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """Old-policy / reference log-probs of TRL's generation step, as graph-free replays on the prompt states.
 
         TRL calls this from `_generate_and_score_completions` with `prompt + completion` ids; only the completion
-        part is used: the prompt of each group is its captured state (the reference gets its own capture).
+        part is used: the prompt of each group is its captured state (the reference gets its own capture). Called
+        outside a generation batch (no prompt states to replay on), it is TRL's own full-sequence method on these ids.
         """
         if self.prompt_states.batch_groups is None:
-            raise RuntimeError(
-                "LongStrawGRPOTrainer replays responses on captured prompt states; TRL's full-sequence log-prob path "
-                "is only routed here from _generate_and_score_completions."
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, **kwargs
             )
         if kwargs.get("compute_aux_loss"):
             raise LongStrawError(

@@ -319,3 +319,51 @@ def test_cold_start_dry_run(tmp_path):
     for case in data["cases"]:
         assert case["returncode"] == 0 and len(case["steps"]) == 2 and all(s["ok"] for s in case["steps"])
         assert case["steps"][0]["phases"]["capture"]["seconds"] > 0
+
+
+def _trl_grpo_tests_module():
+    spec = importlib.util.spec_from_file_location("trl_grpo_tests", BENCH / "trl_grpo_tests.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trl_grpo_tests_bookkeeping(tmp_path):
+    """bench/trl_grpo_tests.py: a test's newest JSON line counts, and names its run; `--seed` fills in only the tests a
+    side has not run yet, as one more entry of the invocation log."""
+    runner = _trl_grpo_tests_module()
+    rows = [
+        {"test": "T::a", "outcome": "failed", "message": "first", "run": 0},
+        {"test": "T::b", "outcome": "passed", "message": ""},  # written before lines named their run
+        {"test": "T::a", "outcome": "passed", "message": "", "run": 1},
+    ]
+    (tmp_path / "results_stock.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "invocations.jsonl").write_text(
+        json.dumps({"command": "x"}) + "\n" + json.dumps({"command": "y"}) + "\n"
+    )
+    parsed = runner.parse_results(tmp_path / "results_stock.jsonl")
+    assert parsed["T::a"] == {"outcome": "passed", "message": "", "run": 1}
+    assert parsed["T::b"]["run"] == 0
+
+    earlier = {
+        "command": "old",
+        "git_revision": "abc",
+        "date": "then",
+        "tests": {
+            name: {"stock": "skipped", "ours": "failed", "stock_message": "s", "ours_message": "o"}
+            for name in ("T::a", "T::c")
+        },
+    }
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    runner.seed(tmp_path, tmp_path / "earlier.json")
+    log = [json.loads(line) for line in (tmp_path / "invocations.jsonl").read_text().splitlines()]
+    index = len(log) - 1
+    assert log[index]["seeded_from"] == str(tmp_path / "earlier.json")
+    assert log[index]["invocations"] == [{"command": "old"}]
+    stock = runner.parse_results(tmp_path / "results_stock.jsonl")
+    ours = runner.parse_results(tmp_path / "results_ours.jsonl")
+    assert stock["T::a"] == parsed["T::a"]  # run here: kept
+    assert stock["T::c"] == {"outcome": "skipped", "message": "s", "run": index}
+    assert set(ours) == set(earlier["tests"]) and all(
+        r == {"outcome": "failed", "message": "o", "run": index} for r in ours.values()
+    )

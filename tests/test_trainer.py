@@ -205,6 +205,26 @@ def test_peft_reference_has_its_own_capture(how):
     assert (out["ref_per_token_logps"] - reference).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
+def test_per_token_logps_outside_a_generation_batch_are_trls(entropy_coef):
+    """Called directly (as TRL's tests do), `_get_per_token_logps_and_entropies` has no prompt states to replay on: it
+    gives what stock GRPOTrainer gives for the same ids (log-probs, entropies and whether these carry a graph)."""
+    ours = make_tiny_longstraw_trainer(entropy_coef=entropy_coef)
+    stock = make_tiny_grpo_trainer(entropy_coef=entropy_coef)
+    ours.model.load_state_dict(stock.model.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, TINY_VOCAB, (3, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    got, want = (
+        t._get_per_token_logps_and_entropies(t.model, ids, mask, logits_to_keep=5, compute_entropy=True)
+        for t in (ours, stock)
+    )
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    assert (got[0].requires_grad, got[1].requires_grad) == (want[0].requires_grad, want[1].requires_grad)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Training loop: metrics, refresh policy, checkpoints
 # ----------------------------------------------------------------------------------------------------------------------
