@@ -17,6 +17,7 @@ applies only on the same GPU name and Triton version (fla's only with the same f
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import logging
@@ -210,6 +211,13 @@ class CompileAhead:
             self._readers.append(reader)
         self._previous = knobs.runtime.jit_cache_hook
         knobs.runtime.jit_cache_hook = self._hook
+        atexit.register(self.close)  # a process that ends first takes its workers with it
+
+    def close(self) -> None:
+        """Stop the workers still running (their finished binaries stay in the cache)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
 
     def _read(self, proc, indices: list[int]) -> None:
         for line in proc.stdout:
