@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from .autotune import _gpu_name
+from .autotune import _gpu_name, use_kernel_cache
 from .autotune import _versions as versions
 from .switches import switch
 
@@ -312,8 +312,6 @@ def start_compile_ahead_here(kernel_cache_dir: str | None) -> CompileAhead | Non
 
     if not torch.cuda.is_available() or int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
         return None
-    from .autotune import use_kernel_cache
-
     use_kernel_cache(kernel_cache_dir)
     return start_compile_ahead()
 
