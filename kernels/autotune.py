@@ -74,7 +74,7 @@ def loaded_autotuners() -> list:
     return list(found.values())
 
 
-def _gpu_name() -> str | None:
+def gpu_name() -> str | None:
     import torch
 
     if not torch.cuda.is_available():
@@ -82,7 +82,7 @@ def _gpu_name() -> str | None:
     return re.sub(r"[^0-9A-Za-z]+", "_", torch.cuda.get_device_name()).strip("_")
 
 
-def _versions(import_fla: bool = False) -> dict:
+def versions(import_fla: bool = False) -> dict:
     """Triton's version, and fla's where it is loaded (``import_fla``: where it is importable)."""
     import triton
 
@@ -105,7 +105,7 @@ def dump_autotune_choices(path: str | os.PathLike) -> int:
         if tuner.cache:
             entries = [{"key": list(k), "config": str(c)} for k, c in tuner.cache.items()]
             kernels.setdefault(kernel_name(tuner), []).extend(entries)
-    payload = {"gpu": _gpu_name(), **_versions(), "kernels": kernels}
+    payload = {"gpu": gpu_name(), **versions(), "kernels": kernels}
     Path(path).write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
     return sum(len(v) for v in kernels.values())
 
@@ -116,9 +116,9 @@ def _pins(gpu: str) -> dict:
     if not path.exists():
         return {}
     pins = json.loads(path.read_text())
-    if pins.get("triton") != _versions()["triton"]:
+    if pins.get("triton") != versions()["triton"]:
         logger.info("autotune pins %s are for Triton %s, not %s: not used", path.name, pins.get("triton"),
-                    _versions()["triton"])  # fmt: skip
+                    versions()["triton"])  # fmt: skip
         return {}
     return pins
 
@@ -127,11 +127,11 @@ def pin_autotune_choices(tuners: list | None = None) -> int:
     """Put this GPU's pinned choices into the autotuners' caches (all loaded ones by default); returns how many."""
     if not switch(PINS_SWITCH):
         return 0
-    gpu = _gpu_name()
+    gpu = gpu_name()
     pins = _pins(gpu) if gpu else {}
     if not pins:
         return 0
-    fla_version = _versions().get("fla")
+    fla_version = versions().get("fla")
     pinned = 0
     for tuner in loaded_autotuners() if tuners is None else tuners:
         name = kernel_name(tuner)

@@ -28,8 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from .autotune import _gpu_name, use_kernel_cache
-from .autotune import _versions as versions
+from .autotune import gpu_name, use_kernel_cache, versions
 from .switches import switch
 
 logger = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ class CompileRecorder:
 
     def dump(self, path: str | os.PathLike) -> int:
         """Write the manifest (this GPU, the versions, the entries); returns how many entries."""
-        payload = {"gpu": _gpu_name(), **_versions(), "entries": self.entries}
+        payload = {"gpu": gpu_name(), **_versions(), "entries": self.entries}
         Path(path).write_text(json.dumps(payload, indent=1) + "\n")
         return len(self.entries)
 
@@ -91,17 +90,17 @@ def record_compilations() -> CompileRecorder:
 def load_manifest(gpu: str | None = None, directory: Path = MANIFEST_DIR) -> list[dict]:
     """The manifest entries that apply here: this GPU's file, the same Triton version, fla's entries only with the
     same fla version (none where fla is not importable). Empty when nothing applies."""
-    gpu = gpu or _gpu_name()
+    gpu = gpu or gpu_name()
     path = directory / f"{gpu}.json" if gpu else None
     if path is None or not path.exists():
         return []
     manifest = json.loads(path.read_text())
-    versions = _versions()
-    if manifest.get("triton") != versions["triton"]:
+    here = _versions()
+    if manifest.get("triton") != here["triton"]:
         logger.info("compile manifest %s is for Triton %s, not %s: not used", path.name, manifest.get("triton"),
-                    versions["triton"])  # fmt: skip
+                    here["triton"])  # fmt: skip
         return []
-    same_fla = manifest.get("fla") is not None and manifest.get("fla") == versions.get("fla")
+    same_fla = manifest.get("fla") is not None and manifest.get("fla") == here.get("fla")
     return [e for e in manifest["entries"] if same_fla or not e["module"].startswith("fla")]
 
 

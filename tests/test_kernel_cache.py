@@ -74,7 +74,7 @@ def test_pinned_choices_reach_a_fresh_autotuner(monkeypatch, tmp_path):
 
     from longstraw_trl.kernels import autotune as at
 
-    monkeypatch.setattr(at, "_gpu_name", lambda: "TEST_GPU")
+    monkeypatch.setattr(at, "gpu_name", lambda: "TEST_GPU")
     monkeypatch.setattr(at, "PINS_DIR", tmp_path)
     monkeypatch.setattr(at, "_OURS", [])
     at._pins.cache_clear()
