@@ -331,6 +331,19 @@ class ExpertParallel:
         mine = {id(p) for p in self.parameters}
         return [n for n, p in model.named_parameters() if id(p) in mine]
 
+    def full_state_dict(self, model: nn.Module, keep: bool) -> dict:
+        """``model.state_dict()`` with every expert shard gathered whole (``DTensor.full_tensor``, a collective over
+        its EP group: call it on every rank, in step). ``keep``: this rank writes the checkpoint and keeps the
+        result, the gathered experts on the host; other ranks only join the gathers and get ``{}``."""
+        out = {}
+        for name, value in model.state_dict().items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+                value = value.cpu() if keep else None
+            if keep:
+                out[name] = value
+        return out
+
     def reduce_gradients(self) -> None:
         """Average each expert gradient over its replicas (in place), once per optimizer step, after the step's last
         backward. The EP group itself is never reduced over: an expert's gradient on its owner already holds every

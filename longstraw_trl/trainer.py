@@ -87,6 +87,7 @@ import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from accelerate.utils.memory import clear_device_cache
+from peft import PeftModel
 from torch import nn
 from transformers.generation.utils import GenerationMixin
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -545,6 +546,22 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self.accelerator.state.distributed_type == "FSDP":
             ep.keep_out_of_fsdp(self.accelerator.state.fsdp_plugin, self.model)
         return ep
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """transformers' ``_save``, with the experts of an expert-parallel model (full fine-tuning, DDP) gathered
+        first on every rank: transformers' own path lets only the writing rank in, whose gather of the expert
+        DTensors then waits for ranks that never come (tests/test_trainer_ep.py). With adapters, transformers' path
+        as is (only the adapters are written; the experts, frozen, are not gathered; not tested with EP); under
+        FSDP2 Accelerate's state-dict settings apply."""
+        if self.expert_parallel is None or state_dict is not None or is_fsdp2(self.model_wrapped):
+            return super()._save(output_dir, state_dict=state_dict)
+        if isinstance(self.accelerator.unwrap_model(self.model), PeftModel):
+            return super()._save(output_dir, state_dict=state_dict)
+        state_dict = self.expert_parallel.full_state_dict(
+            unwrap_model(self.model), keep=self.args.should_save
+        )
+        if self.args.should_save:
+            super()._save(output_dir, state_dict=state_dict)
 
     def _clip_grad_norm(self, model):
         """transformers' clipping (one norm per device mesh: the experts' DTensor gradients on the EP mesh), after

@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--as-rank", type=int, default=0)
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0: reference log-probs)")
     ap.add_argument(
+        "--save", default=None, help="after the step, trainer.save_model(DIR), reloaded by the main rank"
+    )
+    ap.add_argument(
         "--family", default="qwen3", choices=["qwen3", "qwen3_5", "qwen3_moe", "glm_moe_dsa", *MOE_FAMILIES]
     )
     ap.add_argument("--ep-size", type=int, default=1)
@@ -188,6 +191,14 @@ def step(a: argparse.Namespace) -> None:
     params = {
         n: full_tensor(p).detach().double().flatten().tolist() for n, p in trainer.model.named_parameters()
     }
+    saved = None
+    if a.save:  # every rank calls it, as the Trainer's checkpointing does; the main process writes
+        trainer.save_model(a.save)
+        if trainer.accelerator.is_main_process:
+            from transformers import AutoModelForCausalLM
+
+            loaded = AutoModelForCausalLM.from_pretrained(a.save, dtype=torch.float32).state_dict()
+            saved = {n: t.double().flatten().tolist() for n, t in loaded.items()}
     if trainer.accelerator.is_main_process:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         with open(a.out, "w") as f:
@@ -200,6 +211,7 @@ def step(a: argparse.Namespace) -> None:
                     "local": local_shapes,
                     "meshes": meshes,
                     "grad_norm": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+                    "saved": saved,
                 },
                 f,
             )

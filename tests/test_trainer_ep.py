@@ -184,6 +184,24 @@ def test_ep2_cp2_router_aux_loss_step_equals_single_process(tmp_path, mode):
     _check_ep2_cp2(tmp_path, "--family", "qwen3_moe", "--router-aux", "0.3", "--gradient-mode", mode)
 
 
+def test_ep2_cp2_full_finetune_checkpoint_holds_every_expert(tmp_path):
+    """``trainer.save_model`` of an expert-parallel model (full fine-tuning, DDP), called on every rank as the
+    Trainer's checkpointing does: the checkpoint, reloaded, holds the trained model whole (each expert from its
+    owner). transformers' own path let only the writing rank gather the expert DTensors, which waited for the
+    other rank forever (or aborted)."""
+    sharded = _launch(
+        tmp_path / "ep.json", 2, "--cp-size", "2", "--ep-size", "2", "--family", "qwen3_moe",
+        "--save", str(tmp_path / "saved"),
+    )  # fmt: skip
+    _assert_experts_split(sharded, 2)
+    saved, params = sharded["saved"], sharded["params"]
+    # the checkpoint's names are the model's (the parameters' names in the step are the same model's)
+    assert saved is not None and set(params) <= set(saved), sorted(set(params) - set(saved or {}))[:5]
+    worst = max(relative_l2(saved[n], torch.tensor(p)) for n, p in params.items())
+    print(f"EP2 x CP2 checkpoint against the trained parameters: worst rel L2 {worst:.2e}")
+    assert worst == 0.0
+
+
 def _check_dp2_cp2_ep2(
     tmp_path: Path, *extra: str, fsdp: bool = False, clip: float | None = None, hsdp: bool = False
 ) -> dict:
