@@ -68,8 +68,16 @@ def accelerate_launch(
 def launch_step(config: Path, out: Path, *args: str, num_processes: int | None = None, **kwargs) -> dict:
     """One ``tests/_cp_step.py`` step under ``accelerate launch`` (:func:`accelerate_launch`): the JSON it wrote."""
     proc = accelerate_launch(config, [CP_STEP, "--out", out, *args], num_processes=num_processes, **kwargs)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure_report(proc.stderr)
     return json.loads(Path(out).read_text())
+
+
+def _failure_report(stderr: str) -> str:
+    """A launched world's failure: the lines of every rank that name an error or a native abort (a rank that dies
+    by a signal prints them long before the launcher's summary at the end), then the tail."""
+    marks = ("Error", "terminate called", "Abort", "what():", "Traceback", "SIG")
+    lines = [line for line in stderr.splitlines() if any(m in line for m in marks)]
+    return "\n".join(lines[:40]) + "\n----- tail -----\n" + stderr[-2000:]
 
 
 def relative_l2(got, ref: torch.Tensor) -> float:
