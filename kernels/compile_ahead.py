@@ -22,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -176,8 +177,6 @@ class CompileAhead:
     still compiling instead of compiling it again. :meth:`stats` says what it did."""
 
     def __init__(self, entries: list[dict], workers: int, wait_s: float = 30.0) -> None:
-        import subprocess
-
         from triton import knobs
 
         self.started = time.perf_counter()
@@ -197,17 +196,13 @@ class CompileAhead:
         manifest.write_text(json.dumps(entries))
         workers = max(1, min(workers, len(entries)))
         self.procs = []
-        self._readers = []
         for w in range(workers):
-            indices = list(
-                range(w, len(entries), workers)
-            )  # round robin keeps first-met first in each worker
+            # round robin: each worker takes its entries first-met first, as the step will meet them
+            indices = list(range(w, len(entries), workers))
             cmd = [sys.executable, "-m", __name__, manifest, ",".join(map(str, indices))]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             self.procs.append(proc)
-            reader = threading.Thread(target=self._read, args=(proc, indices), daemon=True)
-            reader.start()
-            self._readers.append(reader)
+            threading.Thread(target=self._read, args=(proc, indices), daemon=True).start()
         self._previous = knobs.runtime.jit_cache_hook
         knobs.runtime.jit_cache_hook = self._hook
         atexit.register(self.close)  # a process that ends first takes its workers with it
