@@ -32,6 +32,7 @@ import runpy
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -84,6 +85,90 @@ def _listen_to_compilations(stats: dict) -> None:
     knobs.compilation.listener = listener
 
 
+def _time_host_builds(stats: dict) -> None:
+    """Count and time what Triton builds with the host's C compiler (``triton.runtime.build._build``: each kernel
+    signature's launcher, and Triton's own driver utilities once per cache directory), by module name."""
+    try:
+        import triton.runtime.build as triton_build
+    except ImportError:
+        return
+    stats["host_builds"] = 0
+    stats["host_build_s"] = 0.0
+    build = triton_build._build
+
+    def timed_build(name, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return build(name, *args, **kwargs)
+        finally:
+            stats["host_builds"] += 1
+            stats["host_build_s"] = round(stats["host_build_s"] + time.perf_counter() - t, 3)
+
+    triton_build._build = timed_build
+
+
+class StepStackSampler:
+    """Where the main thread's time goes, step by step: samples its Python stack every ``interval`` seconds from a
+    daemon thread and counts each sample under the step it falls in (the n-th ``LongStrawGRPOTrainer.train()``
+    call) and its innermost ``depth`` frames. A first-call cost outside Triton (a library loading, a plan being
+    built, a runtime compilation) sits in one C call, so the Python frame that made the call names it; the first
+    step's seconds beside the second's say what being first cost."""
+
+    def __init__(self, interval: float = 0.02, depth: int = 3) -> None:
+        self.interval, self.depth = interval, depth
+        self.step = 0  # 0: outside any train(); n: inside the n-th
+        self.steps_started = 0
+        self.samples: dict[int, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._main = threading.main_thread().ident
+
+    def wrap_train(self, cls) -> None:
+        train = cls.train
+        sampler = self
+
+        def train_marked(trainer, *args, **kwargs):
+            sampler.steps_started += 1
+            sampler.step = sampler.steps_started
+            try:
+                return train(trainer, *args, **kwargs)
+            finally:
+                sampler.step = 0
+
+        cls.train = train_marked
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self._main)
+            parts = []
+            while frame is not None and len(parts) < self.depth:
+                code = frame.f_code
+                parts.append(f"{Path(code.co_filename).name}:{code.co_name}:{frame.f_lineno}")
+                frame = frame.f_back
+            key = " < ".join(parts)
+            counts = self.samples.setdefault(self.step, {})
+            counts[key] = counts.get(key, 0) + 1
+
+    def first_over_second(self, top: int = 25) -> list[dict]:
+        """The stacks whose seconds in step 1 most exceed step 2's."""
+        first, second = self.samples.get(1, {}), self.samples.get(2, {})
+        rows = [
+            {
+                "stack": key,
+                "step1_s": round(first.get(key, 0) * self.interval, 2),
+                "step2_s": round(second.get(key, 0) * self.interval, 2),
+            }
+            for key in set(first) | set(second)
+        ]
+        rows.sort(key=lambda r: r["step2_s"] - r["step1_s"])
+        return rows[:top]
+
+
 def child(argv: list[str], dump_pins: str | None) -> None:
     """Run full_model.py in this process with Triton's autotuner instrumented; print the counts last, and with
     ``dump_pins`` write the autotuners' choices as this GPU's pin file (kernels/autotune.py)."""
@@ -108,6 +193,15 @@ def child(argv: list[str], dump_pins: str | None) -> None:
 
         Autotuner._bench = timed_bench
     _listen_to_compilations(stats)
+    _time_host_builds(stats)
+    sampler = StepStackSampler()
+    try:
+        from longstraw_trl import LongStrawGRPOTrainer
+
+        sampler.wrap_train(LongStrawGRPOTrainer)
+        sampler.start()
+    except ImportError:  # the orchestration's own dry run without the library: no sampling
+        sampler = None
     recorder = None
     if dump_pins:  # the pinned process: also the specialisations it compiled (kernels/compile_ahead.py)
         try:
@@ -122,6 +216,9 @@ def child(argv: list[str], dump_pins: str | None) -> None:
         runpy.run_path(str(HERE / "full_model.py"), run_name="__main__")
     finally:
         stats["process_s"] = time.perf_counter() - t0
+        if sampler is not None:
+            sampler.stop()
+            stats["first_step_extra_by_stack"] = sampler.first_over_second()
         try:
             from longstraw_trl.kernels.compile_ahead import active_compile_ahead
 
@@ -305,6 +402,20 @@ def main() -> None:
         if slowest:
             print(f"{case['case']}: slowest to compile: " + ", ".join(
                 f"{k} {v['compile_s']:.1f} s/{v['compiled']}" for k, v in slowest))  # fmt: skip
+    for case in payload["cases"]:
+        extra = [r for r in case.get("first_step_extra_by_stack", []) if r["step1_s"] - r["step2_s"] >= 0.2][
+            :10
+        ]
+        if extra:
+            print(f"{case['case']}: where step 1 spent more than step 2 (sampled stacks, innermost first):")
+            for r in extra:
+                print(
+                    f"  +{r['step1_s'] - r['step2_s']:5.1f} s ({r['step1_s']:.1f} vs {r['step2_s']:.1f})  {r['stack']}"
+                )
+        if case.get("host_builds"):
+            print(
+                f"{case['case']}: host C builds (Triton launchers / utils): {case['host_builds']} in {case['host_build_s']:.1f} s"
+            )
     for case in payload["cases"]:
         steps = [s for s in case["steps"] if s.get("ok")]
         if len(steps) == 2:  # the same step twice in one process: what being first cost

@@ -2,16 +2,17 @@
 
 Once nothing is autotuned (``autotune.py``'s pins), what a cold first step still pays is Triton compiling each kernel
 specialisation on its first call, one after another, inside the step (issue 29: ~30 s of the whole Qwen3.6-27B's
-512K step on a fresh H200). A *compile manifest* (``compile_manifest/<GPU>.json``) lists the specialisations a step
+512K step on a fresh H200), and building each kernel signature's C launcher with the host compiler on its first
+launch. A *compile manifest* (``compile_manifest/<GPU>.json``) lists the specialisations a step
 compiled on that GPU (Triton's own serialised specialisation data, as ``JITFunction.preload`` reads it), in the order
 the step first met them. :func:`record_compilations` records one (``bench/cold_start.py`` does, on the device).
 
 :func:`start_compile_ahead` compiles the manifest's entries in worker processes into Triton's cache directory while
-the trainer sets up, first-met first. When the step meets a kernel, Triton's ordinary lookup finds the binary on
-disk; if a worker is still compiling that very specialisation, the step waits for it rather than compiling it a
-second time. Nothing else changes: a specialisation the manifest lacks is compiled as usual, and Triton's cache keys
-(source, signature, constants, options, target) decide what is reused, so a stale entry is merely unused. An entry
-applies only on the same GPU name and Triton version (fla's only with the same fla version).
+the trainer sets up, first-met first, with their launchers. When the step meets a kernel, Triton's ordinary lookup
+finds the binary on disk; if a worker is still compiling that very specialisation, the step waits for it rather than
+compiling it a second time. Nothing else changes: a specialisation the manifest lacks is compiled as usual, and
+Triton's cache keys (source, signature, constants, options, target) decide what is reused, so a stale entry is merely
+unused. An entry applies only on the same GPU name and Triton version (fla's only with the same fla version).
 ``LONGSTRAW_COMPILE_AHEAD=0`` turns it off.
 """
 
@@ -155,9 +156,20 @@ def find_jit_function(module_name: str, qualname: str):
     return jit if jit is not None and jit.fn.__qualname__ == qualname else None
 
 
+def build_launcher(kernel) -> None:
+    """Build a compiled kernel's host launcher into Triton's cache. Triton builds one C launcher per kernel signature
+    with the host's C compiler on the kernel's first launch (``CudaLauncher``: about 0.3-1.4 s each, the larger part
+    of a cold step's first capture chunk on the device), cached beside the binaries by its source; building it here
+    makes the step's first launch load it from disk. Needs no GPU context."""
+    from triton.runtime import driver
+
+    driver.active.launcher_cls(kernel.src, kernel.metadata)
+
+
 def _worker(manifest_path: str, indices: list[int]) -> None:
     """A compile worker: compile the given entries (Triton's ``JITFunction.preload``: the same source, signature,
-    constants and options, so the same cache key as the step's own call), print ``done i`` or ``failed i why``."""
+    constants and options, so the same cache key as the step's own call) and build their launchers
+    (:func:`build_launcher`), print ``done i`` or ``failed i why``."""
     entries = json.loads(Path(manifest_path).read_text())
     for i in indices:
         entry = entries[i]
@@ -165,7 +177,9 @@ def _worker(manifest_path: str, indices: list[int]) -> None:
             jit = find_jit_function(entry["module"], entry["qualname"])
             if jit is None:
                 raise LookupError(f"no kernel {entry['module']}.{entry['qualname']}")
-            jit.preload(entry["specialization"])
+            kernel = jit.preload(entry["specialization"])
+            if kernel is not None:
+                build_launcher(kernel)
             print(f"done {i}", flush=True)
         except Exception as exc:  # noqa: BLE001 - one entry's failure leaves the step to compile it itself
             print(f"failed {i} {type(exc).__name__}: {str(exc)[:200]}".replace("\n", " "), flush=True)

@@ -319,6 +319,9 @@ def test_cold_start_dry_run(tmp_path):
     for case in data["cases"]:
         assert case["returncode"] == 0 and len(case["steps"]) == 2 and all(s["ok"] for s in case["steps"])
         assert case["steps"][0]["phases"]["capture"]["seconds"] > 0
+        # the stack sampler saw both steps (where step 1 spent more than step 2, innermost frames first)
+        stacks = case["first_step_extra_by_stack"]
+        assert stacks and sum(r["step1_s"] for r in stacks) > 0 and sum(r["step2_s"] for r in stacks) > 0
 
 
 def _trl_grpo_tests_module():

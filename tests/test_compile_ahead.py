@@ -127,7 +127,8 @@ def test_workers_report_every_entry_and_nothing_waits(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_ahead_kernel_is_a_cache_hit(tmp_path):
     """Record the RMSNorm kernel's specialisation in one process; in a fresh process on an empty cache, compile it
-    ahead in a worker, then run the kernel: Triton's listener sees a cache hit, not a compilation."""
+    ahead in a worker, then run the kernel: Triton's listener sees a cache hit, not a compilation, and the host C
+    compiler never runs (the worker built the kernel's launcher too)."""
     record = textwrap.dedent(
         """
         import json, sys, torch
@@ -143,20 +144,25 @@ def test_compiled_ahead_kernel_is_a_cache_hit(tmp_path):
     )
     replay = textwrap.dedent(
         """
-        import json, sys, torch
+        import json, sys, torch, triton.runtime.build
         from pathlib import Path
         from triton import knobs
         from longstraw_trl.kernels import compile_ahead, elementwise
         entries = json.loads(Path(sys.argv[1]).read_text())["entries"]
         ahead = compile_ahead.CompileAhead(entries, workers=1)
         assert ahead.wait(300), ahead.stats()
-        hits = []
+        hits, built = [], []
         knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+        build = triton.runtime.build._build
+        def counted_build(name, *args, **kwargs):
+            built.append(name)
+            return build(name, *args, **kwargs)
+        triton.runtime.build._build = counted_build  # the host compiler: launchers and Triton's own utils
         x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
         elementwise.rms_norm(x, w, 1e-6, "llama")
         torch.cuda.synchronize()
-        print(json.dumps({"stats": ahead.stats(), "hits": hits}))
+        print(json.dumps({"stats": ahead.stats(), "hits": hits, "built": built}))
         """
     )
     manifest = tmp_path / "manifest.json"
@@ -176,3 +182,4 @@ def test_compiled_ahead_kernel_is_a_cache_hit(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["stats"]["compiled_ahead"] == result["stats"]["entries"] >= 1, result
     assert result["hits"] and all(result["hits"]), result  # found on disk, compiled by the worker
+    assert result["built"] == [], result  # its launcher too: the step runs no C compiler
