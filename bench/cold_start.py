@@ -317,6 +317,12 @@ def main() -> None:
         action="store_true",
         help="with --pins: no 'tune' process; the 'pinned' process uses the pins already in kernels/autotune_pins/",
     )
+    ap.add_argument(
+        "--offload",
+        choices=["cpu"],
+        default=None,
+        help="the measured steps' offload_prompt_state (full_model.py --offload): 512K on an 80 GB GPU",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (full_model.py --tiny)")
     args = ap.parse_args()
     if args.tiny:
@@ -328,6 +334,8 @@ def main() -> None:
         "generations": args.generations,
         "cases": [],
     }
+    measured = ("--offload", args.offload) if args.offload else ()  # the measured steps' own options
+    payload["offload_prompt_state"] = args.offload
     out_dir = Path(os.environ.get("OUT") or HERE / "results")
     name = f"cold_start_{args.preset}{'_pins' if args.pins else ''}"
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as children_out:
@@ -340,7 +348,13 @@ def main() -> None:
             else:
                 layers = () if args.tiny else ("--layers", str(args.tune_layers))
                 tune = run_case(
-                    "tune", Path(tmp) / "tune", args, Path(children_out), [args.tune_prompt], pins, layers
+                    "tune",
+                    Path(tmp) / "tune",
+                    args,
+                    Path(children_out),
+                    [args.tune_prompt],
+                    pins,
+                    layers + measured,
                 )
                 payload["cases"].append(tune)
                 payload["pins"] = json.loads(pins.read_text()) if pins.exists() else None
@@ -355,7 +369,15 @@ def main() -> None:
                     (MANIFEST_DIR / f"{gpu}.json").write_text(manifest.read_text())
                 write_result(name, payload)
             payload["cases"].append(
-                run_case("pinned", Path(tmp) / "pinned", args, Path(children_out), [args.prompt] * 2, after)
+                run_case(
+                    "pinned",
+                    Path(tmp) / "pinned",
+                    args,
+                    Path(children_out),
+                    [args.prompt] * 2,
+                    after,
+                    measured,
+                )
             )
             # the pinned process's choices: the pins it was given plus whatever it still had to tune (keys the tune
             # run never met, e.g. the measured step's response length); kept as the pins, so the next fresh machine
@@ -374,7 +396,7 @@ def main() -> None:
             cache_dir = Path(tmp) / "triton"
             for case in ("cold", "disk cache"):
                 payload["cases"].append(
-                    run_case(case, cache_dir, args, Path(children_out), [args.prompt] * 2)
+                    run_case(case, cache_dir, args, Path(children_out), [args.prompt] * 2, extra=measured)
                 )
                 write_result(name, payload)
         write_result(name, payload)
