@@ -229,11 +229,17 @@ class ReplayContext:
         self._emit([k, v], [dk, dv])
 
     def _prompt_part(self, idx: int, pages, scale: float, num_kv: int, softcap: float | None):
-        """For a replay layer that is recomputed in backward (checkpointed): a function giving its queries' attention
-        over the prompt pages, computed in the first forward and handed back to the recompute, which would otherwise
-        run the same page attention again (a quarter of a long-prompt replay's attention work). ``None``: compute it
-        where it is used. The part is kept from the forward to the recompute (``[B, Hq, T, D]`` fp32 a layer)."""
-        if self.mode is not Mode.REPLAY or not self.layer_recomputed or not torch.is_grad_enabled():
+        """For a replay or prompt-backward segment layer that is recomputed in backward (checkpointed): a function
+        giving its queries' attention over the prompt pages, computed in the first forward and handed back to the
+        recompute, which would otherwise run the same page attention again (a quarter of a long-prompt replay's
+        attention work; in a segment, the quadratic part of the recompute, and with offload a second stream of every
+        page from the host). ``None``: compute it where it is used. The part is kept from the forward to the
+        recompute (``[B, Hq, T, D]`` fp32 a layer)."""
+        if (
+            self.mode not in (Mode.REPLAY, Mode.SEGMENT)
+            or not self.layer_recomputed
+            or not torch.is_grad_enabled()
+        ):
             return None
 
         def part(q: torch.Tensor):

@@ -62,6 +62,9 @@ class MemoryPlan:
     #: graph (with layer checkpointing: every layer's input, plus one layer's graph) and the K/V it hands back with
     #: their fp32 gradients
     prompt_backward_graph: int = 0
+    #: ``gradient_mode="full"`` with layer checkpointing: every attention layer's page attention over the segment
+    #: (fp32 out and LSE), kept from its first forward for its recompute, which then does not attend to the pages again
+    prompt_backward_page_parts: int = 0
     #: ``offload="cpu"``: the part of the state kept in pinned host memory (the rest stays on the device)
     host_state: int = 0
     #: ``offload="cpu"``: device bytes the running layer holds of its streamed-back state (the largest layer's)
@@ -155,6 +158,7 @@ class MemoryPlan:
             + self.offload_workspace
             + self.device_full_gradient
             + self.prompt_backward_graph
+            + self.prompt_backward_page_parts
         )
 
     @property
@@ -567,8 +571,13 @@ def plan_memory(
         else:
             segment_graph = sum(_layer_graph_bytes(config, t, segment, dtype_bytes) for t in types)
         kv = config.num_key_value_heads * head_dim
-        handed_back = sum(t == "full_attention" for t in types) * segment * 2 * kv * (dtype_bytes + 4)
+        attention_layers = sum(t == "full_attention" for t in types)
+        handed_back = attention_layers * segment * 2 * kv * (dtype_bytes + 4)
         plan.prompt_backward_graph = segment_graph + handed_back
+        if checkpoint_layers:  # context.ReplayContext._prompt_part
+            plan.prompt_backward_page_parts = (
+                attention_layers * segment * config.num_attention_heads * (head_dim + 1) * 4
+            )
         plan.notes.append(
             "gradient_mode='full': dK/dV buffers, kept GDN / window boundary states, one layer's dK/dV"
         )
@@ -799,6 +808,7 @@ def format_plan(plan: MemoryPlan) -> str:
             + (f"  (of it on the host {g(plan.host_kept_boundaries)})" if plan.host_kept_boundaries else ""),
             f"  page dK/dV temp   {g(plan.page_grad_workspace)}",
             f"  prompt bwd graph  {g(plan.prompt_backward_graph)}",
+            f"  kept page parts   {g(plan.prompt_backward_page_parts)}",
         ]
     lines += [
         f"capture peak        {g(plan.capture_peak)}",

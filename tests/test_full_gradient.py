@@ -408,3 +408,35 @@ def test_checkpointed_prompt_backward_keeps_no_recomputed_layer(family, monkeypa
     layers = model.config.num_hidden_layers
     for ctx in segments:
         assert 0 < len(ctx.emitted) <= 2 * layers  # K and V, or conv and recurrent state: once per layer
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_checkpointed_prompt_backward_attends_to_the_pages_once(family, monkeypatch):
+    """A checkpointed segment layer's recompute reuses the page attention of its first forward (the quadratic part of
+    the recompute, and with offload a second stream of every page from the host): one page pass an attention layer
+    a segment, not two. The gradient stays the stock one (the tests above run checkpointed segments too)."""
+    import longstraw_trl.context as context
+    import longstraw_trl.kernels.attention as attention
+
+    calls = []
+    real = attention.pages_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    model = build("qwen3") if family == "qwen3" else build_hybrid("qwen3_5")
+    gen = torch.Generator().manual_seed(5)
+    state = capture_prompt(
+        model, torch.randint(0, VOCAB, (25,), generator=gen), chunk_size=8, keep_boundaries=True
+    )
+    grads = StateGrads(state)
+    state.logprobs(
+        model, torch.randint(0, VOCAB, (1, 6), generator=gen), grad=True, grads=grads
+    ).sum().backward()
+    monkeypatch.setattr(context, "pages_attention", counted)  # the kept part's first forward
+    monkeypatch.setattr(attention, "pages_attention", counted)  # a part computed where it is used
+    prompt_backward(state, model, grads, checkpoint_layers=True)
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    attention_layers = sum(t == "full_attention" for t in types)
+    assert len(calls) == 3 * attention_layers, (len(calls), attention_layers)  # 3 segments

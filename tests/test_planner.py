@@ -364,11 +364,15 @@ def test_plan_reproduces_the_whole_model_full_gradient_peak():
     data = json.loads((RESULTS[0].parent / "full_model_qwen3.6-27b_full_P64K.json").read_text())
     for run in data["longstraw"]:
         plan = _plan_whole_model_run(data, run, checkpoint_layers=True, gradient_mode=run["gradient_mode"])
+        peak = plan.peak
         if run["gradient_mode"] == "full":
             assert plan.peak == plan.prompt_backward_peak > plan.replay_peak
-        assert abs(plan.peak / GiB - run["peak_gib"]) <= 0.10 * run["peak_gib"], (
+            # the run predates keeping each layer's page attention for its recompute (session 16): without that term
+            assert plan.prompt_backward_page_parts > 0
+            peak -= plan.prompt_backward_page_parts
+        assert abs(peak / GiB - run["peak_gib"]) <= 0.10 * run["peak_gib"], (
             run["gradient_mode"],
-            plan.peak / GiB,
+            peak / GiB,
             run["peak_gib"],
         )
 
