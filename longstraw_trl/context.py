@@ -33,6 +33,12 @@ from .state import (
 CTX_KWARG = "longstraw"
 
 
+def _unbatched(x: torch.Tensor) -> torch.Tensor:
+    """``x [1, ...]`` without its batch dimension, for what a segment emits under autograd: ``squeeze``'s backward is
+    a view, where ``x[0]``'s writes the gradient into zeros of ``x``'s shape (two kernels a tensor and layer)."""
+    return x.squeeze(0)
+
+
 class Mode(enum.Enum):
     """What one LongStraw call does with the prompt state.
 
@@ -326,7 +332,7 @@ class ReplayContext:
             )
         if sliding_window is not None and self.mode is Mode.SEGMENT:
             # the window after the segment, under autograd: its gradient is what the next segment sent to the window
-            self.emit_state(idx, (layer or WindowKV(sliding_window)).extended(k[0], v[0]))
+            self.emit_state(idx, (layer or WindowKV(sliding_window)).extended(_unbatched(k), _unbatched(v)))
         else:
             self.keep_kv(idx, layer, k, v)
         return out.transpose(1, 2)
@@ -363,7 +369,7 @@ class ReplayContext:
         if self.mode is Mode.CAPTURE:
             layer.append(k[0].detach(), v[0].detach())
         elif self.mode is Mode.SEGMENT:
-            self._emit_kv(idx, k[0], v[0])
+            self._emit_kv(idx, _unbatched(k), _unbatched(v))
 
     def running_state(self, idx: int) -> LayerState | None:
         """Decode: the sequences' own state of fixed-size layer ``idx`` after the previous steps (``None`` before

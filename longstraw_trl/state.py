@@ -620,8 +620,17 @@ class KVGrad:
 
     def take(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The accumulated ``(dk [Hkv, T, D], dv)`` of global tokens ``[start, end)`` on ``device``: this
-        rank's owned tokens, zeros elsewhere (context parallelism: the caller all-reduces)."""
+        rank's owned tokens, zeros elsewhere (context parallelism: the caller all-reduces). Read-only: where one
+        buffer holds the whole range (one rank, a segment's own tokens) it is a slice of that buffer, not a copy
+        (zeros and a copy were four kernels per layer of every recomputed segment)."""
         pages = self.pages
+        if pages.cp_size == 1:
+            pieces = list(self._pieces(start, end - start))
+            if len(pieces) == 1 and pieces[0][3] == (0, end - start):
+                buf = self._buffer(pieces[0][0])
+                if buf is not None and buf[1] is not None:
+                    lo, hi = pieces[0][1:3]
+                    return buf[0][:, lo:hi].to(device), buf[1][:, lo:hi].to(device)
         dk = torch.zeros(pages.num_kv_heads, end - start, pages.head_dim, device=device)
         dv = torch.zeros(pages.num_kv_heads, end - start, pages.v_head_dim, device=device)
         pos = start
@@ -633,18 +642,24 @@ class KVGrad:
             pos += n
         return dk, dv
 
-    def _copy_stored(self, index: int, n: int, dk: torch.Tensor, dv: torch.Tensor, out: int) -> None:
+    def _pieces(self, index: int, n: int) -> Iterator[tuple[int, int, int, tuple[int, int]]]:
+        """Where stored tokens ``[index, index + n)`` lie: ``(segment, start, end within it, (start, end) within the
+        n tokens)`` for each segment they touch."""
         base = 0
         for j, (_, _, filled) in enumerate(self.pages.segments):
             lo, hi = max(index, base), min(index + n, base + filled)
             if lo < hi:
-                buf = self._buffer(j)
-                if buf is not None:
-                    dst = slice(out + lo - index, out + hi - index)
-                    dk[:, dst] = buf[0][:, lo - base : hi - base].to(dk.device)
-                    if buf[1] is not None:
-                        dv[:, dst] = buf[1][:, lo - base : hi - base].to(dv.device)
+                yield j, lo - base, hi - base, (lo - index, hi - index)
             base += filled
+
+    def _copy_stored(self, index: int, n: int, dk: torch.Tensor, dv: torch.Tensor, out: int) -> None:
+        for j, lo, hi, (a, b) in self._pieces(index, n):
+            buf = self._buffer(j)
+            if buf is not None:
+                dst = slice(out + a, out + b)
+                dk[:, dst] = buf[0][:, lo:hi].to(dk.device)
+                if buf[1] is not None:
+                    dv[:, dst] = buf[1][:, lo:hi].to(dv.device)
 
 
 class WindowKV(LayerState):
