@@ -152,19 +152,30 @@ def fit_fsdp_wrap_classes(plugin, model: nn.Module) -> list[str]:
     of the model's ``_no_split_modules`` and raises for any it cannot find. A text-only model that shares its
     modeling file with a vision-language one lists the vision tower's block too (``Qwen3_5ForCausalLM``:
     ``Qwen3_5VisionBlock``), so FSDP2 refused the whole Qwen3.5/3.6 family ("Could not find the transformer layer
-    class Qwen3_5VisionBlock"). Classes the user named are left alone. Returns the classes dropped."""
-    from accelerate.utils.dataclasses import get_module_class_from_name
+    class Qwen3_5VisionBlock"). Classes the user named are left alone.
+
+    A model an earlier trainer already sharded (a second trainer on the same model, as a warm-up step then the real
+    one) holds its layers as FSDP2's subclasses (``FSDPQwen3DecoderLayer``), which Accelerate does not find by the
+    original name ("Could not find the transformer layer class Qwen3DecoderLayer"): the subclass's name is given then,
+    and Accelerate leaves the sharded layers as they are. Returns the classes dropped."""
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     if plugin is None or plugin.auto_wrap_policy is not transformer_auto_wrap_policy:
         return []
     if plugin.transformer_cls_names_to_wrap is not None:
         return []
+    # each module's class name; a sharded layer's original class name too, to its FSDP2 subclass's (``FSDP<name>``)
+    actual: dict[str, str] = {}
+    for module in model.modules():
+        own = type(module).__name__
+        actual.setdefault(own, own)
+        if isinstance(module, FSDPModule):
+            actual.setdefault(own.removeprefix("FSDP"), own)
     listed = list(getattr(model, "_no_split_modules", None) or [])
-    present = [name for name in listed if get_module_class_from_name(model, name) is not None]
+    present = [actual[name] for name in listed if name in actual]
     if present:  # none present: Accelerate's own error says so
         plugin.transformer_cls_names_to_wrap = present
-    return [name for name in listed if name not in present]
+    return [name for name in listed if name not in actual]
 
 
 def new_cp_groups(cp_size: int):

@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--max-grad-norm", type=float, default=0.0, help="> 0: clip (the recorded gradients are clipped)"
     )
+    ap.add_argument(
+        "--second-trainer",
+        action="store_true",
+        help="first a step of another trainer on the same model (as bench/full_model.py's warm-up step does)",
+    )
     a = ap.parse_args(argv)
     fsdp_on_cpu()
     threads = torch.get_num_threads()
@@ -139,15 +144,8 @@ def build_model(family: str, router_aux: float = 0.0):
     return Qwen3ForCausalLM(tiny_qwen3_config())
 
 
-def step(a: argparse.Namespace) -> None:
-    peft = None
-    if a.lora:
-        from peft import LoraConfig
-
-        peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    # built here rather than loaded from `tiny_model_dir()`: under an FSDP launch only the main process saves it
-    model = build_model(a.family, a.router_aux)
-    trainer = make_tiny_longstraw_trainer(
+def _trainer(a: argparse.Namespace, model, peft):
+    return make_tiny_longstraw_trainer(
         model=model,
         loss_type=a.loss_type,
         beta=a.beta,
@@ -170,6 +168,22 @@ def step(a: argparse.Namespace) -> None:
         ep_implementation=a.ep_implementation,
         **({"router_aux_loss_coef": a.router_aux} if a.family == "qwen3_moe" else {}),
     )
+
+
+def step(a: argparse.Namespace) -> None:
+    peft = None
+    if a.lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    # built here rather than loaded from `tiny_model_dir()`: under an FSDP launch only the main process saves it
+    model = build_model(a.family, a.router_aux)
+    # --second-trainer: a first trainer's step, then the recorded step by a fresh trainer on its (sharded) model
+    if a.second_trainer:
+        first = _trainer(a, model, peft)
+        first.train()
+        model, peft = first.accelerator.unwrap_model(first.model), None
+    trainer = _trainer(a, model, peft)
     record = RecordGradients(trainer.model)
     trainer.add_callback(record)
     initial = {
