@@ -378,6 +378,21 @@ def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer(lora)
     assert_updates_match(start, stock_weights, ours)
 
 
+def _replayed_for_prompt_backward(family: str):
+    """A tiny model, a 25-token prompt captured in chunks of 8 with its boundaries kept, and the gradient one replay
+    sent to the prompt state: what a prompt backward starts from."""
+    model = build("qwen3") if family == "qwen3" else build_hybrid("qwen3_5")
+    gen = torch.Generator().manual_seed(5)
+    state = capture_prompt(
+        model, torch.randint(0, VOCAB, (25,), generator=gen), chunk_size=8, keep_boundaries=True
+    )
+    grads = StateGrads(state)
+    state.logprobs(
+        model, torch.randint(0, VOCAB, (1, 6), generator=gen), grad=True, grads=grads
+    ).sum().backward()
+    return model, state, grads
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_checkpointed_prompt_backward_keeps_no_recomputed_layer(family, monkeypatch):
     """A checkpointed segment layer runs again when backward recomputes it; what it emits then is not kept (it held
@@ -393,15 +408,7 @@ def test_checkpointed_prompt_backward_keeps_no_recomputed_layer(family, monkeypa
             contexts.append(self)
 
     monkeypatch.setattr(engine, "ReplayContext", Recording)
-    model = build("qwen3") if family == "qwen3" else build_hybrid("qwen3_5")
-    gen = torch.Generator().manual_seed(5)
-    state = capture_prompt(
-        model, torch.randint(0, VOCAB, (25,), generator=gen), chunk_size=8, keep_boundaries=True
-    )
-    grads = StateGrads(state)
-    state.logprobs(
-        model, torch.randint(0, VOCAB, (1, 6), generator=gen), grad=True, grads=grads
-    ).sum().backward()
+    model, state, grads = _replayed_for_prompt_backward(family)
     prompt_backward(state, model, grads, checkpoint_layers=True)
     segments = [c for c in contexts if c.segment is not None]
     assert len(segments) == 3  # chunks of 8, 8 and 8 resident tokens, in reverse
@@ -425,15 +432,7 @@ def test_checkpointed_prompt_backward_attends_to_the_pages_once(family, monkeypa
         calls.append(1)
         return real(*args, **kwargs)
 
-    model = build("qwen3") if family == "qwen3" else build_hybrid("qwen3_5")
-    gen = torch.Generator().manual_seed(5)
-    state = capture_prompt(
-        model, torch.randint(0, VOCAB, (25,), generator=gen), chunk_size=8, keep_boundaries=True
-    )
-    grads = StateGrads(state)
-    state.logprobs(
-        model, torch.randint(0, VOCAB, (1, 6), generator=gen), grad=True, grads=grads
-    ).sum().backward()
+    model, state, grads = _replayed_for_prompt_backward(family)
     monkeypatch.setattr(context, "pages_attention", counted)  # the kept part's first forward
     monkeypatch.setattr(attention, "pages_attention", counted)  # a part computed where it is used
     prompt_backward(state, model, grads, checkpoint_layers=True)
