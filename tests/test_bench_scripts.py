@@ -370,3 +370,30 @@ def test_trl_grpo_tests_bookkeeping(tmp_path):
     assert set(ours) == set(earlier["tests"]) and all(
         r == {"outcome": "failed", "message": "o", "run": index} for r in ours.values()
     )
+
+
+def test_segment_ops_dry_run(tmp_path):
+    """bench/segment_ops.py (the full mode's prompt-backward ops per layer per segment, by family and source) runs on
+    a two-layer hybrid and names the families it counted."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "segment_ops.py",
+            "--layers",
+            "GF",
+            "--dtype",
+            "fp32",
+            "--segments",
+            "2",
+            "--top",
+            "5",
+        ],
+        cwd=BENCH,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "copy" in proc.stdout and "elementwise" in proc.stdout, proc.stdout[-2000:]
