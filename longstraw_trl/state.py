@@ -208,7 +208,9 @@ def copy_across_devices(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     if src.is_cuda:
         src = src.contiguous()  # a gather on the device, queued like the copies
-    if not (dst[0].is_contiguous() and src[0].is_contiguous()):
+    if (dst.is_contiguous() and src.is_contiguous()) or not (
+        dst[0].is_contiguous() and src[0].is_contiguous()
+    ):
         dst.copy_(src, non_blocking=True)
         return
     for i in range(dst.shape[0]):

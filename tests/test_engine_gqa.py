@@ -159,7 +159,7 @@ def test_offloaded_capture_writes_do_not_wait_for_the_device():
     from a transposed projection: not contiguous either) is queued behind the running kernels, not waited for: torch's
     own copy_ took such a pair through pageable host memory, synchronously (82 s of a 154 s capture at 512K on an
     H100, session 16). The values arrive intact."""
-    from longstraw_trl.state import KVPages
+    from longstraw_trl.state import KVPages, copy_across_devices
 
     dev = torch.device("cuda")
     pages = KVPages(4, 64, 64, 256, torch.bfloat16, torch.device("cpu"), offloaded=True)
@@ -175,6 +175,14 @@ def test_offloaded_capture_writes_do_not_wait_for_the_device():
     pages.append(k, v)
     assert not busy.query(), "the write waited for the device (a synchronous copy)"
     torch.cuda.synchronize()
+    # and back: a token range of the segment copied to the device, queued behind running kernels too
+    torch.cuda._sleep(2_000_000_000)
+    busy.record()
+    back = torch.empty(4, 256, 64, device=dev, dtype=torch.bfloat16)
+    copy_across_devices(back, pages.segments[0][0][:, 128:384])
+    assert not busy.query(), "the read waited for the device (a synchronous copy)"
+    torch.cuda.synchronize()
+    assert torch.equal(back, k[:, 128:384])
     blocks = list(pages.stream(dev))
     assert torch.equal(torch.cat([b[0] for b in blocks], 1), k)
     assert torch.equal(torch.cat([b[1] for b in blocks], 1), v)
