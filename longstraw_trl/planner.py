@@ -344,6 +344,15 @@ def offload_bytes(
     return host, workspace
 
 
+def kept_page_parts_bytes(config, types: list[str], tokens: int) -> int:
+    """Bytes a checkpointed call over ``tokens`` queries keeps from each attention layer's first forward for its
+    recompute (``context.ReplayContext._prompt_part``): the queries' attention over the prompt pages, fp32 out and LSE,
+    ``[Hq, tokens, d + 1]`` a layer. Sliding-window layers keep none (their window is recomputed)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention_layers = sum(t == "full_attention" for t in types)
+    return attention_layers * tokens * config.num_attention_heads * (head_dim + 1) * 4
+
+
 def full_gradient_bytes(
     config,
     prompt_tokens: int,
@@ -516,6 +525,7 @@ def plan_memory(
         graph = len(types) * r * config.hidden_size * dtype_bytes + max(
             _layer_graph_bytes(config, t, r, dtype_bytes) for t in set(types)
         )
+        graph += kept_page_parts_bytes(config, types, r)
     else:
         graph = sum(_layer_graph_bytes(config, t, r, dtype_bytes) for t in types)
     # logits: one fp32 chunk, its log_softmax and gradient; with full fine-tuning the head's and the
@@ -574,10 +584,8 @@ def plan_memory(
         attention_layers = sum(t == "full_attention" for t in types)
         handed_back = attention_layers * segment * 2 * kv * (dtype_bytes + 4)
         plan.prompt_backward_graph = segment_graph + handed_back
-        if checkpoint_layers:  # context.ReplayContext._prompt_part
-            plan.prompt_backward_page_parts = (
-                attention_layers * segment * config.num_attention_heads * (head_dim + 1) * 4
-            )
+        if checkpoint_layers:
+            plan.prompt_backward_page_parts = kept_page_parts_bytes(config, types, segment)
         plan.notes.append(
             "gradient_mode='full': dK/dV buffers, kept GDN / window boundary states, one layer's dK/dV"
         )
