@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The device runs behind bench/results/, in two commands of under ten minutes each (see bench/README in the
 # module docstrings for what each script measures). Run from the repository root on the device machine with
-# the wheels of ../shared/tools/device-wheels.sh in .whl/ (with accelerate==1.15.0 among them, as the Makefile pins it:
-# the device's own Accelerate re-applies fully_shard to a model an earlier trainer sharded, docs/fsdp.md):
+# the wheels of ../shared/tools/device-wheels.sh in .whl/ (add accelerate==1.15.0, as the Makefile pins it: the fsdp
+# modes were measured with it, docs/fsdp.md):
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh engine     # GPU tests, then (c): the 128K..2M sweep
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh compare    # CP gradient check (gloo), then (a)+(b)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh final      # the 2M point of (c); stock 128K/256K, 1 seq
