@@ -190,8 +190,6 @@ def prefetch_to_device(
 
 def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An asynchronous copy of host tensor ``t`` (:func:`copy_across_devices`)."""
-    if t.is_contiguous():
-        return t.to(device, non_blocking=True)
     out = torch.empty(t.shape, dtype=t.dtype, device=device)
     copy_across_devices(out, t)
     return out
@@ -203,13 +201,13 @@ def copy_across_devices(dst: torch.Tensor, src: torch.Tensor) -> None:
     synchronous copy plus a gather or scatter by the CPU. A token range of a ``[heads, capacity, dim]`` segment is
     such a tensor (capture's writes of each chunk's K/V into an offloaded segment spent 82 of a 154 s capture there
     at 512K on an H100), so it is copied one head at a time, each head's rows being contiguous in the segment."""
-    if dst.device == src.device or dst.dim() < 2 or (dst.is_contiguous() and src.is_contiguous()):
-        dst.copy_(src, non_blocking=True)
-        return
-    if src.is_cuda:
-        src = src.contiguous()  # a gather on the device, queued like the copies
-    if (dst.is_contiguous() and src.is_contiguous()) or not (
-        dst[0].is_contiguous() and src[0].is_contiguous()
+    if src.is_cuda and dst.device != src.device:
+        src = src.contiguous()  # a gather on the device, queued like the copies (no-op when contiguous)
+    if (
+        dst.device == src.device
+        or dst.dim() < 2
+        or (dst.is_contiguous() and src.is_contiguous())
+        or not (dst[0].is_contiguous() and src[0].is_contiguous())
     ):
         dst.copy_(src, non_blocking=True)
         return
