@@ -22,6 +22,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-2m-v3   # the GLM-5 slice at 2M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v4      # offload GPU tests, the GLM-5 slice at 1M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gather-probe # the host gather's tiles and row orders
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gpu-tests tests/x.py  # the GPU tests of these files
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh layers      # every GPU test (session 10's reorganisation)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-start   # a fresh process's first step, cold and disk-cached
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-pins    # this GPU's autotune pins, then a pinned cold 512K step
@@ -128,6 +129,13 @@ grad-profile)  # issue 25: where the full-mode prompt backward's time goes (whol
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 400 python3 -u full_gradient.py --check 0 --modes full \
     --groups 2 --response 256 --chunk 16384 --page 16384 --profile 25 "$@" 2>&1 | grep -v -i warn \
     | tee "$OUT/grad_profile.log" | tail -45
+  ;;
+gpu-tests)  # the GPU tests of the files (and pytest options) given, fla on the path as in a whole-model run
+  shift
+  PYTHONPATH=/tmp/site:/tmp/fla timeout 400 python3 -m pytest -v -rfE -m gpu --durations 10 "$@" \
+    > "$OUT/pytest_gpu_tests.log" 2>&1
+  echo "pytest -m gpu $*: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_tests.log") passed"
+  grep -E " (FAILED|ERROR)|^FAILED|^ERROR|passed|failed" "$OUT/pytest_gpu_tests.log" | tail -12
   ;;
 layers)  # session 10: every GPU test after the runtime-layer reorganisation (context / hooks / Mode, the decode
          # buffers and GDN running state now written through ReplayContext), fla on the path as in v4
