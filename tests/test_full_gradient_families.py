@@ -221,16 +221,27 @@ def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer(famil
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "glm_moe_dsa"])
 @pytest.mark.parametrize("offload", [None, "cpu"])
 def test_full_gradient_on_cuda_bf16(family, offload):
-    """The CUDA paths in bf16 (window attention, soft-caps, sinks; the selected-keys kernels and the latent buffers,
-    pinned host buffers when offloaded) against the stock model's fp32 full gradient on the CPU."""
+    """The CUDA paths (window attention, soft-caps, sinks; the selected-keys kernels and the latent buffers, pinned
+    host buffers when offloaded) against the stock model's fp32 full gradient on the CPU: in fp32 to 1e-4; in bf16 no
+    further from it than the stock model's own bf16 gradient is (the routers' and the indexer's top-k flip under bf16
+    rounding, so a fixed bf16 tolerance measures the family, not the engine: 6-15% for gpt_oss and GLM-5 on an H100)."""
     model = _build(family)
     prompt, comps, weights = _data(prompt_len=61)
     ref = stock_full_grads(model, prompt, comps, weights)
-    model = model.cuda().to(torch.bfloat16)
-    got = engine_full_grads(model, prompt.cuda(), comps.cuda(), weights.cuda(), block_size=4, offload=offload)
+    cuda = (prompt.cuda(), comps.cuda(), weights.cuda())
+    fp32 = copy.deepcopy(model).cuda()
+    got = engine_full_grads(fp32, *cuda, block_size=4, offload=offload)
     for name, g in ref.items():
         rel = _rel(got[name].float().cpu(), g)
-        assert rel <= 5e-2, f"{name}: relative L2 {rel:.2e}"
+        assert rel <= 1e-4, f"fp32 {name}: relative L2 {rel:.2e}"
+    bf16 = model.cuda().to(torch.bfloat16)
+    stock = stock_full_grads(copy.deepcopy(bf16), *cuda)
+    got = engine_full_grads(bf16, *cuda, block_size=4, offload=offload)
+    for name, g in ref.items():
+        rel, stock_rel = _rel(got[name].float().cpu(), g), _rel(stock[name].float().cpu(), g)
+        assert rel <= max(5e-2, 2 * stock_rel), (
+            f"bf16 {name}: relative L2 {rel:.2e} (stock bf16: {stock_rel:.2e})"
+        )
 
 
 def _cp_worker(rank: int, world: int, init_file: str) -> None:
