@@ -74,6 +74,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, PromptState
 from longstraw_trl import engine as longstraw_engine
+from longstraw_trl.distributed import is_fsdp2
 from longstraw_trl.planner import plan_memory
 from longstraw_trl.planner import state_bytes as planned_state_bytes
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -486,6 +487,9 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         checkpoint_layers=bool(trainer.args.gradient_checkpointing or trainer.args.replay_checkpoint_layers),
         gradient_mode=trainer.args.gradient_mode,
         offload=trainer.args.offload_prompt_state,
+        cp_size=trainer.args.cp_size,
+        # FSDP2 (docs/fsdp.md): over every process, or at world size 1 its gathered copies as overhead
+        fsdp_size=trainer.accelerator.num_processes if is_fsdp2(trainer.model_wrapped) else 0,
     )
     return {
         "ok": True,

@@ -135,9 +135,10 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument(
         "--fsdp",
         type=int,
-        default=1,
+        default=0,
         help="ranks the policy is sharded over with FSDP2 (weights, gradients, optimizer states; with --cp: the same "
-        "ranks, examples/accelerate/fsdp2_cp8.yaml)",
+        "ranks, examples/accelerate/fsdp2_cp8.yaml); 1: FSDP2 on one GPU (its gathered copies are overhead); "
+        "0 (default): not wrapped",
     )
     ap.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: full fine-tuning)")
     ap.add_argument("--optimizer", choices=["adamw", "none"], default="adamw")
@@ -209,7 +210,6 @@ def _plan(a: argparse.Namespace) -> int:
         "response",
         "cp",
         "ep",
-        "fsdp",
         "lora_rank",
         "layers",
         "chunk_size",
@@ -219,6 +219,8 @@ def _plan(a: argparse.Namespace) -> int:
         value = getattr(a, flag)
         if value is not None and value < 1:
             raise LongStrawError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if a.fsdp < 0:
+        raise LongStrawError(f"--fsdp must be >= 0 (0: not wrapped), got {a.fsdp}")
     if a.replay_batch_tokens < 0:
         raise LongStrawError(f"--replay-batch-tokens must be >= 0, got {a.replay_batch_tokens}")
     if not (math.isfinite(a.host_memory) and a.host_memory > 0):

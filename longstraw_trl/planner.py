@@ -69,7 +69,7 @@ class MemoryPlan:
     host_state: int = 0
     #: ``offload="cpu"``: device bytes the running layer holds of its streamed-back state (the largest layer's)
     offload_workspace: int = 0
-    #: FSDP2 (``fsdp_size > 1``): the gathered parameters a rank holds besides its shard: the root module's (embedding,
+    #: FSDP2 (``fsdp_size >= 1``): the gathered parameters a rank holds besides its shard: the root module's (embedding,
     #: final norm, head: FSDP2 keeps the root gathered from forward to backward) and two decoder layers' (the running
     #: one and the prefetched next)
     fsdp_gathered: int = 0
@@ -474,7 +474,7 @@ def plan_memory(
     offload: str | None = None,
     host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB / DEFAULT_RANKS_PER_HOST,
     prefix_sharing: bool = False,
-    fsdp_size: int = 1,
+    fsdp_size: int = 0,
 ) -> MemoryPlan:
     """Per-rank memory of a LongStraw GRPO step on ``config`` (bf16 weights by default).
 
@@ -486,7 +486,8 @@ def plan_memory(
     ``offload_prompt_state``) moves the offloadable state to :attr:`MemoryPlan.host_state` and adds the running
     layer's streamed-back bytes (:func:`offload_bytes`) to both peaks; it fits only if that host state is at most
     ``host_memory_gib`` (this rank's share of the host's memory: a 2 TiB host with 8 GPUs by default).
-    ``fsdp_size``: the policy sharded with FSDP2 over that many ranks (weights, gradients and optimizer states by
+    ``fsdp_size``: the policy sharded with FSDP2 over that many ranks (0: not wrapped; 1: FSDP2 on one GPU, whose shards
+    are the whole parameters and whose gathered copies are all overhead; weights, gradients and optimizer states by
     :func:`fsdp_shard_elements`; plus :attr:`MemoryPlan.fsdp_gathered` and, since the replays accumulate under
     ``no_sync``, :attr:`MemoryPlan.fsdp_unsharded_gradients`); with ``ep_size > 1`` too, the routed experts are left
     out of FSDP2 (this rank's 1/``ep_size`` of them whole, their gradients and states too). Raises
@@ -499,9 +500,9 @@ def plan_memory(
     gradients = trainable * dtype_bytes
     optimizer_bytes = {"adamw": 2 * trainable * dtype_bytes, "none": 0}[optimizer]
     fsdp_gathered = fsdp_unsharded_gradients = 0
-    if fsdp_size < 1:
-        raise LongStrawError(f"fsdp_size must be >= 1, got {fsdp_size}")
-    if fsdp_size > 1:
+    if fsdp_size < 0:
+        raise LongStrawError(f"fsdp_size must be >= 0 (0: not wrapped), got {fsdp_size}")
+    if fsdp_size >= 1:
         # with ep_size > 1 the routed experts stay out of fully_shard: this rank's 1/ep_size of them, whole
         kept = experts if ep_size > 1 else 0
         kept_trainable = 0 if lora_rank else kept
@@ -556,12 +557,17 @@ def plan_memory(
         fsdp_gathered=fsdp_gathered,
         fsdp_unsharded_gradients=fsdp_unsharded_gradients,
     )
-    if fsdp_size > 1:
+    if fsdp_size >= 1:
         plan.notes.append(
-            f"FSDP2 over {fsdp_size} ranks: weights, gradients and optimizer states are this rank's shards; the "
-            "replays accumulate unsharded gradients under no_sync until the step's last backward reduce-scatters them; "
-            "Accelerate's mixed precision keeps fp32 masters of the trainable parameters (full fine-tuning: about 2x "
-            "the shard, gradient and optimizer lines)"
+            (
+                f"FSDP2 over {fsdp_size} ranks: weights, gradients and optimizer states are this rank's shards"
+                if fsdp_size > 1
+                else "FSDP2 on one rank: the shards are the whole parameters, so the gathered copies and the "
+                "unsharded gradients are all overhead over the unwrapped model"
+            )
+            + "; the replays accumulate unsharded gradients under no_sync until the step's last backward "
+            "reduce-scatters them; Accelerate's mixed precision keeps fp32 masters of the trainable parameters "
+            "(full fine-tuning: about 2x the shard, gradient and optimizer lines)"
         )
     if gradient_mode == "full":
         (
@@ -611,7 +617,7 @@ def plan_memory(
     if experts and ep_size > 1:
         plan.notes.append(
             f"experts sharded over {ep_size} EP ranks"
-            + (" and left out of FSDP2 (not sharded further)" if fsdp_size > 1 else "")
+            + (" and left out of FSDP2 (not sharded further)" if fsdp_size >= 1 else "")
         )
     plan.notes.append(
         f"G={num_generations}: {together} response(s) replayed together under autograd (replay_batch_tokens="

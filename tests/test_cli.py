@@ -10,6 +10,7 @@ from transformers import GPT2Config
 
 from longstraw_trl.cli import main
 
+GiB = 2**30
 SMALL = ["--prompt", "65536", "--layers", "2"]
 
 
@@ -62,6 +63,22 @@ def test_bad_gpu_lists_the_known_ones_and_numbers(capsys, gpu):
 def test_non_positive_sizes(capsys):
     err = _error(capsys, ["plan", "qwen3-8b", *SMALL, "--cp", "0"])
     assert "--cp must be >= 1, got 0" in err
+    err = _error(capsys, ["plan", "qwen3-8b", *SMALL, "--fsdp", "-1"])
+    assert "--fsdp must be >= 0 (0: not wrapped), got -1" in err
+
+
+def test_fsdp_on_one_rank_plans_its_gathered_copies(capsys):
+    """`--fsdp 1` (FSDP2 at world size 1, examples/accelerate/fsdp2.yaml on one process) is a wrapped model, not the
+    default unwrapped one: its gathered root and layers and its unsharded gradients come on top of the same weights."""
+    _, plain = _plan_json(capsys, ["qwen3-8b", *SMALL, "--lora-rank", "16"])
+    _, wrapped = _plan_json(capsys, ["qwen3-8b", *SMALL, "--lora-rank", "16", "--fsdp", "1"])
+    assert wrapped["weights"] == plain["weights"] and plain["fsdp_gathered"] == 0
+    assert wrapped["fsdp_gathered"] > GiB  # the 8B's embedding and head alone are 2.3 GiB
+    assert wrapped["capture_peak"] - plain["capture_peak"] == wrapped["fsdp_gathered"]
+    assert (
+        wrapped["replay_peak"] - plain["replay_peak"]
+        == wrapped["fsdp_gathered"] + wrapped["fsdp_unsharded_gradients"]
+    )
 
 
 def _plan_json(capsys, argv: list[str]) -> tuple[int, dict]:
