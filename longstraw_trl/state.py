@@ -20,7 +20,9 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -52,7 +54,7 @@ def storage_device(device: torch.device, offload: str | None) -> torch.device:
     raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
 
 
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_COPY_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 _STREAMED_BYTES = [0]
 
 
@@ -140,10 +142,59 @@ def host_rows_to_device(host: torch.Tensor, rows: torch.Tensor, device: torch.de
     return out
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _COPY_STREAMS[device]
+def _copy_stream(device: torch.device, direction: str = "to_device") -> torch.cuda.Stream:
+    # one side stream per direction: the gradients going to the host do not queue behind the pages coming back
+    if (device, direction) not in _COPY_STREAMS:
+        _COPY_STREAMS[device, direction] = torch.cuda.Stream(device=device)
+    return _COPY_STREAMS[device, direction]
+
+
+class HostAdds:
+    """``dst += src`` for host tensors ``dst`` and device tensors ``src`` without the device waiting for the host.
+
+    ``dst += src.to("cpu")`` is a synchronous copy into pageable memory plus an add by the CPU while the GPU idles.
+    Here each ``src`` is copied into pinned staging memory on a side stream (the compute stream goes on), and a worker
+    thread adds it into ``dst`` once that copy has landed. One worker, so the adds into a buffer happen in the order
+    they were asked for; at most ``max_pending`` are in flight (each holds its staging copy), after which a new one
+    waits for the oldest. Readers of the host tensors call :meth:`wait` first. With ``src`` on the host the add is
+    done at once."""
+
+    def __init__(self, max_pending: int = 8):
+        self.max_pending = max_pending
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: deque[Future] = deque()
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not src.is_cuda or dst.is_cuda:
+            dst += src.to(dst.device, dst.dtype)
+            return
+        src = src.to(dst.dtype).contiguous()  # on the compute stream, queued like the kernel that made it
+        copy = _copy_stream(src.device, "to_host")
+        copy.wait_stream(torch.cuda.current_stream(src.device))
+        staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        with torch.cuda.stream(copy):
+            staging.copy_(src, non_blocking=True)
+            landed = copy.record_event()
+        src.record_stream(copy)  # its memory is not reused before the copy has read it
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="longstraw-host-adds")
+        self._pending.append(self._worker.submit(_add_when_landed, dst, staging, landed))
+        while len(self._pending) > self.max_pending:
+            self._pending.popleft().result()
+
+    def wait(self) -> None:
+        """Until every add asked for so far is in its host tensor (re-raises a failed add's error)."""
+        while self._pending:
+            self._pending.popleft().result()
+
+
+def _add_when_landed(dst: torch.Tensor, staging: torch.Tensor, landed: torch.cuda.Event) -> None:
+    landed.synchronize()
+    dst += staging
+
+
+#: the process's :class:`HostAdds` (the full gradient's dK/dV into offloaded pages' buffers, :class:`KVGrad`)
+HOST_ADDS = HostAdds()
 
 
 def prefetch_to_device(
@@ -605,9 +656,9 @@ class KVGrad:
             def add(dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
                 bk, bv = self._buffer(j)
                 if dk is not None:
-                    bk[:, s:e] += dk.to(bk.device, torch.float32)
+                    HOST_ADDS.add(bk[:, s:e], dk)
                 if dv is not None and bv is not None:
-                    bv[:, s:e] += dv.to(bv.device, torch.float32)
+                    HOST_ADDS.add(bv[:, s:e], dv)
 
             return add
 
@@ -639,6 +690,7 @@ class KVGrad:
         buffer holds the whole range (one rank, a segment's own tokens) it is a slice of that buffer, not a copy
         (zeros and a copy were four kernels per layer of every recomputed segment)."""
         pages = self.pages
+        HOST_ADDS.wait()  # the dK/dV handed to offloaded buffers are all in them
         if pages.cp_size == 1:
             pieces = list(self._pieces(start, end - start))
             if len(pieces) == 1 and pieces[0][3] == (0, end - start):

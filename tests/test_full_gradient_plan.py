@@ -93,3 +93,35 @@ def test_offloaded_kept_states_wait_in_host_memory_on_cuda():
         got[offload] = param_grads(model)
     for name, g in got[None].items():
         torch.testing.assert_close(got["cpu"][name], g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_page_gradients_are_added_without_waiting_for_the_device():
+    """The full gradient's dK/dV of offloaded pages go into host buffers queued behind the running kernels: the sink
+    returns while the GPU is still busy (``dk.to("cpu")`` then a CPU add waited for it, every earlier page of every
+    segment), and :meth:`KVGrad.take` gives exactly the host fp32 sum of what was handed in, in order."""
+    from longstraw_trl.state import KVGrad, KVPages
+
+    dev = torch.device("cuda")
+    pages = KVPages(4, 64, 64, 256, torch.bfloat16, torch.device("cpu"), offloaded=True)
+    pages.reserve(512)
+    pages.append(torch.randn(4, 512, 64, dtype=torch.bfloat16), torch.randn(4, 512, 64, dtype=torch.bfloat16))
+    grads = KVGrad(pages)
+    expected = [torch.zeros(4, 512, 64), torch.zeros(4, 512, 64)]
+    for _ in range(3):
+        dk, dv = torch.randn(4, 512, 64, device=dev), torch.randn(4, 512, 64, device=dev)
+        torch.cuda.synchronize()
+        busy = torch.cuda.Event()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time ahead of the gradients
+        dk, dv = (
+            dk * 1.0,
+            dv[:, :, :].transpose(0, 1).contiguous().transpose(0, 1),
+        )  # made after it; dv strided
+        busy.record()
+        grads.sink_joined(pages)(dk, dv)
+        assert not busy.query(), "the gradient's add waited for the device (a synchronous copy)"
+        expected[0] += dk.cpu()
+        expected[1] += dv.cpu()
+    got_k, got_v = grads.take(0, 512, dev)
+    assert torch.equal(got_k.cpu(), expected[0]) and torch.equal(got_v.cpu(), expected[1])
