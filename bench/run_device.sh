@@ -23,6 +23,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-v4      # offload GPU tests, the GLM-5 slice at 1M
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gather-probe # the host gather's tiles and row orders
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gpu-tests tests/x.py  # the GPU tests of these files
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh host-adds   # the offloaded full gradient's async adds + control
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh layers      # every GPU test (session 10's reorganisation)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-start   # a fresh process's first step, cold and disk-cached
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cold-pins    # this GPU's autotune pins, then a pinned cold 512K step
@@ -132,10 +133,28 @@ grad-profile)  # issue 25: where the full-mode prompt backward's time goes (whol
   ;;
 gpu-tests)  # the GPU tests of the files (and pytest options) given, fla on the path as in a whole-model run
   shift
-  PYTHONPATH=/tmp/site:/tmp/fla timeout 400 python3 -m pytest -v -rfE -m gpu --durations 10 "$@" \
-    > "$OUT/pytest_gpu_tests.log" 2>&1
-  echo "pytest -m gpu $*: rc=$?, $(grep -c PASSED "$OUT/pytest_gpu_tests.log") passed"
-  grep -E " (FAILED|ERROR)|^FAILED|^ERROR|passed|failed" "$OUT/pytest_gpu_tests.log" | tail -12
+  log="$OUT/pytest_gpu_tests${LOG_TAG:-}.log"
+  PYTHONPATH=/tmp/site:/tmp/fla timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -v -rfE -m gpu --durations 10 "$@" \
+    > "$log" 2>&1
+  echo "pytest -m gpu $*: rc=$?, $(grep -c PASSED "$log") passed"
+  grep -E " (FAILED|ERROR)|^FAILED|^ERROR|passed|failed" "$log" | tail -12
+  ;;
+host-adds)  # issue 25 (session 17): the offloaded full gradient's asynchronous dK/dV adds (state.HostAdds), their GPU
+            # test, then its negative control: the same test on the old synchronous `bk += dk.to(host)` must fail
+  test=tests/test_full_gradient_plan.py::test_offloaded_page_gradients_are_added_without_waiting_for_the_device
+  PYTHONPATH=/tmp/site timeout 120 python3 -m pytest -q -m gpu "$test" > "$OUT/pytest_host_adds.log" 2>&1
+  echo "host adds: rc=$? $(tail -1 "$OUT/pytest_host_adds.log")"
+  cp longstraw_trl/state.py /tmp/state.py.kept
+  python3 - <<'PY'
+p = "longstraw_trl/state.py"
+s = open(p).read()
+for x in "kv":
+    s = s.replace(f"HOST_ADDS.add(b{x}[:, s:e], d{x})", f"b{x}[:, s:e] += d{x}.to(b{x}.device, torch.float32)")
+open(p, "w").write(s)
+PY
+  PYTHONPATH=/tmp/site timeout 120 python3 -m pytest -q -m gpu "$test" > "$OUT/pytest_host_adds_control.log" 2>&1
+  echo "negative control (synchronous adds; must fail): rc=$? $(tail -1 "$OUT/pytest_host_adds_control.log")"
+  cp /tmp/state.py.kept longstraw_trl/state.py
   ;;
 layers)  # session 10: every GPU test after the runtime-layer reorganisation (context / hooks / Mode, the decode
          # buffers and GDN running state now written through ReplayContext), fla on the path as in v4
