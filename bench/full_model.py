@@ -53,6 +53,7 @@ import torch
 from common import (
     GiB,
     Timer,
+    allocated_gib,
     attention_tflops_at,
     bandwidth_gbs_at,
     gemm_tflops_at,
@@ -410,13 +411,21 @@ def longstraw_trainer(
 def _guarded(fn, *args):
     """``fn(*args)``, or an OOM / error record; the failed call's tensors are freed before returning."""
     failure = None
+    MEMORY_MARKS.clear()
     try:
         return fn(*args)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
         failure = {
             "ok": False,
             "oom": True,
             "peak_gib_at_oom": peak_gib() if torch.cuda.is_available() else None,
+            # where, and the allocator's own account (allocated / reserved but unallocated): what the peak was made of
+            "oom_message": str(exc)[:600],
+            "oom_where": [
+                f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                for f in traceback.extract_tb(exc.__traceback__)
+            ][-10:],
+            **MEMORY_MARKS,
         }
     except Exception as exc:  # noqa: BLE001 - recorded, and the other measurements still run
         traceback.print_exc()
@@ -427,9 +436,23 @@ def _guarded(fn, *args):
     return failure
 
 
+# allocated device memory at marks of the running step (_MemoryMarks), kept for an OOM record too
+MEMORY_MARKS: dict[str, float] = {}
+
+
+class _MemoryMarks(TrainerCallback):
+    """Allocated device memory when train() begins, after Accelerate has prepared (e.g. FSDP2-wrapped) the model:
+    the wrapped model's resting footprint, beside the step's peak."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            MEMORY_MARKS["allocated_at_train_begin_gib"] = allocated_gib()
+
+
 def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_bytes: int) -> dict:
     keep = _KeepMetrics(trainer._metrics["train"])
     trainer.add_callback(keep)
+    trainer.add_callback(_MemoryMarks())
     trainer.model.zero_grad(set_to_none=True)
     reset_peak()
     if PROBE is not None:
@@ -510,6 +533,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         "state_bytes": state,
         "state_bytes_by_kind": state_by_kind,
         "peak_gib": peak,
+        **MEMORY_MARKS,
         "trainer_peak_memory_gib": max(m["longstraw/peak_memory_gib"]),  # before the optimizer step
         "capture_peak_gib": max(m.get("longstraw/capture_peak_memory_gib", [float("nan")])),
         "planner": {

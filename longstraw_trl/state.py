@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -189,7 +190,10 @@ class HostAdds:
 
 
 def _add_when_landed(dst: torch.Tensor, staging: torch.Tensor, landed: torch.cuda.Event) -> None:
-    landed.synchronize()
+    # polled, not `landed.synchronize()`: a thread blocked in that call held the GIL on the device (torch 2.11), so
+    # the main thread could not queue kernels until the copy had landed, which is the wait this class removes
+    while not landed.query():
+        time.sleep(2e-4)
     dst += staging
 
 
