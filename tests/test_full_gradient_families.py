@@ -224,9 +224,9 @@ def test_full_gradient_on_cuda_bf16(family, offload):
     """The CUDA paths (window attention, soft-caps, sinks; the selected-keys kernels and the latent buffers, pinned
     host buffers when offloaded) against the stock model's fp32 full gradient on the CPU: in fp32 to 1e-4; in bf16 the
     whole gradient no further from it than the stock model's own bf16 gradient is, give or take 2x, and no parameter
-    off by more than 25% (a dropped or sign-flipped gradient is 100-200%). The routers' and the indexer's top-k flip under bf16 rounding, so one parameter's bf16
-    error measures the family, not the engine (a fixed 5% failed on an H100: GLM-5's embedding 15% against stock bf16's
-    own; gpt_oss's router bias 5.8% against stock bf16's 1.7%, with the fp32 path exact)."""
+    off by more than 25% (a dropped or sign-flipped gradient is 100-200%). The routers' and the indexer's top-k flip
+    under bf16 rounding, so one parameter's bf16 error measures the family, not the engine (a fixed 5% failed on an
+    H100: GLM-5's embedding at 15%; gpt_oss's router bias at 5.8% against stock bf16's own 1.7%; the fp32 path exact)."""
     model = _build(family)
     prompt, comps, weights = _data(prompt_len=61)
     ref = stock_full_grads(model, prompt, comps, weights)
