@@ -145,6 +145,38 @@ def is_fsdp2(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def stage_on_host_for_fsdp2(model: nn.Module, world: int, free_bytes: int | None = None) -> int:
+    """Move a not yet sharded ``model`` whose weights are on a GPU to the host where sharding it there would not fit
+    beside them; returns the bytes moved (0: left where it is).
+
+    Accelerate 1.15's FSDP2 preparation holds every original parameter (a ``state_dict()`` it keeps) while
+    ``fully_shard`` copies each into this rank's shard, so during the wrapping a GPU holds the whole model plus the
+    shards: twice the model at world size 1 (the whole Qwen3.6-27B with LoRA ran out of memory inside ``prepare`` on
+    an 80 GB H100, docs/fsdp.md). From the host, ``fully_shard`` moves only the shards to the GPU. HF's Trainer leaves
+    an FSDP model where it is, so a model loaded on the CPU (``from_pretrained``'s default) never needs this.
+    ``free_bytes``: the GPU memory the shards may take (default: free plus the allocator's cached blocks)."""
+    if is_fsdp2(model):
+        return 0
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(isinstance(t, DTensor) for t in tensors):  # experts split by EP: their local shards stay
+        return 0
+    on_gpu = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+    if not on_gpu:
+        return 0
+    device = next(t.device for t in tensors if t.is_cuda)
+    if free_bytes is None:
+        free, _ = torch.cuda.mem_get_info(device)
+        free_bytes = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    total = sum(on_gpu.values())
+    # this rank's shards, the trainable ones upcast to fp32 (Accelerate's masters under mixed precision), a margin
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad and p.is_cuda)
+    needed = (total + trainable) // world + 2**30
+    if needed <= free_bytes:
+        return 0
+    model.to("cpu")
+    return total
+
+
 def fit_fsdp_wrap_classes(plugin, model: nn.Module) -> list[str]:
     """Give Accelerate's transformer-based FSDP wrap policy only the layer classes ``model`` has.
 

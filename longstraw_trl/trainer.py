@@ -103,6 +103,7 @@ from .distributed import (
     fit_fsdp_wrap_classes,
     is_fsdp2,
     new_cp_groups,
+    stage_on_host_for_fsdp2,
 )
 from .engine import checkpointing_off
 from .errors import (
@@ -442,6 +443,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             dropped = fit_fsdp_wrap_classes(getattr(self.accelerator.state, "fsdp_plugin", None), self.model)
             if dropped:
                 logger.info("FSDP2 wraps the model's own layer classes; absent from this model: %s", dropped)
+            staged = stage_on_host_for_fsdp2(self.model, self.accelerator.num_processes)
+            if staged:
+                logger.warning(
+                    "FSDP2: the model's %.1f GiB on the GPU leave no room for its shards beside them while Accelerate "
+                    "wraps it, so it was moved to the host first; FSDP2 moves only this rank's shards back "
+                    "(load the model on the CPU to skip the round trip, docs/fsdp.md)",
+                    staged / 2**30,
+                )
         kernel_cache = use_kernel_cache(args.kernel_cache_dir)
         if args.compile_ahead:  # started when the config was made; again for a config made without CUDA
             start_compile_ahead_here(args.kernel_cache_dir)

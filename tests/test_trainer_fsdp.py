@@ -130,6 +130,28 @@ def test_fsdp2_wraps_only_the_layer_classes_the_model_has():
     assert fit_fsdp_wrap_classes(user, model) == [] and user.transformer_cls_names_to_wrap == ["Foo"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_model_on_the_gpu_goes_to_the_host_only_where_its_shards_would_not_fit_beside_it():
+    """Accelerate holds the original parameters while FSDP2 copies them into shards (the whole 27B at world size 1 ran
+    out of memory inside `prepare` on an H100): a model on the GPU moves to the host first where the shards would not
+    fit beside it, and stays where they do. On the host already, nothing moves."""
+    from _models import build_hybrid
+
+    from longstraw_trl.distributed import stage_on_host_for_fsdp2
+
+    model = build_hybrid("qwen3_5")
+    assert stage_on_host_for_fsdp2(model, 1, free_bytes=0) == 0
+    model.cuda()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert stage_on_host_for_fsdp2(model, 1, free_bytes=2**40) == 0 and all(
+        p.is_cuda for p in model.parameters()
+    )
+    assert stage_on_host_for_fsdp2(model, 1) == 0  # a tiny model fits beside itself on any GPU
+    assert stage_on_host_for_fsdp2(model, 2, free_bytes=0) >= weights
+    assert not any(t.is_cuda for t in [*model.parameters(), *model.buffers()])
+
+
 def test_fsdp2_data_parallel_step_on_the_hybrid_gdn_family(tmp_path):
     """The same FSDP2 data-parallel step on a tiny Qwen3.5 (GDN + attention), through train() under the shipped
     fsdp2.yaml: it failed at Accelerate's wrap policy before (the vision block above)."""
