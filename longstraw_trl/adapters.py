@@ -39,6 +39,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .errors import LongStrawError
 
@@ -55,6 +56,11 @@ def _adapter_parameters(model: nn.Module) -> Iterator[tuple[nn.Parameter, torch.
             if not isinstance(adapters, nn.ModuleDict):
                 continue
             for param in adapters.parameters():
+                # FSDP2's shards (DTensors): its mixed precision hands the layer its compute dtype at each
+                # all-gather. Casting a shard would also make FSDP2 take the cast dtype for the parameter's own (it
+                # reads it lazily, at the first forward: the capture) and hand the fp32 master a bf16 gradient
+                if isinstance(param, DTensor):
+                    continue
                 if param.is_floating_point() and param.dtype != weight.dtype:
                     yield param, weight.dtype
 

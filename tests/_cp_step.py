@@ -80,6 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cp-size", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument(
+        "--model-bf16",
+        action="store_true",
+        help="the policy's weights in bf16 (as a real model loads): peft's adapters stay fp32 masters",
+    )
     ap.add_argument("--prompt", default="the long straw holds a long history. " * 6)
     ap.add_argument("--gradient-mode", default="response_only")
     ap.add_argument("--replay-block-size", type=int, default=None)
@@ -178,6 +183,8 @@ def step(a: argparse.Namespace) -> None:
         peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     # built here rather than loaded from `tiny_model_dir()`: under an FSDP launch only the main process saves it
     model = build_model(a.family, a.router_aux)
+    if a.model_bf16:
+        model.to(torch.bfloat16)
     # --second-trainer: a first trainer's step, then the recorded step by a fresh trainer on its (sharded) model
     if a.second_trainer:
         first = _trainer(a, model, peft)

@@ -177,6 +177,21 @@ def test_a_second_trainer_on_an_fsdp2_sharded_model(tmp_path):
     assert_step_matches(sharded, grads, params, "FSDP2 second trainer")
 
 
+def test_fsdp2_step_on_a_bf16_model_with_fp32_lora_masters(tmp_path):
+    """A bf16 model (as a real one loads) with peft's fp32 adapters under FSDP2's bf16 mixed precision: the graph-free
+    passes cast adapters to the model's dtype, which on FSDP2's shards made FSDP2 take bf16 for the adapters' own
+    dtype (it reads it at the first forward, the capture) and hand their fp32 masters a bf16 gradient ("attempting to
+    assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'": the whole 27B at world size 1
+    on the device, session 17). The step equals the single-process one."""
+    extra = ["--lora", "--model-bf16", "--bf16"]
+    single = _single(tmp_path / "single.json", *extra)
+    sharded = launch_step(FSDP2_CONFIG, tmp_path / "fsdp.json", *extra, num_processes=1)
+    assert sharded["loss"] == pytest.approx(single["loss"], abs=1e-6)
+    params = {n: torch.tensor(p) for n, p in single["params"].items()}
+    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
+    assert_step_matches(sharded, grads, params, "FSDP2 bf16 model, fp32 adapters")
+
+
 def test_fsdp_version_1_deepspeed_and_accelerate_cp_are_refused(tmp_path):
     common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=8)
     config = LongStrawGRPOConfig(**common)
