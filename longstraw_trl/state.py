@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -158,12 +159,15 @@ class HostAdds:
     thread adds it into ``dst`` once that copy has landed. One worker, so the adds into a buffer happen in the order
     they were asked for; at most ``max_pending`` are in flight (each holds its staging copy), after which a new one
     waits for the oldest. Readers of the host tensors call :meth:`wait` first. With ``src`` on the host the add is
-    done at once."""
+    done at once. The staging buffers are kept for reuse: allocating pinned memory waits for the device (CUDA's
+    implicit synchronisation), so only the first ``max_pending + 1`` adds of a size do."""
 
     def __init__(self, max_pending: int = 8):
         self.max_pending = max_pending
         self._worker: ThreadPoolExecutor | None = None
         self._pending: deque[Future] = deque()
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if not src.is_cuda or dst.is_cuda:
@@ -172,14 +176,14 @@ class HostAdds:
         src = src.to(dst.dtype).contiguous()  # on the compute stream, queued like the kernel that made it
         copy = _copy_stream(src.device, "to_host")
         copy.wait_stream(torch.cuda.current_stream(src.device))
-        staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        staging = self._staging(src.numel(), src.dtype)
         with torch.cuda.stream(copy):
-            staging.copy_(src, non_blocking=True)
+            staging.view(src.shape).copy_(src, non_blocking=True)
             landed = copy.record_event()
         src.record_stream(copy)  # its memory is not reused before the copy has read it
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="longstraw-host-adds")
-        self._pending.append(self._worker.submit(_add_when_landed, dst, staging, landed))
+        self._pending.append(self._worker.submit(self._add_when_landed, dst, staging, landed))
         while len(self._pending) > self.max_pending:
             self._pending.popleft().result()
 
@@ -188,13 +192,21 @@ class HostAdds:
         while self._pending:
             self._pending.popleft().result()
 
+    def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((numel, dtype))
+            if free:
+                return free.pop()
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
 
-def _add_when_landed(dst: torch.Tensor, staging: torch.Tensor, landed: torch.cuda.Event) -> None:
-    # polled, not `landed.synchronize()`: a thread blocked in that call held the GIL on the device (torch 2.11), so
-    # the main thread could not queue kernels until the copy had landed, which is the wait this class removes
-    while not landed.query():
-        time.sleep(2e-4)
-    dst += staging
+    def _add_when_landed(self, dst: torch.Tensor, staging: torch.Tensor, landed: torch.cuda.Event) -> None:
+        # polled, not `landed.synchronize()`, which may hold the GIL while it waits (the main thread would then not
+        # queue kernels until the copy had landed: the very wait this class removes)
+        while not landed.query():
+            time.sleep(2e-4)
+        dst += staging.view(dst.shape)
+        with self._lock:
+            self._free.setdefault((staging.numel(), staging.dtype), []).append(staging)
 
 
 #: the process's :class:`HostAdds` (the full gradient's dK/dV into offloaded pages' buffers, :class:`KVGrad`)

@@ -241,7 +241,7 @@ def test_full_gradient_on_cuda_bf16(family, offload):
     got = engine_full_grads(bf16, *cuda, block_size=4, offload=offload)
     for name, g in ref.items():
         rel = _rel(got[name].float().cpu(), g)
-        assert rel <= 0.15, (
+        assert rel <= 0.25, (
             f"bf16 {name}: relative L2 {rel:.2e} (stock bf16: {_rel(stock[name].float().cpu(), g):.2e})"
         )
     whole = torch.cat([g.flatten() for g in ref.values()])
