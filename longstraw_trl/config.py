@@ -179,6 +179,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             are kept: outputs match HF's to within one unit in the last place of the model's dtype (the fp32
             summation order of the norm's mean). Replays (training, old and reference log-probs) always run HF's
             forwards. No effect on the CPU or without Triton.
+        generation_fsdp_gather_gib (`float` or `None`, *optional*, defaults to `None`):
+            Under FSDP2, GPU memory (GiB) the generation may spend keeping the model's FSDP2 units gathered from their
+            first decode step to the last: FSDP2 otherwise gathers every layer for every generated token (R
+            all-gathers of the whole model; at world size 1 on torch 2.11 a copy of it, which made the 27B's
+            generation 2.3x the unwrapped model's on an H100). Units are kept in module order while the budget
+            lasts. `None`: what the GPU can still give less 2 GiB and 5% of the card; `0`: gather per token. No
+            effect without FSDP2.
         kernel_cache_dir (`str` or `None`, *optional*, defaults to `"auto"`):
             Where Triton keeps the compiled GPU kernels and its autotuning choices (ours and fla's). A fresh process
             on an empty cache compiles and autotunes them during its first step: on the whole Qwen3.6-27B at 32K
@@ -245,6 +252,14 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "During capture, generation and extension (no autograd, CUDA), run HF's RMSNorm, gated RMSNorm "
             "and SiLU-MLP modules as fused Triton kernels (HF's cast points kept). Replays always run HF's forwards."
+        },
+    )
+    generation_fsdp_gather_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "Under FSDP2: GPU memory (GiB) the generation may spend keeping FSDP2 units gathered across decode "
+            "steps instead of gathering every layer per token (None: what the GPU can still give, less a margin; "
+            "0: per token)."
         },
     )
     kernel_cache_dir: str | None = field(
@@ -363,6 +378,10 @@ class LongStrawGRPOConfig(GRPOConfig):
         if self.offload_prompt_state not in OFFLOAD_CHOICES:
             raise LongStrawError(
                 f"offload_prompt_state must be None or 'cpu', got {self.offload_prompt_state!r}."
+            )
+        if self.generation_fsdp_gather_gib is not None and not self.generation_fsdp_gather_gib >= 0:
+            raise LongStrawError(
+                f"generation_fsdp_gather_gib must be None or >= 0 GiB, got {self.generation_fsdp_gather_gib!r}."
             )
         if self.capture_chunk_size <= 0 or self.page_size <= 0:
             raise LongStrawError(

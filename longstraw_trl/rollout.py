@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .distributed import fsdp2_units_kept_gathered
 from .generation import SamplingParams
 from .prompt_states import PromptStates, StepHost
 from .state import PromptState
@@ -47,6 +48,9 @@ class Rollout:
         sampling: the sampler's settings (:class:`~longstraw_trl.generation.SamplingParams`).
         eos_token_ids: the ids after which a completion is cut (TRL's ``eos_token_ids``).
         pad_to_multiple_of: TRL's left padding of a generation call's prompts.
+        temperature: TRL's sampling temperature.
+        fsdp_gather_bytes: under FSDP2, the memory a generation may spend keeping units gathered across decode steps
+            (:func:`~longstraw_trl.distributed.fsdp2_units_kept_gathered`; ``None``: what the GPU can still give).
     """
 
     def __init__(
@@ -57,8 +61,10 @@ class Rollout:
         eos_token_ids: list[int],
         pad_to_multiple_of: int | None = None,
         temperature: float = 1.0,
+        fsdp_gather_bytes: int | None = None,
     ):
         self.host, self.prompt_states, self.sampling = host, prompt_states, sampling
+        self.fsdp_gather_bytes = fsdp_gather_bytes
         self.eos_token_ids, self.pad_to_multiple_of = eos_token_ids, pad_to_multiple_of
         self.temperature = temperature
 
@@ -71,7 +77,10 @@ class Rollout:
         if prompt_ids is not None:
             kwargs["prompt_ids"] = torch.as_tensor(prompt_ids, dtype=torch.long)
         model = self.prompt_states.model
-        with self.host.graph_free(model, cast_adapters=True):
+        with (
+            self.host.graph_free(model, cast_adapters=True),
+            fsdp2_units_kept_gathered(model, self.fsdp_gather_bytes),
+        ):
             return state.generate(
                 model, num_generations, self.sampling.max_new_tokens, input_length=input_length, **kwargs
             )

@@ -498,6 +498,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self.eos_token_ids,
             getattr(self, "pad_to_multiple_of", None),
             self.temperature,
+            None if args.generation_fsdp_gather_gib is None else int(args.generation_fsdp_gather_gib * 2**30),
         )
         self.streamed_loss = StreamedLoss(
             self.loss_spec,

@@ -192,6 +192,60 @@ def test_fsdp2_step_on_a_bf16_model_with_fp32_lora_masters(tmp_path):
     assert_step_matches(sharded, grads, params, "FSDP2 bf16 model, fp32 adapters")
 
 
+def test_generation_keeps_fsdp2_units_gathered_within_the_budget(tmp_path, monkeypatch):
+    """A decode step runs every layer for one token, and FSDP2 gathers each unit before its forward and frees it
+    after: R tokens were R all-gathers of the whole model (at world size 1 a copy: the 27B's generation took 2.3x the
+    unwrapped model's on an H100, session 17). Kept gathered within a memory budget, each unit is gathered once per
+    generation, the tokens are the same, and every unit is sharded again afterwards; a budget of 0 keeps none."""
+    import torch.distributed as dist
+    from _models import build
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.tensor import DTensor
+
+    from longstraw_trl import capture_prompt
+    from longstraw_trl.distributed import fsdp2_units_kept_gathered
+
+    gathers = []
+    unshard = FSDPParamGroup.unshard
+
+    def counted(
+        group, *args, **kwargs
+    ):  # a gather happens (torch >= 2.12 aliases at world size 1, not a copy)
+        if group._all_gather_result is None and not group.is_unsharded:
+            gathers.append(1)
+        return unshard(group, *args, **kwargs)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = build("qwen3")
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            state = capture_prompt(model, prompt, chunk_size=8, page_size=4)
+        monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
+        tokens, counts = {}, {}
+        for budget in (0, None):
+            gathers.clear()
+            with torch.no_grad(), fsdp2_units_kept_gathered(model, budget) as kept:
+                tokens[budget] = state.generate(model, 2, 6, do_sample=False)
+            counts[budget] = (kept, len(gathers))
+            # the layers are sharded again (the root stays gathered after its forward: FSDP2's own choice)
+            assert all(isinstance(p, DTensor) for p in model.model.layers.parameters()), (
+                "a layer was left gathered"
+            )
+    finally:
+        dist.destroy_process_group()
+    layers = len(model.model.layers)
+    assert torch.equal(tokens[0], tokens[None])
+    assert counts[0][0] == 0 and counts[0][1] >= 6 * layers  # every token gathers every layer
+    assert counts[None][0] == layers  # the root stays gathered after its forward anyway: left alone
+    assert counts[None][1] <= len(units)  # once each
+
+
 def test_fsdp_version_1_deepspeed_and_accelerate_cp_are_refused(tmp_path):
     common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=8)
     config = LongStrawGRPOConfig(**common)
@@ -217,3 +271,11 @@ def test_fsdp_version_1_deepspeed_and_accelerate_cp_are_refused(tmp_path):
         distributed_type="FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=2), parallelism_config=None
     )
     config.check_launch(fsdp2)
+
+
+@pytest.mark.parametrize("gib", [-1.0, float("nan")])
+def test_a_negative_or_nan_generation_gather_budget_is_refused(gib):
+    with pytest.raises(LongStrawError, match="generation_fsdp_gather_gib must be None or >= 0 GiB"):
+        LongStrawGRPOConfig(
+            output_dir="unused", use_cpu=True, report_to="none", generation_fsdp_gather_gib=gib
+        )
