@@ -451,12 +451,14 @@ fsdp1-plain|fsdp1|cp2|fsdp2-cp2)
   # fsdp2.yaml on 1 process: every FSDP2 hook runs, every collective is trivial): its step must take at most 5% more
   # than fsdp1-plain's, run first on the same machine (its Triton cache then serves both). cp2 and fsdp2-cp2 run on
   # a 2-GPU machine (nvidia-h200-x2): CP2 under DDP, then FSDP2 x CP2 on the same 2 ranks.
-  # FSDP1_PROMPT: another P (e.g. 262144 where 512K does not fit the lent GPU); the JSON names carry it
+  # FSDP1_PROMPT: another P (e.g. 262144 where 512K does not fit the lent GPU); the JSON names carry it.
+  # FSDP1_TIMEOUT: seconds for this mode's step (default 590), e.g. 290 to run fsdp1-plain and fsdp1 in one call
   mode=$1
   shift
   P=${FSDP1_PROMPT:-524288}
   tagp=$([[ $P == 524288 ]] && echo 512k || echo "$P")
-  common=(--skip-stock --prompts "$P" --response 256 --budget-s 560 "$@")
+  limit=${FSDP1_TIMEOUT:-590}
+  common=(--skip-stock --prompts "$P" --response 256 --budget-s $((limit - 30)) "$@")
   launch=(python3 -u -m accelerate.commands.launch --mixed_precision bf16)
   cd bench
   case $mode in
@@ -468,7 +470,7 @@ fsdp1-plain|fsdp1|cp2|fsdp2-cp2)
     fsdp2-cp2) cmd=("${launch[@]}" --config_file ../examples/accelerate/fsdp2.yaml --num_processes 2 full_model.py
                     "${common[@]}" --cp-size 2 --tag _fsdp2_cp2) ;;
   esac
-  PYTHONPATH=/tmp/site:/tmp/fla timeout 590 "${cmd[@]}" 2>&1 | grep -v -i warn | tee "$OUT/$mode.log" | tail -16
+  PYTHONPATH=/tmp/site:/tmp/fla timeout "$limit" "${cmd[@]}" 2>&1 | grep -v -i warn | tee "$OUT/$mode.log" | tail -16
   # the plain step's JSON waits in /tmp (kept on a warm machine) for fsdp1's comparison
   if [[ $mode == fsdp1-plain ]]; then cp "$OUT/full_model_qwen3.6-27b_plain$tagp.json" /tmp/ 2>/dev/null; fi
   fsdp_json="$OUT/full_model_qwen3.6-27b_fsdp1$([[ $tagp == 512k ]] || echo "_$tagp").json"
@@ -476,6 +478,9 @@ fsdp1-plain|fsdp1|cp2|fsdp2-cp2)
     python3 - "$fsdp_json" "/tmp/full_model_qwen3.6-27b_plain$tagp.json" <<'PY' | tee "$OUT/fsdp1_vs_plain.txt"
 import json, sys
 fsdp, plain = (json.load(open(p))["longstraw"][-1] for p in sys.argv[1:])
+if "train_s" not in fsdp or "train_s" not in plain:  # a failed, OOM or cut step: say which, no ratio
+    sys.exit(f"no comparison: FSDP2 step {fsdp.get('status') or fsdp.get('error') or fsdp.get('oom')}, "
+             f"plain step {plain.get('status') or plain.get('error') or plain.get('oom')}")
 ratio = fsdp["train_s"] / plain["train_s"]
 print(f"FSDP2 world 1: {fsdp['train_s']:.1f} s, plain {plain['train_s']:.1f} s: x{ratio:.3f} "
       f"({'within' if ratio <= 1.05 else 'OVER'} the 5% budget); peak {fsdp['peak_gib']:.1f} vs {plain['peak_gib']:.1f} GiB")
