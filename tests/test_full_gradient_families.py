@@ -222,11 +222,12 @@ def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer(famil
 @pytest.mark.parametrize("offload", [None, "cpu"])
 def test_full_gradient_on_cuda_bf16(family, offload):
     """The CUDA paths (window attention, soft-caps, sinks; the selected-keys kernels and the latent buffers, pinned
-    host buffers when offloaded) against the stock model's fp32 full gradient on the CPU: in fp32 to 1e-4; in bf16 the
-    whole gradient no further from it than the stock model's own bf16 gradient is, give or take 2x, and no parameter
-    off by more than 25% (a dropped or sign-flipped gradient is 100-200%). The routers' and the indexer's top-k flip
-    under bf16 rounding, so one parameter's bf16 error measures the family, not the engine (a fixed 5% failed on an
-    H100: GLM-5's embedding at 15%; gpt_oss's router bias at 5.8% against stock bf16's own 1.7%; the fp32 path exact)."""
+    host buffers when offloaded) against the stock model's fp32 full gradient on the CPU: in fp32 to 1e-4; in bf16
+    each parameter's gradient and the whole gradient no further from it than twice the stock model's own bf16
+    gradient is (10% and 5% at least). The routers' and the indexer's top-k flip under bf16 rounding, so a fixed bf16
+    tolerance measures the family, not the engine: on an H100, GLM-5's q_a_proj was 36% off in bf16 (stock's own:
+    35.5%), its embedding 15% (13.9%), gpt_oss's router bias 5.8% (1.7%); the fp32 paths were exact. A dropped or
+    sign-flipped gradient is 100-200% off."""
     model = _build(family)
     prompt, comps, weights = _data(prompt_len=61)
     ref = stock_full_grads(model, prompt, comps, weights)
@@ -240,9 +241,9 @@ def test_full_gradient_on_cuda_bf16(family, offload):
     stock = stock_full_grads(copy.deepcopy(bf16), *cuda)
     got = engine_full_grads(bf16, *cuda, block_size=4, offload=offload)
     for name, g in ref.items():
-        rel = _rel(got[name].float().cpu(), g)
-        assert rel <= 0.25, (
-            f"bf16 {name}: relative L2 {rel:.2e} (stock bf16: {_rel(stock[name].float().cpu(), g):.2e})"
+        rel, stock_rel = _rel(got[name].float().cpu(), g), _rel(stock[name].float().cpu(), g)
+        assert rel <= max(0.1, 2 * stock_rel), (
+            f"bf16 {name}: relative L2 {rel:.2e} (stock bf16: {stock_rel:.2e})"
         )
     whole = torch.cat([g.flatten() for g in ref.values()])
     ours = _rel(torch.cat([got[n].float().cpu().flatten() for n in ref]), whole)
