@@ -496,6 +496,8 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
     logprob_s = sum(m.get("longstraw/logprob_replay_seconds", []))  # old-policy replays, if TRL asked for any
     phases["optimizer_and_other"] = {"seconds": t.seconds - sum(seconds.values()) - logprob_s}
     step_floor = sum(floor.values())
+    # FSDP2 (docs/fsdp.md): over every process, or at world size 1 its gathered copies as overhead
+    fsdp_size = trainer.accelerator.num_processes if is_fsdp2(trainer.model_wrapped) else 0
     plan = plan_memory(
         floors.config,
         p,
@@ -511,8 +513,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         gradient_mode=trainer.args.gradient_mode,
         offload=trainer.args.offload_prompt_state,
         cp_size=trainer.args.cp_size,
-        # FSDP2 (docs/fsdp.md): over every process, or at world size 1 its gathered copies as overhead
-        fsdp_size=trainer.accelerator.num_processes if is_fsdp2(trainer.model_wrapped) else 0,
+        fsdp_size=fsdp_size,
     )
     return {
         "ok": True,
@@ -541,6 +542,8 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
             "capture_peak_gib": plan.capture_peak / GiB,
             "replay_peak_gib": plan.replay_peak / GiB,
             "fits": plan.fits,
+            "fsdp_size": fsdp_size,
+            "fsdp_gathered_gib": plan.fsdp_gathered / GiB,
         },
         "peak_over_planner": peak / (plan.peak / GiB) if peak is not None else None,
         "allocator": allocator,

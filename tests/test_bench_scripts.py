@@ -133,6 +133,22 @@ def test_full_model_dry_run(tmp_path):
     assert [r.get("ok") for r in stock["results"]] == [True, True, False] and stock["results"][2]["skipped"]
 
 
+def test_full_model_dry_run_under_fsdp2_at_world_size_one(tmp_path):
+    """`bash bench/run_device.sh fsdp1`'s path (examples/accelerate/fsdp2.yaml on one process): the warm-up trainer
+    shards the model, the measured step's fresh trainer runs on it, and the plan is FSDP2's (its gathered layers and
+    unsharded gradients on top of the unwrapped plan's)."""
+    config = BENCH.parent / "examples" / "accelerate" / "fsdp2.yaml"
+    shim = Path(__file__).parent / "_fsdp_bench.py"  # FSDP2 on the CPU, as the tests' FSDP launches do
+    _run(tmp_path, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "1",
+         "--main_process_port", "0", str(shim), "full_model.py", "--tiny", "--skip-stock", "--prompts", "512",
+         "--tag", "_fsdp1")  # fmt: skip
+    data = json.loads((tmp_path / "full_model_qwen3.6-27b_tiny_fsdp1.json").read_text())
+    assert data["longstraw_warmup"]["ok"]
+    (step,) = data["longstraw"]
+    assert step["ok"] and step["prompt_tokens_captured"] == 512
+    assert step["planner"]["fsdp_size"] == 1 and step["planner"]["fsdp_gathered_gib"] > 0
+
+
 @pytest.mark.slow  # a subprocess that mostly imports (time budget); run before a device run
 def test_prefix_tree_smoke(tmp_path):
     _run(tmp_path, "prefix_tree.py", "--smoke")
