@@ -169,6 +169,13 @@ def parse_args() -> argparse.Namespace:
         help="TRL's gradient_checkpointing (its default, on); off to see what checkpointing costs a step",
     )
     ap.add_argument(
+        "--prompt-backward-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="LongStrawGRPOConfig.prompt_backward_checkpoint_layers (default: as --gradient-checkpointing); "
+        "--no-prompt-backward-checkpointing keeps every layer's graph over a chunk (pair with a small --chunk)",
+    )
+    ap.add_argument(
         "--profile-segment",
         type=int,
         default=0,
@@ -388,6 +395,7 @@ def longstraw_trainer(
         gradient_mode=gradient_mode,
         offload_prompt_state=args.offload,
         gradient_checkpointing=args.gradient_checkpointing,
+        prompt_backward_checkpoint_layers=args.prompt_backward_checkpointing,
         cp_size=args.cp_size,
         use_cpu=args.tiny,
         bf16=not args.tiny,
@@ -510,6 +518,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         replay_batch_tokens=args.replay_batch_tokens,
         # the replay's layers are recomputed in backward under TRL's gradient checkpointing (its default)
         checkpoint_layers=bool(trainer.args.gradient_checkpointing or trainer.args.replay_checkpoint_layers),
+        prompt_backward_checkpoint_layers=trainer.args.prompt_backward_checkpoint_layers,
         gradient_mode=trainer.args.gradient_mode,
         offload=trainer.args.offload_prompt_state,
         cp_size=trainer.args.cp_size,
@@ -520,6 +529,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         "gradient_mode": trainer.args.gradient_mode,
         "offload_prompt_state": trainer.args.offload_prompt_state,
         "gradient_checkpointing": trainer.args.gradient_checkpointing,
+        "prompt_backward_checkpoint_layers": trainer.args.prompt_backward_checkpoint_layers,
         "prompt_tokens_captured": int(m["longstraw/prompt_tokens"][-1]),
         "response_tokens_min_max": [
             int(min(m["completions/min_length"])),

@@ -154,6 +154,14 @@ def plan_main(argv: list[str]) -> int:
         "gradient_checkpointing=True); --no-checkpoint-layers plans without it",
     )
     ap.add_argument(
+        "--prompt-backward-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--gradient-mode full: the prompt backward's recomputed chunk checkpoints its layers (default: as "
+        "--checkpoint-layers); --no-prompt-backward-checkpointing keeps every layer's graph over a chunk "
+        "(LongStrawGRPOConfig.prompt_backward_checkpoint_layers=False)",
+    )
+    ap.add_argument(
         "--gradient-mode",
         choices=["response_only", "full"],
         default="response_only",
@@ -238,6 +246,7 @@ def _plan(a: argparse.Namespace) -> int:
         gpu_memory_gib=gpu,
         capture_chunk_size=a.chunk_size,
         checkpoint_layers=a.checkpoint_layers,
+        prompt_backward_checkpoint_layers=a.prompt_backward_checkpointing,
         replay_batch_tokens=a.replay_batch_tokens,
         gradient_mode=a.gradient_mode,
         prefix_sharing=a.prefix_sharing,

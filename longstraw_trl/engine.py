@@ -386,7 +386,7 @@ def backward_segment(
     start: int,
     head: Callable | None = None,
     loss: Callable[[object], torch.Tensor] | None = None,
-    checkpoint_layers: bool = False,
+    checkpoint_layers: bool | None = None,
 ):
     """Recompute the segment ``ids [1, T]`` at resident positions ``start ... start + T`` of ``state`` under
     autograd and back-propagate into the parameters: the gradient later segments sent to what it added to
@@ -400,7 +400,8 @@ def backward_segment(
     # HF's checkpointing may be reentrant, which runs the layer without a graph and would cut the K/V and states the
     # segment hands out: the engine's own (non-reentrant) layer checkpointing replaces it here
     with torch.enable_grad(), checkpointing_off(model) as hf:
-        checkpoint_layers = checkpoint_layers or (bool(hf) and model.training)
+        if checkpoint_layers is None:  # as the model's own (HF) checkpointing says
+            checkpoint_layers = bool(hf) and model.training
         ctx = ReplayContext(
             Mode.SEGMENT, view, checkpoint_layers=checkpoint_layers, grads=grads, segment=(start, end)
         )
@@ -420,7 +421,7 @@ def prompt_backward(
     state: PromptState,
     model: nn.Module,
     grads: StateGrads,
-    checkpoint_layers: bool = False,
+    checkpoint_layers: bool | None = None,
     progress: bool | None = None,
     no_sync: Callable | None = None,
     sync_last: bool = False,
@@ -491,7 +492,7 @@ def replay_blocks_backward(
     grads: StateGrads | None = None,
     return_entropy: bool = False,
     entropy_grad: bool = False,
-    checkpoint_layers: bool = False,
+    checkpoint_layers: bool | None = None,
     no_sync: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Reverse block replay of one response: the gradient of ``loss(logps, entropies)`` (``[R]`` each) with

@@ -479,6 +479,7 @@ def plan_memory(
     host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB / DEFAULT_RANKS_PER_HOST,
     prefix_sharing: bool = False,
     fsdp_size: int = 0,
+    prompt_backward_checkpoint_layers: bool | None = None,
 ) -> MemoryPlan:
     """Per-rank memory of a LongStraw GRPO step on ``config`` (bf16 weights by default).
 
@@ -490,6 +491,9 @@ def plan_memory(
     ``offload_prompt_state``) moves the offloadable state to :attr:`MemoryPlan.host_state` and adds the running
     layer's streamed-back bytes (:func:`offload_bytes`) to both peaks; it fits only if that host state is at most
     ``host_memory_gib`` (this rank's share of the host's memory: a 2 TiB host with 8 GPUs by default).
+    ``prompt_backward_checkpoint_layers`` (the trainer's option; ``None``: as ``checkpoint_layers``): whether the
+    full gradient's recomputed chunk checkpoints its layers (their inputs and one layer's graph) or keeps every
+    layer's graph over the chunk.
     ``fsdp_size``: the policy sharded with FSDP2 over that many ranks (0: not wrapped; 1: FSDP2 on one GPU, whose shards
     are the whole parameters and whose gathered copies are all overhead; weights, gradients and optimizer states by
     :func:`fsdp_shard_elements`; plus :attr:`MemoryPlan.fsdp_gathered` and, since the replays accumulate under
@@ -586,7 +590,12 @@ def plan_memory(
             config, prompt_tokens, cp_size, page_size, dtype_bytes, capture_chunk_size, offload
         )
         segment = min(capture_chunk_size, max(prompt_tokens - 1, 1))
-        if checkpoint_layers:
+        segment_checkpointed = (
+            checkpoint_layers
+            if prompt_backward_checkpoint_layers is None
+            else prompt_backward_checkpoint_layers
+        )
+        if segment_checkpointed:
             segment_graph = len(types) * segment * config.hidden_size * dtype_bytes + max(
                 _layer_graph_bytes(config, t, segment, dtype_bytes) for t in set(types)
             )
@@ -596,7 +605,7 @@ def plan_memory(
         attention_layers = sum(t == "full_attention" for t in types)
         handed_back = attention_layers * segment * 2 * kv * (dtype_bytes + 4)
         plan.prompt_backward_graph = segment_graph + handed_back
-        if checkpoint_layers:
+        if segment_checkpointed:
             plan.prompt_backward_page_parts = kept_page_parts_bytes(config, types, segment)
         plan.notes.append(
             "gradient_mode='full': dK/dV buffers, kept GDN / window boundary states, one layer's dK/dV"

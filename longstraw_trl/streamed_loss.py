@@ -122,6 +122,8 @@ class LossOptions:
         replay_checkpoint_layers: recompute each decoder layer of a replay in backward.
         gradient_checkpointing: HF's activation checkpointing is on (a recomputed segment then checkpoints its
             layers with the engine's own non-reentrant checkpointing instead).
+        prompt_backward_checkpoint_layers: whether the prompt backward's recomputed capture chunks checkpoint their
+            layers (``None``: as the replays' segments do).
         capture_chunk_size: the router statistics' chunking (MoE load-balancing loss).
     """
 
@@ -132,10 +134,18 @@ class LossOptions:
     replay_checkpoint_layers: bool = False
     gradient_checkpointing: bool = False
     capture_chunk_size: int | None = None
+    prompt_backward_checkpoint_layers: bool | None = None
 
     @property
-    def segment_checkpoint_layers(self) -> bool:
-        return bool(self.gradient_checkpointing or self.replay_checkpoint_layers)
+    def segment_checkpoint_layers(self) -> bool | None:
+        """A recomputed segment's layer checkpointing: on with either option, else as the model's own (``None``)."""
+        return True if self.gradient_checkpointing or self.replay_checkpoint_layers else None
+
+    @property
+    def prompt_segment_checkpoint_layers(self) -> bool | None:
+        if self.prompt_backward_checkpoint_layers is not None:
+            return self.prompt_backward_checkpoint_layers
+        return self.segment_checkpoint_layers
 
 
 @dataclass(frozen=True)
@@ -591,7 +601,7 @@ class StreamedLoss:
                         entry.state,
                         model,
                         grads,
-                        checkpoint_layers=options.segment_checkpoint_layers,
+                        checkpoint_layers=options.prompt_segment_checkpoint_layers,
                         no_sync=no_sync,
                         sync_last=last,
                         segment_loss=segment_loss,

@@ -510,6 +510,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 replay_checkpoint_layers=args.replay_checkpoint_layers,
                 gradient_checkpointing=bool(args.gradient_checkpointing),
                 capture_chunk_size=args.capture_chunk_size,
+                prompt_backward_checkpoint_layers=args.prompt_backward_checkpoint_layers,
             ),
             self,
             self.prompt_states,

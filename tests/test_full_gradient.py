@@ -378,6 +378,42 @@ def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer(lora)
     assert_updates_match(start, stock_weights, ours)
 
 
+@pytest.mark.parametrize("checkpointed", [None, False], ids=["as_trl", "off"])
+def test_train_full_gradient_with_and_without_prompt_backward_checkpointing(checkpointed, monkeypatch):
+    """`prompt_backward_checkpoint_layers=False` under TRL's default checkpointing: the prompt backward's chunks keep
+    every layer's activations (the engine's layer checkpoint is never entered: one forward less per layer) and the
+    weight updates still equal stock GRPOTrainer's; `None` checkpoints them as TRL's option says."""
+    import longstraw_trl.hooks as hooks
+    import longstraw_trl.streamed_loss as streamed_loss
+
+    entered, inside = (
+        [],
+        [],
+    )  # the engine's layer checkpoints entered during a prompt backward (not the replays')
+    real_checkpoint, real_prompt_backward = hooks.checkpoint, streamed_loss.prompt_backward
+
+    def counted(*args, **kwargs):
+        if inside:
+            entered.append(1)
+        return real_checkpoint(*args, **kwargs)
+
+    def marked(*args, **kwargs):
+        inside.append(1)
+        try:
+            return real_prompt_backward(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(hooks, "checkpoint", counted)
+    monkeypatch.setattr(streamed_loss, "prompt_backward", marked)
+    start, stock_weights, ours = train_stock_and_full(
+        full_overrides={"prompt_backward_checkpoint_layers": checkpointed}
+    )
+    assert ours.args.gradient_checkpointing and ours.args.gradient_mode == "full"
+    assert bool(entered) == (checkpointed is None), len(entered)
+    assert_updates_match(start, stock_weights, ours)
+
+
 def _replayed_for_prompt_backward(family: str):
     """A tiny model, a 25-token prompt captured in chunks of 8 with its boundaries kept, and the gradient one replay
     sent to the prompt state: what a prompt backward starts from."""

@@ -490,3 +490,20 @@ def test_plan_of_fsdp2_at_world_size_one_against_the_device():
         assert abs(plan.peak / GiB - measured[fsdp]) <= 0.10 * measured[fsdp], (fsdp, plan.peak / GiB)
     overhead, planned = measured[1] - measured[0], (plans[1].capture_peak - plans[0].capture_peak) / GiB
     assert 0 < overhead <= planned <= overhead + 1.5, (overhead, planned)
+
+
+def test_prompt_backward_checkpointing_is_planned_on_its_own():
+    """`prompt_backward_checkpoint_layers=False` under checkpointed replays: the prompt backward's segment is planned
+    as an unchecked one (every layer's graph over a chunk, no kept page parts), the replays as checkpointed."""
+    config = preset_config("qwen3.6-27b", 8)
+    common = dict(
+        num_generations=8, response_tokens=256, lora_rank=64, gradient_mode="full", capture_chunk_size=2048
+    )
+    checkpointed = plan_memory(config, 65536, checkpoint_layers=True, **common)
+    unchecked = plan_memory(config, 65536, checkpoint_layers=False, **common)
+    mixed = plan_memory(
+        config, 65536, checkpoint_layers=True, prompt_backward_checkpoint_layers=False, **common
+    )
+    assert mixed.prompt_backward_graph == unchecked.prompt_backward_graph > checkpointed.prompt_backward_graph
+    assert mixed.prompt_backward_page_parts == 0 < checkpointed.prompt_backward_page_parts
+    assert mixed.response_graph == checkpointed.response_graph < unchecked.response_graph
