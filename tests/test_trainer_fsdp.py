@@ -209,9 +209,8 @@ def test_generation_keeps_fsdp2_units_gathered_within_the_budget(tmp_path, monke
     gathers = []
     unshard = FSDPParamGroup.unshard
 
-    def counted(
-        group, *args, **kwargs
-    ):  # a gather happens (torch >= 2.12 aliases at world size 1, not a copy)
+    def counted(group, *args, **kwargs):
+        # counted where a gather happens (torch >= 2.12 aliases the shard at world size 1 rather than copying it)
         if group._all_gather_result is None and not group.is_unsharded:
             gathers.append(1)
         return unshard(group, *args, **kwargs)
