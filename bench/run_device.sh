@@ -31,6 +31,8 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh segment-bwd --prompts 262144 ...  # cuDNN backward, full mode
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh gdn-bwd     # issue 25: GDN backward via fla + our dqkwg
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh prefix-tree # prefix sharing: 8 decision points of a 512K trajectory
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full-262k   # issue 25: response-only and full at 262K
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh pb-ckpt-128k # issue 25: prompt backward with / without checkpointing
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp1-plain # issue 28: the 27B LoRA step at 512K, plain (then fsdp1)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp1       # the same step under FSDP2 at world size 1; vs plain
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cp2         # on nvidia-h200-x2: the same step, CP2 (cp2.yaml)
@@ -444,6 +446,24 @@ full)  # the whole Qwen3.6-27B with LoRA r=64: LongStraw steps vs floors, then s
   cd bench
   PYTHONPATH=$path timeout 590 python3 -u full_model.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/full.log" \
     | tail -16
+  ;;
+full-262k)  # issue 25: the whole 27B's GRPO step at 262K, response-only then full (TRL's checkpointing, 16K chunks),
+           # each phase beside its floor; last measured in session 12 (prompt backward 3.1x its floor), before the kept
+           # page parts (session 16) and the cuDNN backward (session 13)
+  shift
+  cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 590 python3 -u full_model.py --skip-stock --prompts 262144 \
+    --response 256 --gradient-modes response_only full --warmup-prompt 16384 --warmup-response 8 --budget-s 560 \
+    --tag _full_P256K_v2 "$@" 2>&1 | grep -v -i warn | tee "$OUT/full_262k.log" | tail -8
+  ;;
+pb-ckpt-128k)  # issue 25 (session 17): the full step at 128K with 1K chunks, the prompt backward checkpointed (as TRL's
+               # default) and then not (prompt_backward_checkpoint_layers=False, planned 134 GiB): two processes
+  shift
+  cd bench
+  for pb in --prompt-backward-checkpointing --no-prompt-backward-checkpointing; do
+    PYTHONPATH=/tmp/site:/tmp/fla timeout 290 python3 -u full_model.py --skip-stock --prompts 131072 --response 256 \
+      --gradient-modes full --chunk 1024 --warmup-prompt 4096 --warmup-response 8 --budget-s 270 "$pb" \
+      --tag "_full_P128K_chunk1K${pb#--}" "$@" 2>&1 | grep -v -i warn | tee "$OUT/pb_ckpt${pb#--}.log" | tail -4
+  done
   ;;
 fsdp1-plain|fsdp1|cp2|fsdp2-cp2)
   # issue 28 (docs/fsdp.md): one LongStrawGRPOTrainer step of the whole Qwen3.6-27B, LoRA r=64, P = 512K, R = 256,
