@@ -192,8 +192,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             first decode step to the last: FSDP2 otherwise gathers every layer for every generated token (R
             all-gathers of the whole model; at world size 1 on torch 2.11 a copy of it, which made the 27B's
             generation 2.3x the unwrapped model's on an H100). Units are kept in module order while the budget
-            lasts. `None`: what the GPU can still give less 2 GiB and 5% of the card; `0`: gather per token. No
-            effect without FSDP2.
+            lasts; where units are left to gather per token, the decode steps run eagerly (no CUDA graph). `None`:
+            what the GPU can still give less 2 GiB and 5% of the card; `0`: gather per token. No effect without
+            FSDP2.
         kernel_cache_dir (`str` or `None`, *optional*, defaults to `"auto"`):
             Where Triton keeps the compiled GPU kernels and its autotuning choices (ours and fla's). A fresh process
             on an empty cache compiles and autotunes them during its first step: on the whole Qwen3.6-27B at 32K

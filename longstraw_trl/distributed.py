@@ -204,7 +204,8 @@ def _free_device_bytes(device: torch.device) -> int:
 def fsdp2_units_kept_gathered(model: nn.Module, budget_bytes: int | None = None) -> Iterator[int]:
     """Inside the block, ``model``'s FSDP2 units stay gathered from their first forward to the block's end, as many
     (in module order) as ``budget_bytes`` of gathered parameters allow (``None``: what the GPU can still give, less a
-    margin; 0: none). Yields how many units are kept.
+    margin; 0: none). Yields how many units still gather (and free) around every forward: the decode step then holds
+    FSDP2's collectives, which the caller keeps out of a CUDA graph.
 
     A decode step runs every layer for one token, and FSDP2 gathers each unit before its forward and frees it after:
     R tokens cost R all-gathers of the whole model (at world size 1 a copy of it: generation took 2.3x the unwrapped
@@ -212,26 +213,35 @@ def fsdp2_units_kept_gathered(model: nn.Module, budget_bytes: int | None = None)
     keeps gathered after their forward (the root; Accelerate's output head) are left as they are."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     kept: list[FSDPModule] = []
+    left = 0
     try:
-        if units and budget_bytes != 0:
+        if units:
             device = next(p.device for p in model.parameters())
-            budget = _free_device_bytes(device) if budget_bytes is None else budget_bytes
+            budget = (
+                0
+                if budget_bytes == 0
+                else _free_device_bytes(device)
+                if budget_bytes is None
+                else budget_bytes
+            )
             for unit in units:
                 groups = _param_groups(unit)
-                # only units resharded to their own mesh after forward (an int reshard_after_forward is left alone)
-                if not groups or any(g.post_forward_mesh_info != g.mesh_info for g in groups):
+                # only units resharded after forward (FSDP2 keeps the others gathered; an int reshard_after_forward,
+                # resharding to a smaller mesh, is left as it is and still gathers)
+                if not groups or all(g.post_forward_mesh_info is None for g in groups):
                     continue
                 size = sum(
                     fp.sharded_param.numel() * fp.sharded_param.element_size()
                     for g in groups
                     for fp in g.fsdp_params
                 )
-                if size > budget:
+                if size > budget or any(g.post_forward_mesh_info != g.mesh_info for g in groups):
+                    left += 1
                     continue
                 budget -= size
                 unit.set_reshard_after_forward(False, recurse=False)
                 kept.append(unit)
-        yield len(kept)
+        yield left
     finally:
         for unit in kept:
             unit.set_reshard_after_forward(True, recurse=False)

@@ -79,8 +79,12 @@ class Rollout:
         model = self.prompt_states.model
         with (
             self.host.graph_free(model, cast_adapters=True),
-            fsdp2_units_kept_gathered(model, self.fsdp_gather_bytes),
+            fsdp2_units_kept_gathered(model, self.fsdp_gather_bytes) as still_gathering,
         ):
+            if (
+                still_gathering
+            ):  # FSDP2 units gathered and freed around every forward: no CUDA graph of the step
+                kwargs["cuda_graphs"] = False
             return state.generate(
                 model, num_generations, self.sampling.max_new_tokens, input_length=input_length, **kwargs
             )

@@ -98,6 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--family", default="qwen3", choices=["qwen3", "qwen3_5", "qwen3_moe", "glm_moe_dsa", *MOE_FAMILIES]
     )
+    ap.add_argument(
+        "--generation-gather-gib",
+        type=float,
+        default=None,
+        help="LongStrawGRPOConfig.generation_fsdp_gather_gib (0: FSDP2 gathers every unit per decode token)",
+    )
     ap.add_argument("--ep-size", type=int, default=1)
     ap.add_argument("--ep-implementation", default="all_reduce")
     ap.add_argument("--router-aux", type=float, default=0.0, help="router_aux_loss_coef (qwen3_moe)")
@@ -171,6 +177,7 @@ def _trainer(a: argparse.Namespace, model, peft):
         peft_config=peft,
         ep_size=a.ep_size,
         ep_implementation=a.ep_implementation,
+        generation_fsdp_gather_gib=a.generation_gather_gib,
         **({"router_aux_loss_coef": a.router_aux} if a.family == "qwen3_moe" else {}),
     )
 

@@ -192,6 +192,19 @@ def test_fsdp2_step_on_a_bf16_model_with_fp32_lora_masters(tmp_path):
     assert_step_matches(sharded, grads, params, "FSDP2 bf16 model, fp32 adapters")
 
 
+@pytest.mark.parametrize("gib", ["0", "1"], ids=["per_token", "kept"])
+def test_fsdp2_step_whatever_the_generation_gather_budget(tmp_path, gib):
+    """`generation_fsdp_gather_gib` 0 (FSDP2 gathers every unit per decode token; the decode then stays out of a CUDA
+    graph) or 1 GiB (the tiny model's units kept gathered through the generation): the FSDP2 step equals the
+    single-process one either way."""
+    extra = ["--lora", "--generation-gather-gib", gib]
+    single = _single(tmp_path / "single.json", *extra)
+    sharded = launch_step(FSDP2_CONFIG, tmp_path / "fsdp.json", *extra, num_processes=1)
+    params = {n: torch.tensor(p) for n, p in single["params"].items()}
+    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
+    assert_step_matches(sharded, grads, params, f"FSDP2, generation gather budget {gib} GiB")
+
+
 def test_generation_keeps_fsdp2_units_gathered_within_the_budget(tmp_path, monkeypatch):
     """A decode step runs every layer for one token, and FSDP2 gathers each unit before its forward and frees it
     after: R tokens were R all-gathers of the whole model (at world size 1 a copy: the 27B's generation took 2.3x the
@@ -229,9 +242,9 @@ def test_generation_keeps_fsdp2_units_gathered_within_the_budget(tmp_path, monke
         tokens, counts = {}, {}
         for budget in (0, None):
             gathers.clear()
-            with torch.no_grad(), fsdp2_units_kept_gathered(model, budget) as kept:
+            with torch.no_grad(), fsdp2_units_kept_gathered(model, budget) as still_gathering:
                 tokens[budget] = state.generate(model, 2, 6, do_sample=False)
-            counts[budget] = (kept, len(gathers))
+            counts[budget] = (still_gathering, len(gathers))
             # the layers are sharded again (the root stays gathered after its forward: FSDP2's own choice)
             assert all(isinstance(p, DTensor) for p in model.model.layers.parameters()), (
                 "a layer was left gathered"
@@ -240,8 +253,8 @@ def test_generation_keeps_fsdp2_units_gathered_within_the_budget(tmp_path, monke
         dist.destroy_process_group()
     layers = len(model.model.layers)
     assert torch.equal(tokens[0], tokens[None])
-    assert counts[0][0] == 0 and counts[0][1] >= 6 * layers  # every token gathers every layer
-    assert counts[None][0] == layers  # the root stays gathered after its forward anyway: left alone
+    assert counts[0][0] == layers and counts[0][1] >= 6 * layers  # every token gathers every layer
+    assert counts[None][0] == 0  # every layer kept (the root stays gathered after its forward anyway)
     assert counts[None][1] <= len(units)  # once each
 
 
