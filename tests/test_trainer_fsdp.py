@@ -60,14 +60,25 @@ def assert_step_matches(
         assert worst_param <= 1e-5
 
 
+def _assert_matches_single(single: dict, sharded: dict, what: str) -> None:
+    """The FSDP2 step's gathered gradients and updated parameters against the single-process step's."""
+    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
+    params = {n: torch.tensor(p) for n, p in single["params"].items()}
+    assert_step_matches(sharded, grads, params, what)
+
+
+def _world_one(tmp_path: Path, *extra: str) -> tuple[dict, dict]:
+    """The single-process step, and the same step under fsdp2.yaml on one process."""
+    single = _single(tmp_path / "single.json", *extra)
+    return single, launch_step(FSDP2_CONFIG, tmp_path / "fsdp.json", *extra, num_processes=1)
+
+
 def _check_cp2(tmp_path: Path, *extra: str) -> None:
     single = _single(tmp_path / "single.json", *extra)
     sharded = _fsdp2(tmp_path / "fsdp.json", "--cp-size", "2", *extra)
     assert len(single["loss"]) == len(sharded["loss"]) == 1
     assert abs(single["loss"][0] - sharded["loss"][0]) <= 1e-5
-    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
-    params = {n: torch.tensor(p) for n, p in single["params"].items()}
-    assert_step_matches(sharded, grads, params, f"FSDP2 x CP2 {' '.join(extra)}")
+    _assert_matches_single(single, sharded, f"FSDP2 x CP2 {' '.join(extra)}")
 
 
 def test_fsdp2_cp2_full_gradient_step_equals_single_process(tmp_path):
@@ -169,12 +180,8 @@ def test_a_second_trainer_on_an_fsdp2_sharded_model(tmp_path):
     one; a notebook re-run): the layers are FSDP2's subclasses by then, which Accelerate's wrap policy did not find by
     name ("Could not find the transformer layer class Qwen3DecoderLayer"; the 27B under FSDP2 failed on the device,
     session 16). Its step equals the same two trainers' second step in one process without FSDP2."""
-    extra = ["--lora", "--second-trainer"]
-    single = _single(tmp_path / "single.json", *extra)
-    sharded = launch_step(FSDP2_CONFIG, tmp_path / "fsdp.json", *extra, num_processes=1)
-    params = {n: torch.tensor(p) for n, p in single["params"].items()}
-    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
-    assert_step_matches(sharded, grads, params, "FSDP2 second trainer")
+    single, sharded = _world_one(tmp_path, "--lora", "--second-trainer")
+    _assert_matches_single(single, sharded, "FSDP2 second trainer")
 
 
 def test_fsdp2_step_on_a_bf16_model_with_fp32_lora_masters(tmp_path):
@@ -183,13 +190,9 @@ def test_fsdp2_step_on_a_bf16_model_with_fp32_lora_masters(tmp_path):
     dtype (it reads it at the first forward, the capture) and hand their fp32 masters a bf16 gradient ("attempting to
     assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'": the whole 27B at world size 1
     on the device, session 17). The step equals the single-process one."""
-    extra = ["--lora", "--model-bf16", "--bf16"]
-    single = _single(tmp_path / "single.json", *extra)
-    sharded = launch_step(FSDP2_CONFIG, tmp_path / "fsdp.json", *extra, num_processes=1)
+    single, sharded = _world_one(tmp_path, "--lora", "--model-bf16", "--bf16")
     assert sharded["loss"] == pytest.approx(single["loss"], abs=1e-6)
-    params = {n: torch.tensor(p) for n, p in single["params"].items()}
-    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
-    assert_step_matches(sharded, grads, params, "FSDP2 bf16 model, fp32 adapters")
+    _assert_matches_single(single, sharded, "FSDP2 bf16 model, fp32 adapters")
 
 
 @pytest.mark.parametrize("gib", ["0", "1"], ids=["per_token", "kept"])
@@ -197,12 +200,8 @@ def test_fsdp2_step_whatever_the_generation_gather_budget(tmp_path, gib):
     """`generation_fsdp_gather_gib` 0 (FSDP2 gathers every unit per decode token; the decode then stays out of a CUDA
     graph) or 1 GiB (the tiny model's units kept gathered through the generation): the FSDP2 step equals the
     single-process one either way."""
-    extra = ["--lora", "--generation-gather-gib", gib]
-    single = _single(tmp_path / "single.json", *extra)
-    sharded = launch_step(FSDP2_CONFIG, tmp_path / "fsdp.json", *extra, num_processes=1)
-    params = {n: torch.tensor(p) for n, p in single["params"].items()}
-    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
-    assert_step_matches(sharded, grads, params, f"FSDP2, generation gather budget {gib} GiB")
+    single, sharded = _world_one(tmp_path, "--lora", "--generation-gather-gib", gib)
+    _assert_matches_single(single, sharded, f"FSDP2, generation gather budget {gib} GiB")
 
 
 def test_generation_keeps_fsdp2_units_gathered_within_the_budget(tmp_path, monkeypatch):
