@@ -166,10 +166,8 @@ def stage_on_host_for_fsdp2(model: nn.Module, world: int, free_bytes: int | None
     on_gpu = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
     if not on_gpu:
         return 0
-    device = next(t.device for t in tensors if t.is_cuda)
     if free_bytes is None:
-        free, _ = torch.cuda.mem_get_info(device)
-        free_bytes = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free_bytes, _ = _available_device_bytes(next(t.device for t in tensors if t.is_cuda))
     total = sum(on_gpu.values())
     # this rank's shards, the trainable ones upcast to fp32 (Accelerate's masters under mixed precision), a margin
     trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad and p.is_cuda)
@@ -190,14 +188,19 @@ def _param_groups(unit: FSDPModule) -> list:
     return groups
 
 
-def _free_device_bytes(device: torch.device) -> int:
-    """What the GPU can still give (free plus the allocator's cached blocks) less a margin for the work itself (2 GiB
-    and 5% of the card); unbounded on the CPU."""
+def _available_device_bytes(device: torch.device) -> tuple[int, int]:
+    """What the GPU can still give (free plus the allocator's cached blocks), and its total memory."""
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+
+
+def _gather_budget_bytes(device: torch.device) -> int:
+    """What the GPU can still give less a margin for the work itself (2 GiB and 5% of the card); unbounded on the
+    CPU."""
     if device.type != "cuda":
         return sys.maxsize
-    free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(0, free + cached - 2**31 - total // 20)
+    available, total = _available_device_bytes(device)
+    return max(0, available - 2**31 - total // 20)
 
 
 @contextlib.contextmanager
@@ -217,13 +220,7 @@ def fsdp2_units_kept_gathered(model: nn.Module, budget_bytes: int | None = None)
     try:
         if units:
             device = next(p.device for p in model.parameters())
-            budget = (
-                0
-                if budget_bytes == 0
-                else _free_device_bytes(device)
-                if budget_bytes is None
-                else budget_bytes
-            )
+            budget = _gather_budget_bytes(device) if budget_bytes is None else budget_bytes
             for unit in units:
                 groups = _param_groups(unit)
                 # only units resharded after forward (FSDP2 keeps the others gathered; an int reshard_after_forward,
