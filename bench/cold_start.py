@@ -85,26 +85,33 @@ def _listen_to_compilations(stats: dict) -> None:
     knobs.compilation.listener = listener
 
 
+def _timed(fn, stats: dict, count: str, seconds: str, each=None):
+    """``fn``, each call counted in ``stats[count]`` and its seconds added to ``stats[seconds]``; ``each(*args)``
+    after every call (the call's own arguments)."""
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stats[seconds] += time.perf_counter() - t
+            stats[count] += 1
+            if each is not None:
+                each(*args)
+
+    return timed
+
+
 def _time_host_builds(stats: dict) -> None:
     """Count and time what Triton builds with the host's C compiler (``triton.runtime.build._build``: each kernel
-    signature's launcher, and Triton's own driver utilities once per cache directory), by module name."""
+    signature's launcher, and Triton's own driver utilities once per cache directory)."""
     try:
         import triton.runtime.build as triton_build
     except ImportError:
         return
     stats["host_builds"] = 0
     stats["host_build_s"] = 0.0
-    build = triton_build._build
-
-    def timed_build(name, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return build(name, *args, **kwargs)
-        finally:
-            stats["host_builds"] += 1
-            stats["host_build_s"] = round(stats["host_build_s"] + time.perf_counter() - t, 3)
-
-    triton_build._build = timed_build
+    triton_build._build = _timed(triton_build._build, stats, "host_builds", "host_build_s")
 
 
 class StepStackSampler:
@@ -178,20 +185,15 @@ def child(argv: list[str], dump_pins: str | None) -> None:
     except ImportError:  # CPU machine without Triton: nothing to count
         Autotuner = None
     if Autotuner is not None:
-        bench = Autotuner._bench
 
-        def timed_bench(self, *args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return bench(self, *args, **kwargs)
-            finally:
-                stats["autotune_s"] += time.perf_counter() - t
-                stats["autotune_configs_benchmarked"] += 1
-                name = getattr(getattr(self, "fn", None), "__name__", "?")
-                if name not in stats["autotuned_kernels"]:
-                    stats["autotuned_kernels"].append(name)
+        def note_kernel(tuner, *args) -> None:
+            name = getattr(getattr(tuner, "fn", None), "__name__", "?")
+            if name not in stats["autotuned_kernels"]:
+                stats["autotuned_kernels"].append(name)
 
-        Autotuner._bench = timed_bench
+        Autotuner._bench = _timed(
+            Autotuner._bench, stats, "autotune_configs_benchmarked", "autotune_s", note_kernel
+        )
     _listen_to_compilations(stats)
     _time_host_builds(stats)
     sampler = StepStackSampler()
@@ -216,6 +218,8 @@ def child(argv: list[str], dump_pins: str | None) -> None:
         runpy.run_path(str(HERE / "full_model.py"), run_name="__main__")
     finally:
         stats["process_s"] = time.perf_counter() - t0
+        if "host_build_s" in stats:
+            stats["host_build_s"] = round(stats["host_build_s"], 3)
         if sampler is not None:
             sampler.stop()
             stats["first_step_extra_by_stack"] = sampler.first_over_second()
