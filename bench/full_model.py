@@ -76,7 +76,7 @@ from transformers.trainer_callback import PrinterCallback
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, PromptState
 from longstraw_trl import engine as longstraw_engine
 from longstraw_trl.distributed import is_fsdp2
-from longstraw_trl.planner import plan_memory
+from longstraw_trl.planner import GPU_MEMORY_GIB, plan_memory
 from longstraw_trl.planner import state_bytes as planned_state_bytes
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
 
@@ -124,7 +124,12 @@ def parse_args() -> argparse.Namespace:
         help="graph_free_fused_kernels (--no-fused-kernels: HF's norm and MLP forwards in capture and generation)",
     )
     ap.add_argument("--page", type=int, default=16384, help="page_size")
-    ap.add_argument("--lora-rank", type=int, default=64)
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=64,
+        help="LoRA rank on every linear layer; 0: full fine-tuning (every parameter trained; with --skip-stock)",
+    )
     ap.add_argument("--stock-prompts", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288])
     ap.add_argument("--budget-s", type=float, default=540.0, help="deadline for the whole script")
     ap.add_argument("--skip-stock", action="store_true")
@@ -188,6 +193,10 @@ def parse_args() -> argparse.Namespace:
     if args.tiny:
         ap.set_defaults(**TINY)
         args = ap.parse_args()
+    if args.lora_rank < 0:
+        ap.error(f"--lora-rank {args.lora_rank}: a rank, or 0 for full fine-tuning")
+    if args.lora_rank == 0 and not args.skip_stock:
+        ap.error("--lora-rank 0 (full fine-tuning) needs --skip-stock: the stock side shares a PEFT model")
     if args.warmup_prompt is None:
         args.warmup_prompt = 3 * args.chunk
     return args
@@ -231,14 +240,19 @@ def measure_rates(config, chunk: int, dev: str, dtype: torch.dtype) -> dict:
 class Floors:
     """Lower bounds of each phase from parameter counts, state bytes and the measured rates."""
 
-    def __init__(self, peft_model, config, rates: dict, dtype_bytes: int):
-        base = peft_model.get_base_model()
+    def __init__(self, policy, config, rates: dict, dtype_bytes: int):
+        # the PEFT model's base, or the model itself under full fine-tuning
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         embed, head = base.get_input_embeddings().weight, base.get_output_embeddings().weight
-        params = [p for p in peft_model.parameters() if p is not embed]
+        params = [p for p in policy.parameters() if p is not embed and p is not head]
+        # trained parameters cost 6 FLOP a token forward and backward (dX and dW), frozen ones 4 (dX only): LoRA's
+        # adapters, or with full fine-tuning the whole decoder
         self.lora = sum(p.numel() for p in params if p.requires_grad)
         self.head = head.numel()
-        self.decoder = sum(p.numel() for p in params if not p.requires_grad) - self.head
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in params)  # read per decode step
+        self.head_trained = head.requires_grad
+        self.decoder = sum(p.numel() for p in params if not p.requires_grad)
+        # read per decode step: every weight but the input embedding (a gather); the head's too where it is tied
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in [*params, head])
         self.config, self.rates, self.dtype_bytes = config, rates, dtype_bytes
         self.attn_per_pair = config.num_attention_heads * config.head_dim * full_attention_layers(config)
         self.matmul, self.attn = rates["matmul_tflops"] * 1e12, rates["attention_tflops"] * 1e12
@@ -261,8 +275,10 @@ class Floors:
         return dense + 6 * p * p * self.attn_per_pair / self.attn
 
     def replay(self, p: int, r: int, state: int) -> float:
-        """One response: forward + backward to the LoRA weights."""
-        dense = (4 * (self.decoder + self.head) + 6 * self.lora) * r / self.matmul
+        """One response: forward + backward to the trained weights (the head's dW too where it is trained)."""
+        dense = (
+            (4 * self.decoder + (6 if self.head_trained else 4) * self.head + 6 * self.lora) * r / self.matmul
+        )
         flops = dense + 10 * self.attn_per_pair * r * p / self.attn
         return max(flops, (3 * self.weight_bytes + 2 * state) / self.bandwidth)
 
@@ -270,7 +286,8 @@ class Floors:
         return {
             "decoder_params": self.decoder,
             "head_params": self.head,
-            "lora_params": self.lora,
+            "lora_params": self.lora,  # the trained parameters but the head (the whole decoder without LoRA)
+            "head_trained": self.head_trained,
             "weight_bytes_read_per_decode_step": self.weight_bytes,
         }
 
@@ -416,6 +433,13 @@ def longstraw_trainer(
     return trainer
 
 
+def _device_memory_gib() -> float:
+    """This card's memory, for the plan's ``fits`` (the planner's H200 figure in a CPU dry run)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
+    return GPU_MEMORY_GIB["h200"]
+
+
 def _guarded(fn, *args):
     """``fn(*args)``, or an OOM / error record; the failed call's tensors are freed before returning."""
     failure = None
@@ -511,7 +535,8 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         p,
         num_generations=g,
         response_tokens=r,
-        lora_rank=args.lora_rank,
+        lora_rank=args.lora_rank or None,  # None: full fine-tuning
+        gpu_memory_gib=_device_memory_gib(),
         capture_chunk_size=args.chunk,
         page_size=args.page,
         dtype_bytes=plan_dtype_bytes,
@@ -574,7 +599,7 @@ def estimate_longstraw(prev: dict, floors: Floors, args, p: int) -> float:
     )
 
 
-def run_longstraw(peft_model, tokenizer, floors, args, results: list, save, deadline, dtype_bytes) -> None:
+def run_longstraw(policy, tokenizer, floors, args, results: list, save, deadline, dtype_bytes) -> None:
     prev = {}  # by gradient mode
     for p, mode in [(p, mode) for p in args.prompts for mode in args.gradient_modes]:
         left = deadline - time.perf_counter()
@@ -600,7 +625,7 @@ def run_longstraw(peft_model, tokenizer, floors, args, results: list, save, dead
         )
         save()
         # a fresh trainer (and optimizer) per P, on the same PEFT model
-        trainer = longstraw_trainer(peft_model, tokenizer, args, p, args.response, gradient_mode=mode)
+        trainer = longstraw_trainer(policy, tokenizer, args, p, args.response, gradient_mode=mode)
         record_progress(trainer, results[-1], save)
         result = _guarded(longstraw_step, trainer, floors, args, p, args.response, dtype_bytes)
         del trainer
@@ -625,13 +650,11 @@ def stock_sequence(stock, config, p: int, r: int, dev: str, deadline: float) -> 
     return {k: None if v != v else v for k, v in out.items()}  # NaN peaks (CPU) as JSON null
 
 
-def run_stock(
-    peft_model, config, floors: Floors, args, section: dict, save, deadline: float, dev: str
-) -> None:
+def run_stock(policy, config, floors: Floors, args, section: dict, save, deadline: float, dev: str) -> None:
     ns = argparse.Namespace(groups=args.generations, response=args.response, chunk=args.chunk, page=args.page)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        stock, ours = build_trainers(peft_model, ns, dev)
+        stock, ours = build_trainers(policy, ns, dev)
     del ours
     # warm-up twice at a small P (first calls, allocator); the second one anchors the first estimate
     warm_p = min(1024, min(args.stock_prompts))
@@ -732,8 +755,15 @@ def main() -> None:
     with Timer() as t_build:
         model = build_model(config, dev, dtype)
     tokenizer = tokenizer_without_reachable_eos(config.vocab_size)
-    lora = LoraConfig(
-        r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear", task_type="CAUSAL_LM"
+    lora = (
+        LoraConfig(
+            r=args.lora_rank,
+            lora_alpha=2 * args.lora_rank,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+        if args.lora_rank
+        else None  # full fine-tuning
     )
     # the first trainer wraps the model with the LoRA adapters; later trainers (and stock) share its PEFT model
     # the warm-up runs in the last mode asked for: with "full", its prompt backward compiles what the full steps run
@@ -746,17 +776,21 @@ def main() -> None:
         peft_config=lora,
         gradient_mode=args.gradient_modes[-1],
     )
-    peft_model = trainer.accelerator.unwrap_model(trainer.model)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
     del model
-    floors = Floors(peft_model, config, rates, dtype_bytes)
+    floors = Floors(policy, config, rates, dtype_bytes)
 
     payload = {
         "preset": args.preset,
         "layers": config.num_hidden_layers,
         "full_attention_layers": full_attention_layers(config),
         "model": f"{args.preset}, {config.num_hidden_layers} layers, random init (initializer_range "
-        f"{config.initializer_range}), {str(dtype).removeprefix('torch.')}, LoRA r={args.lora_rank} "
-        f"alpha={2 * args.lora_rank} all-linear",
+        f"{config.initializer_range}), {str(dtype).removeprefix('torch.')}, "
+        + (
+            f"LoRA r={args.lora_rank} alpha={2 * args.lora_rank} all-linear"
+            if args.lora_rank
+            else "full fine-tuning"
+        ),
         "generations": args.generations,
         "response_tokens": args.response,
         "capture_chunk_size": args.chunk,
@@ -820,7 +854,7 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         trainer = None
-        run_longstraw(peft_model, tokenizer, floors, args, payload["longstraw"], save, deadline, dtype_bytes)
+        run_longstraw(policy, tokenizer, floors, args, payload["longstraw"], save, deadline, dtype_bytes)
     del trainer
     gc.collect()
     if torch.cuda.is_available():
@@ -831,7 +865,7 @@ def main() -> None:
             {"prompt_tokens": p, "ok": False, "skipped": "--skip-stock"} for p in args.stock_prompts
         ]
     else:
-        failure = _guarded(run_stock, peft_model, config, floors, args, payload["stock"], save, deadline, dev)
+        failure = _guarded(run_stock, policy, config, floors, args, payload["stock"], save, deadline, dev)
         if failure:
             payload["stock"].update(failure)
     payload["total_s"] = time.perf_counter() - start

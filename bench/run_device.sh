@@ -37,6 +37,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp1       # the same step under FSDP2 at world size 1; vs plain
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cp2         # on nvidia-h200-x2: the same step, CP2 (cp2.yaml)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp2-cp2   # on nvidia-h200-x2: FSDP2 x CP2 (fsdp2.yaml, 2 ranks)
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp2-cp8   # on nvidia-h200-x8: the 27B fully fine-tuned at 2M, FSDP2 x CP8
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -465,20 +466,26 @@ pb-ckpt-128k)  # issue 25 (session 17): the full step at 128K with 1K chunks, th
       --tag "_full_P128K_chunk1K${pb#--}" "$@" 2>&1 | grep -v -i warn | tee "$OUT/pb_ckpt${pb#--}.log" | tail -4
   done
   ;;
-fsdp1-plain|fsdp1|cp2|fsdp2-cp2)
+fsdp1-plain|fsdp1|cp2|fsdp2-cp2|fsdp2-cp8)
   # issue 28 (docs/fsdp.md): one LongStrawGRPOTrainer step of the whole Qwen3.6-27B, LoRA r=64, P = 512K, R = 256,
   # after full_model.py's warm-up step. fsdp1 wraps the policy with FSDP2 at world size 1 (examples/accelerate/
   # fsdp2.yaml on 1 process: every FSDP2 hook runs, every collective is trivial): its step must take at most 5% more
   # than fsdp1-plain's, run first on the same machine (its Triton cache then serves both). cp2 and fsdp2-cp2 run on
   # a 2-GPU machine (nvidia-h200-x2): CP2 under DDP, then FSDP2 x CP2 on the same 2 ranks.
+  # fsdp2-cp8 (nvidia-h200-x8, not run yet) is the README's planned target: the whole 27B *fully fine-tuned*
+  # (--lora-rank 0) at P = 2M, G = 8, R = 2048, FSDP2 x CP8 on 8 ranks (fsdp2_cp8.yaml; planned 116.56 GiB a rank in
+  # the replays without Accelerate's fp32 masters, docs/fsdp.md): the step, its peak a rank against that plan.
+  # Its warm-up prompt, 131072, gives each of the 8 ranks one 16K page.
   # FSDP1_PROMPT: another P (e.g. 262144 where 512K does not fit the lent GPU); the JSON names carry it.
   # FSDP1_TIMEOUT: seconds for this mode's step (default 590), e.g. 290 to run fsdp1-plain and fsdp1 in one call
+  # Later arguments go to full_model.py and win over these (e.g. fsdp1 --offload cpu --response 32 on an 80 GB card).
   mode=$1
   shift
-  P=${FSDP1_PROMPT:-524288}
+  P=${FSDP1_PROMPT:-$([[ $mode == fsdp2-cp8 ]] && echo 2097152 || echo 524288)}
   tagp=$([[ $P == 524288 ]] && echo 512k || echo "$P")
   limit=${FSDP1_TIMEOUT:-590}
-  common=(--skip-stock --prompts "$P" --response 256 --budget-s $((limit - 30)) "$@")
+  R=$([[ $mode == fsdp2-cp8 ]] && echo 2048 || echo 256)
+  common=(--skip-stock --prompts "$P" --response "$R" --budget-s $((limit - 30)) "$@")
   launch=(python3 -u -m accelerate.commands.launch --mixed_precision bf16)
   cd bench
   case $mode in
@@ -489,6 +496,9 @@ fsdp1-plain|fsdp1|cp2|fsdp2-cp2)
               --cp-size 2 --tag _cp2) ;;
     fsdp2-cp2) cmd=("${launch[@]}" --config_file ../examples/accelerate/fsdp2.yaml --num_processes 2 full_model.py
                     "${common[@]}" --cp-size 2 --tag _fsdp2_cp2) ;;
+    fsdp2-cp8) cmd=("${launch[@]}" --config_file ../examples/accelerate/fsdp2_cp8.yaml full_model.py
+                    --lora-rank 0 --warmup-prompt 131072 --warmup-response 32 "${common[@]}" --cp-size 8
+                    --tag "_fsdp2_cp8_full_finetune_$tagp") ;;
   esac
   PYTHONPATH=/tmp/site:/tmp/fla timeout "$limit" "${cmd[@]}" 2>&1 | grep -v -i warn | tee "$OUT/$mode.log" | tail -16
   # the plain step's JSON waits in /tmp (kept on a warm machine) for fsdp1's comparison

@@ -149,6 +149,25 @@ def test_full_model_dry_run_under_fsdp2_at_world_size_one(tmp_path):
     assert step["planner"]["fsdp_size"] == 1 and step["planner"]["fsdp_gathered_gib"] > 0
 
 
+def test_full_model_dry_run_fully_fine_tuned_under_fsdp2_x_cp2(tmp_path):
+    """`bash bench/run_device.sh fsdp2-cp8`'s path on two CPU processes: the whole model trained (--lora-rank 0, no
+    adapters) under fsdp2.yaml with cp_size=2, its floors counting every decoder parameter as trained, its plan
+    FSDP2's over both ranks."""
+    config = BENCH.parent / "examples" / "accelerate" / "fsdp2.yaml"
+    shim = Path(__file__).parent / "_fsdp_bench.py"
+    _run(tmp_path, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+         "--main_process_port", "0", str(shim), "full_model.py", "--tiny", "--skip-stock", "--prompts", "512",
+         "--lora-rank", "0", "--cp-size", "2", "--tag", "_fsdp2_cp2_fft")  # fmt: skip
+    data = json.loads((tmp_path / "full_model_qwen3.6-27b_tiny_fsdp2_cp2_fft.json").read_text())
+    assert data["model"].endswith("full fine-tuning")
+    params = data["params"]  # nothing frozen: every decoder parameter and the head are trained
+    assert params["decoder_params"] == 0 and params["lora_params"] > 0 and params["head_trained"]
+    assert data["longstraw_warmup"]["ok"]
+    (step,) = data["longstraw"]
+    assert step["ok"] and step["prompt_tokens_captured"] == 512
+    assert step["planner"]["fsdp_size"] == 2
+
+
 @pytest.mark.slow  # a subprocess that mostly imports (time budget); run before a device run
 def test_prefix_tree_smoke(tmp_path):
     _run(tmp_path, "prefix_tree.py", "--smoke")
