@@ -36,6 +36,8 @@ PLANNER_ONLY_MODEL_TYPES: tuple[str, ...] = ()
 
 # The LoRA rank a plan that does not fit is re-planned with (a common default, not a recommendation).
 SUGGESTED_LORA_RANK = 64
+# the smallest capture chunk a suggestion names: below it a chunk's GEMMs stop filling the GPU
+SMALLEST_SUGGESTED_CHUNK = 1024
 
 
 @dataclass
@@ -703,6 +705,29 @@ def _smallest_cp(
         cp *= 2
 
 
+def _suggested_chunk(config, prompt_tokens: int, page_size: int, plan_kwargs: dict) -> int | None:
+    """The largest power-of-two fraction of the capture chunk (down to :data:`SMALLEST_SUGGESTED_CHUNK`) at which
+    the plan fits, else the smallest one where it lowers the peak (for combinations); ``None`` where a smaller chunk
+    does not lower it. The chunk sets the capture's activations and, in the full gradient mode, the prompt
+    backward's graph, kept page parts and chunk recompute, which dominate that mode's peak."""
+    current = plan_kwargs.get("capture_chunk_size", 16384)
+    smaller = [
+        current >> k for k in range(1, current.bit_length()) if current >> k >= SMALLEST_SUGGESTED_CHUNK
+    ]
+    if not smaller:
+        return None
+    for chunk in smaller:
+        if plan_memory(
+            config, prompt_tokens, page_size=page_size, **{**plan_kwargs, "capture_chunk_size": chunk}
+        ).fits:
+            return chunk
+    peak = plan_memory(config, prompt_tokens, page_size=page_size, **plan_kwargs).peak
+    with_smallest = plan_memory(
+        config, prompt_tokens, page_size=page_size, **{**plan_kwargs, "capture_chunk_size": smaller[-1]}
+    )
+    return smaller[-1] if with_smallest.peak < peak else None
+
+
 def _suggested_ep(config, plan_kwargs: dict) -> int | None:
     """For an MoE model: the smallest power-of-two expert parallelism (at most the routed experts) above the
     current one at which a rank's expert weights take at most a quarter of the GPU; None without experts."""
@@ -725,7 +750,8 @@ def suggest_changes(
 
     The levers are ``--checkpoint-layers`` (when off), ``--lora-rank 64`` (when fully fine-tuning), for MoE
     models ``--ep`` (the smallest power of two at which a rank's experts take at most a quarter of the GPU),
-    ``--offload cpu`` (the prompt state in pinned host memory: the suggestion says how much), the smallest
+    ``--offload cpu`` (the prompt state in pinned host memory: the suggestion says how much), a smaller
+    ``--chunk-size`` (:func:`_suggested_chunk`; the full gradient mode's peak follows it), the smallest
     power-of-two ``--cp`` that fits, and the largest ``--prompt`` that fits (:func:`largest_prompt`, left out
     with ``vary_prompt=False``). They are tried alone, then together: a combination is kept only when no part
     of it already fits, and with ``--cp`` or ``--prompt`` only when it needs fewer ranks or allows a longer
@@ -753,6 +779,9 @@ def suggest_changes(
         levers.append((["--ep", str(ep)], {"ep_size": ep}))
     if plan_kwargs.get("offload") is None:
         levers.append((["--offload", "cpu"], {"offload": "cpu"}))
+    chunk = _suggested_chunk(config, prompt_tokens, page_size, plan_kwargs)
+    if chunk:
+        levers.append((["--chunk-size", str(chunk)], {"capture_chunk_size": chunk}))
     out: list[Suggestion] = []
     fits_alone: list[frozenset[int]] = []
     best: dict[frozenset[int], tuple[int | None, int]] = {}  # lever set -> (smallest cp, largest prompt)
@@ -790,7 +819,8 @@ def format_suggestions(suggestions: list[Suggestion], gpu_bytes: int) -> str:
     if not suggestions:
         return (
             f"nothing tried fits {gpu_bytes / GiB:.2f} GiB: --checkpoint-layers, --lora-rank {SUGGESTED_LORA_RANK}, "
-            "--ep (MoE), --offload cpu (within --host-memory), a larger --cp and a smaller --prompt, alone or together"
+            f"--ep (MoE), --offload cpu (within --host-memory), a --chunk-size down to {SMALLEST_SUGGESTED_CHUNK}, "
+            "a larger --cp and a smaller --prompt, alone or together"
         )
     width = max(len(" ".join(s.args)) for s in suggestions)
     lines = [f"to fit {gpu_bytes / GiB:.2f} GiB, change any one of (each re-planned):"]

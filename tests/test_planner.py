@@ -507,3 +507,27 @@ def test_prompt_backward_checkpointing_is_planned_on_its_own():
     assert mixed.prompt_backward_graph == unchecked.prompt_backward_graph > checkpointed.prompt_backward_graph
     assert mixed.prompt_backward_page_parts == 0 < checkpointed.prompt_backward_page_parts
     assert mixed.response_graph == checkpointed.response_graph < unchecked.response_graph
+
+
+def test_a_full_gradient_plan_that_does_not_fit_names_a_smaller_capture_chunk():
+    """The full mode's prompt backward holds a chunk's graph and kept page parts: on an 80 GB card the 27B at 262K
+    (LoRA, state on the host, the H100 run of session 18 that ran out of memory with 16K chunks) fits only with a
+    smaller chunk, and that is the suggestion, the largest chunk that fits (re-planned)."""
+    from longstraw_trl.planner import suggest_changes
+
+    config = preset_config("qwen3.6-27b")
+    kwargs = dict(
+        num_generations=8,
+        response_tokens=32,
+        lora_rank=64,
+        gradient_mode="full",
+        offload="cpu",
+        checkpoint_layers=True,
+        gpu_memory_gib=80,
+        capture_chunk_size=16384,
+    )
+    assert not plan_memory(config, 1 << 18, **kwargs).fits
+    suggestions = suggest_changes(config, 1 << 18, **kwargs)
+    (chunk,) = [s for s in suggestions if s.args[0] == "--chunk-size"]
+    assert chunk.args == ["--chunk-size", "8192"] and chunk.options == {"capture_chunk_size": 8192}
+    assert plan_memory(config, 1 << 18, **{**kwargs, **chunk.options}).fits
