@@ -705,27 +705,23 @@ def _smallest_cp(
         cp *= 2
 
 
-def _suggested_chunk(config, prompt_tokens: int, page_size: int, plan_kwargs: dict) -> int | None:
+def _suggested_chunk(config, prompt_tokens: int, page_size: int, plan_kwargs: dict, peak: int) -> int | None:
     """The largest power-of-two fraction of the capture chunk (down to :data:`SMALLEST_SUGGESTED_CHUNK`) at which
-    the plan fits, else the smallest one where it lowers the peak (for combinations); ``None`` where a smaller chunk
-    does not lower it. The chunk sets the capture's activations and, in the full gradient mode, the prompt
-    backward's graph, kept page parts and chunk recompute, which dominate that mode's peak."""
+    the plan fits, else the smallest one where it lowers the plan's ``peak`` (for combinations); ``None`` where a
+    smaller chunk does not lower it. The chunk sets the capture's activations and, in the full gradient mode, the
+    prompt backward's graph, kept page parts and chunk recompute, which dominate that mode's peak."""
     current = plan_kwargs.get("capture_chunk_size", 16384)
     smaller = [
         current >> k for k in range(1, current.bit_length()) if current >> k >= SMALLEST_SUGGESTED_CHUNK
     ]
-    if not smaller:
-        return None
+    plan = None
     for chunk in smaller:
-        if plan_memory(
+        plan = plan_memory(
             config, prompt_tokens, page_size=page_size, **{**plan_kwargs, "capture_chunk_size": chunk}
-        ).fits:
+        )
+        if plan.fits:
             return chunk
-    peak = plan_memory(config, prompt_tokens, page_size=page_size, **plan_kwargs).peak
-    with_smallest = plan_memory(
-        config, prompt_tokens, page_size=page_size, **{**plan_kwargs, "capture_chunk_size": smaller[-1]}
-    )
-    return smaller[-1] if with_smallest.peak < peak else None
+    return smaller[-1] if plan is not None and plan.peak < peak else None
 
 
 def _suggested_ep(config, plan_kwargs: dict) -> int | None:
@@ -767,7 +763,8 @@ def suggest_changes(
     Returns:
         `list[Suggestion]`: fewest changes first; empty when the plan fits already or nothing tried fits.
     """
-    if plan_memory(config, prompt_tokens, page_size=page_size, **plan_kwargs).fits:
+    as_given = plan_memory(config, prompt_tokens, page_size=page_size, **plan_kwargs)
+    if as_given.fits:
         return []
     levers: list[tuple[list[str], dict[str, Any]]] = []
     if not plan_kwargs.get("checkpoint_layers"):
@@ -779,7 +776,7 @@ def suggest_changes(
         levers.append((["--ep", str(ep)], {"ep_size": ep}))
     if plan_kwargs.get("offload") is None:
         levers.append((["--offload", "cpu"], {"offload": "cpu"}))
-    chunk = _suggested_chunk(config, prompt_tokens, page_size, plan_kwargs)
+    chunk = _suggested_chunk(config, prompt_tokens, page_size, plan_kwargs, as_given.peak)
     if chunk:
         levers.append((["--chunk-size", str(chunk)], {"capture_chunk_size": chunk}))
     out: list[Suggestion] = []

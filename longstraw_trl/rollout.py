@@ -81,9 +81,8 @@ class Rollout:
             self.host.graph_free(model, cast_adapters=True),
             fsdp2_units_kept_gathered(model, self.fsdp_gather_bytes) as still_gathering,
         ):
-            if (
-                still_gathering
-            ):  # FSDP2 units gathered and freed around every forward: no CUDA graph of the step
+            # FSDP2 units gathered and freed around every forward: no CUDA graph of the step
+            if still_gathering:
                 kwargs["cuda_graphs"] = False
             return state.generate(
                 model, num_generations, self.sampling.max_new_tokens, input_length=input_length, **kwargs
