@@ -79,11 +79,12 @@ switch_off_failed() {
     && echo 'export LONGSTRAW_CUDNN_BACKWARD=0' >> "$switches"
   echo "switched off: $(tr '\n' ' ' < "$switches")"; source "$switches"
 }
-# GPU tests without fla, into $OUT/pytest_gpu_$1.log with timeout $2 s: the exit status, how many passed, the failures
+# GPU tests into $OUT/pytest_gpu_$1.log with timeout $2 s (without fla, unless GPU_TESTS_PATH puts it on the path):
+# the exit status, how many passed, the failures
 gpu_tests() {
   local log="$OUT/pytest_gpu_$1.log" limit=$2; shift 2
-  PYTHONPATH=/tmp/site timeout "$limit" python3 -m pytest -v -rfE -m gpu "$@" > "$log" 2>&1
-  echo "pytest -m gpu: rc=$?, $(grep -c PASSED "$log") passed"
+  PYTHONPATH=${GPU_TESTS_PATH:-/tmp/site} timeout "$limit" python3 -m pytest -v -rfE -m gpu "$@" > "$log" 2>&1
+  echo "pytest -m gpu $*: rc=$?, $(grep -c PASSED "$log") passed"
   grep -E " (FAILED|ERROR)|^FAILED|^ERROR" "$log" | tail -8
 }
 case "$1" in
@@ -136,11 +137,8 @@ grad-profile)  # issue 25: where the full-mode prompt backward's time goes (whol
   ;;
 gpu-tests)  # the GPU tests of the files (and pytest options) given, fla on the path as in a whole-model run
   shift
-  log="$OUT/pytest_gpu_tests${LOG_TAG:-}.log"
-  PYTHONPATH=/tmp/site:/tmp/fla timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -v -rfE -m gpu --durations 10 "$@" \
-    > "$log" 2>&1
-  echo "pytest -m gpu $*: rc=$?, $(grep -c PASSED "$log") passed"
-  grep -E " (FAILED|ERROR)|^FAILED|^ERROR|passed|failed" "$log" | tail -12
+  GPU_TESTS_PATH=/tmp/site:/tmp/fla gpu_tests "tests${LOG_TAG:-}" "${TESTS_TIMEOUT:-400}" --durations 10 "$@"
+  tail -1 "$OUT/pytest_gpu_tests${LOG_TAG:-}.log"  # pytest's summary line
   ;;
 host-adds)  # issue 25 (session 17): the offloaded full gradient's asynchronous dK/dV adds (state.HostAdds), their GPU
             # test, then its negative control: the same test on the old synchronous `bk += dk.to(host)` must fail
