@@ -50,6 +50,7 @@ import warnings
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from common import (
     GiB,
     Timer,
@@ -69,6 +70,7 @@ from common import (
 from compare_stock import attempt, build_trainers, stock_step
 from datasets import Dataset
 from engine_slice import full_attention_layers, slice_config
+from glm_slice import slice_config as glm_slice_config
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_callback import PrinterCallback
@@ -98,7 +100,13 @@ TINY = dict(  # --tiny defaults (explicit flags still win)
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="qwen3.6-27b", choices=["qwen3.6-27b", "qwen3-8b"])
+    ap.add_argument(
+        "--preset",
+        default="qwen3.6-27b",
+        choices=["qwen3.6-27b", "qwen3-8b", "glm-5"],
+        help="glm-5: a --layers slice (layer 0 dense, the rest MoE; every indexer its own, as GLM-5's released "
+        "config), its phases without floors (glm_slice.py measures GLM-5's against floors on one GPU)",
+    )
     ap.add_argument("--prompts", type=int, nargs="+", default=[524288, 1048576])
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--response", type=int, default=256)
@@ -156,6 +164,19 @@ def parse_args() -> argparse.Namespace:
         help="LongStrawGRPOConfig.cp_size (under `accelerate launch`: cp2.yaml, or fsdp2.yaml for FSDP2 x CP)",
     )
     ap.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="LongStrawGRPOConfig.ep_size: the routed experts split over this many ranks of each CP group "
+        "(transformers' EP; a MoE preset under `accelerate launch`, --cp-size a multiple of it)",
+    )
+    ap.add_argument(
+        "--ep-implementation",
+        choices=["all_reduce", "all_to_all"],
+        default="all_reduce",
+        help="LongStrawGRPOConfig.ep_implementation",
+    )
+    ap.add_argument(
         "--offload",
         choices=["cpu"],
         default=None,
@@ -197,6 +218,12 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--lora-rank {args.lora_rank}: a rank, or 0 for full fine-tuning")
     if args.lora_rank == 0 and not args.skip_stock:
         ap.error("--lora-rank 0 (full fine-tuning) needs --skip-stock: the stock side shares a PEFT model")
+    if args.preset == "glm-5" and not args.layers:
+        ap.error(
+            "--preset glm-5 needs --layers N: every rank builds the whole model before its experts are split"
+        )
+    if args.preset == "glm-5" and not args.skip_stock:
+        ap.error("--preset glm-5 needs --skip-stock: the stock side's time estimates use the dense floors")
     if args.warmup_prompt is None:
         args.warmup_prompt = 3 * args.chunk
     return args
@@ -212,6 +239,25 @@ def build_model(config, dev: str, dtype: torch.dtype):
     if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
         raise RuntimeError("random init produced non-finite weights")
     return model
+
+
+# PEFT (0.21) maps these names, for a MoE model of transformers 5, onto the fused routed-expert weights as well (its
+# v4-to-v5 target conversion matches by suffix, so "shared_experts.down_proj" too)
+MLP_PROJECTIONS = {"gate_proj", "up_proj", "down_proj"}
+
+
+def lora_targets(model, ep_size: int) -> str | list[str]:
+    """LoRA's target modules: every linear layer, or with split experts (which take no adapter: ExpertParallel
+    refuses one) every linear layer but the MLP projections, whose names PEFT would also map onto the experts."""
+    if ep_size == 1:
+        return "all-linear"
+    head = model.get_output_embeddings()
+    names = {
+        n.rsplit(".", 1)[-1]
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not head
+    }
+    return sorted(names - MLP_PROJECTIONS)
 
 
 def measure_rates(config, chunk: int, dev: str, dtype: torch.dtype) -> dict:
@@ -237,8 +283,14 @@ def measure_rates(config, chunk: int, dev: str, dtype: torch.dtype) -> dict:
     }
 
 
+# the floors model dense MLPs and full / GDN attention (the Qwen presets); GLM-5's phases (MLA, DSA's indexer and
+# selection, routed experts) run without floors here: bench/glm_slice.py measures them against floors of their own
+FLOOR_MODEL_TYPES = ("qwen3", "qwen3_5_text")
+
+
 class Floors:
-    """Lower bounds of each phase from parameter counts, state bytes and the measured rates."""
+    """Lower bounds of each phase from parameter counts, state bytes and the measured rates (``modelled``: the
+    config's family is one the floors describe; otherwise :meth:`phases` is empty)."""
 
     def __init__(self, policy, config, rates: dict, dtype_bytes: int):
         # the PEFT model's base, or the model itself under full fine-tuning
@@ -254,6 +306,7 @@ class Floors:
         # read per decode step: every weight but the input embedding (a gather); the head's too where it is tied
         self.weight_bytes = sum(p.numel() * p.element_size() for p in [*params, head])
         self.config, self.rates, self.dtype_bytes = config, rates, dtype_bytes
+        self.modelled = config.model_type in FLOOR_MODEL_TYPES
         self.attn_per_pair = config.num_attention_heads * config.head_dim * full_attention_layers(config)
         self.matmul, self.attn = rates["matmul_tflops"] * 1e12, rates["attention_tflops"] * 1e12
         self.bandwidth = rates["copy_gbs"] * 1e9
@@ -281,6 +334,20 @@ class Floors:
         )
         flops = dense + 10 * self.attn_per_pair * r * p / self.attn
         return max(flops, (3 * self.weight_bytes + 2 * state) / self.bandwidth)
+
+    def phases(self, p: int, r: int, g: int, state: int, full: bool) -> dict[str, float]:
+        """One step's phase floors (G replays; the prompt backward in the full mode), or ``{}`` where the floors do
+        not model the family."""
+        if not self.modelled:
+            return {}
+        floor = {
+            "capture": self.capture(p),
+            "generation": self.generation(r, state),
+            "replay": g * self.replay(p, r, state),
+        }
+        if full:
+            floor["prompt_backward"] = self.prompt_backward(p)
+        return floor
 
     def as_dict(self) -> dict:
         return {
@@ -414,6 +481,8 @@ def longstraw_trainer(
         gradient_checkpointing=args.gradient_checkpointing,
         prompt_backward_checkpoint_layers=args.prompt_backward_checkpointing,
         cp_size=args.cp_size,
+        ep_size=args.ep_size,
+        ep_implementation=args.ep_implementation,
         use_cpu=args.tiny,
         bf16=not args.tiny,
     )
@@ -513,21 +582,20 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         else ("capture", "generation", "replay")
     )
     seconds = {k: sum(m[f"longstraw/{k}_seconds"]) for k in names}
-    floor = {
-        "capture": floors.capture(p),
-        "generation": floors.generation(r, state),
-        "replay": g * floors.replay(p, r, state),
-    }
-    if full:
-        floor["prompt_backward"] = floors.prompt_backward(p)
+    floor = floors.phases(p, r, g, state, full)
     phases = {
-        k: {"seconds": seconds[k], "floor_s": floor[k], "over_floor": seconds[k] / floor[k]} for k in seconds
+        k: {
+            "seconds": seconds[k],
+            "floor_s": floor.get(k),
+            "over_floor": seconds[k] / floor[k] if floor else None,
+        }
+        for k in seconds
     }
     phases["replay"]["per_response_s"] = seconds["replay"] / g
-    phases["replay"]["per_response_floor_s"] = floor["replay"] / g
+    phases["replay"]["per_response_floor_s"] = floor["replay"] / g if floor else None
     logprob_s = sum(m.get("longstraw/logprob_replay_seconds", []))  # old-policy replays, if TRL asked for any
     phases["optimizer_and_other"] = {"seconds": t.seconds - sum(seconds.values()) - logprob_s}
-    step_floor = sum(floor.values())
+    step_floor = sum(floor.values()) if floor else None
     # FSDP2 (docs/fsdp.md): over every process, or at world size 1 its gathered copies as overhead
     fsdp_size = trainer.accelerator.num_processes if is_fsdp2(trainer.model_wrapped) else 0
     plan = plan_memory(
@@ -547,6 +615,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         gradient_mode=trainer.args.gradient_mode,
         offload=trainer.args.offload_prompt_state,
         cp_size=trainer.args.cp_size,
+        ep_size=trainer.args.ep_size,
         fsdp_size=fsdp_size,
     )
     return {
@@ -563,7 +632,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         "train_s": t.seconds,
         "trainer_step_time_s": sum(m["step_time"]),  # training_step: generation + loss, no optimizer
         "step_floor_s": step_floor,
-        "step_over_floor": t.seconds / step_floor,
+        "step_over_floor": t.seconds / step_floor if floor else None,
         "phases": phases,
         "logprob_replay_s": logprob_s,
         "state_bytes": state,
@@ -581,19 +650,45 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
             "fsdp_gathered_gib": plan.fsdp_gathered / GiB,
         },
         "peak_over_planner": peak / (plan.peak / GiB) if peak is not None else None,
+        # under a launch of several ranks each one's own (CP pages and EP experts differ by rank); rank 0's above
+        "by_rank": _by_rank({"peak_gib": peak, "state_bytes": state, "train_s": t.seconds}),
+        "expert_parallel": _expert_parallel(trainer),
         "allocator": allocator,
         **(PROBE.result() if PROBE is not None and full else {}),
     }
 
 
-def estimate_longstraw(prev: dict, floors: Floors, args, p: int) -> float:
-    """This P's step from the previous measured step: each phase's seconds over floor times this P's floor."""
-    state = floors.state_bytes(p, args.page)
-    now = {
-        "capture": floors.capture(p),
-        "generation": floors.generation(args.response, state),
-        "replay": args.generations * floors.replay(p, args.response, state),
+def _by_rank(mine: dict) -> list[dict] | None:
+    """``mine`` from every rank of the launch (a collective: every rank calls it), or None in one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"rank": dist.get_rank(), **mine})
+    return everyone
+
+
+def _expert_parallel(trainer) -> dict | None:
+    """The experts split over this rank's EP group: each sharded expert weight's experts here and in all."""
+    ep = trainer.expert_parallel
+    if ep is None:
+        return None
+    here = {int(p.to_local().shape[0]) for p in ep.parameters}
+    return {
+        "ep_size": ep.size,
+        "implementation": trainer.args.ep_implementation,
+        "sharded_weights": len(ep.parameters),
+        "experts_here": sorted(here),
+        "experts": sorted({int(p.shape[0]) for p in ep.parameters}),
     }
+
+
+def estimate_longstraw(prev: dict, floors: Floors, args, p: int) -> float | None:
+    """This P's step from the previous measured step: each phase's seconds over floor times this P's floor (None
+    without floors: the step runs)."""
+    state = floors.state_bytes(p, args.page)
+    now = floors.phases(p, args.response, args.generations, state, full=False)
+    if not now:
+        return None
     return prev["phases"]["optimizer_and_other"]["seconds"] + sum(
         prev["phases"][k]["over_floor"] * now[k] for k in now
     )
@@ -709,6 +804,10 @@ def _gib(r: dict) -> str:
     return "" if x is None else f"{x:.1f}"
 
 
+def _seconds(seconds: float, over_floor: float | None) -> str:
+    return f"{seconds:.1f}" + ("" if over_floor is None else f" ({over_floor:.1f}x)")
+
+
 def summary_rows(payload: dict) -> list[dict]:
     rows = []
     for r in payload["longstraw"]:
@@ -718,9 +817,9 @@ def summary_rows(payload: dict) -> list[dict]:
             "P": r["prompt_tokens"],
             "status": _status(r),
         }
-        row["seconds (x floor)"] = f"{r['train_s']:.1f} ({r['step_over_floor']:.1f}x)" if ok else ""
+        row["seconds (x floor)"] = _seconds(r["train_s"], r["step_over_floor"]) if ok else ""
         for k in ("capture", "generation", "replay", "prompt_backward"):
-            row[k] = f"{ph[k]['seconds']:.1f} ({ph[k]['over_floor']:.1f}x)" if ok and k in ph else ""
+            row[k] = _seconds(ph[k]["seconds"], ph[k]["over_floor"]) if ok and k in ph else ""
         row["peak GiB"], row["planner GiB"] = _gib(r), f"{r['planner']['peak_gib']:.1f}" if ok else ""
         rows.append(row)
     for r in payload["stock"]["results"]:
@@ -744,9 +843,15 @@ def main() -> None:
     torch.manual_seed(0)
     random.seed(0)
     longest = max([*args.prompts, *args.stock_prompts, args.warmup_prompt])
-    config = slice_config(
-        args.preset, args.layers or (4 if args.tiny else None), longest + args.response + 16, args.tiny
-    )
+    if args.preset == "glm-5":  # glm_slice.py's slice: layer 0 dense, the rest MoE, every indexer its own
+        config = glm_slice_config(
+            args.layers, ["full"] * args.layers, longest + args.response + 16, args.tiny
+        )
+        config.eos_token_id = None  # its default EOS id would be sampled: every response must have R tokens
+    else:
+        config = slice_config(
+            args.preset, args.layers or (4 if args.tiny else None), longest + args.response + 16, args.tiny
+        )
     name = f"full_model_{args.preset}{'_tiny' if args.tiny else ''}{args.tag}"
 
     rates = measure_rates(config, args.chunk, dev, dtype)  # on an empty device, before the weights
@@ -759,7 +864,7 @@ def main() -> None:
         LoraConfig(
             r=args.lora_rank,
             lora_alpha=2 * args.lora_rank,
-            target_modules="all-linear",
+            target_modules=lora_targets(model, args.ep_size),
             task_type="CAUSAL_LM",
         )
         if args.lora_rank
@@ -787,7 +892,12 @@ def main() -> None:
         "model": f"{args.preset}, {config.num_hidden_layers} layers, random init (initializer_range "
         f"{config.initializer_range}), {str(dtype).removeprefix('torch.')}, "
         + (
-            f"LoRA r={args.lora_rank} alpha={2 * args.lora_rank} all-linear"
+            f"LoRA r={args.lora_rank} alpha={2 * args.lora_rank} "
+            + (
+                lora.target_modules
+                if isinstance(lora.target_modules, str)
+                else "on " + ",".join(lora.target_modules)
+            )
             if args.lora_rank
             else "full fine-tuning"
         ),

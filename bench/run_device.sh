@@ -38,6 +38,8 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cp2         # on nvidia-h200-x2: the same step, CP2 (cp2.yaml)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp2-cp2   # on nvidia-h200-x2: FSDP2 x CP2 (fsdp2.yaml, 2 ranks)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp2-cp8   # on nvidia-h200-x8: the 27B fully fine-tuned at 2M, FSDP2 x CP8
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-train   # issue 28: a GLM-5 slice's train() step on one GPU, 512K
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh glm-ep8-cp8 # on nvidia-h200-x8: the same at 2M, EP8 x CP8 (glm-ep2-cp2: x2)
 # LONGSTRAW_REV must be set from this machine's checkout: the device copy's .git can be stale (session 7).
 # Run them back to back: a machine left idle (30 s) is given back, and a new one may not be lent.
 # fla is installed beside the rest but only put on the path for the engine sweep and the GPU tests: with
@@ -463,6 +465,36 @@ pb-ckpt-128k)  # issue 25 (session 17): the full step at 128K with 1K chunks, th
       --gradient-modes full --chunk 1024 --warmup-prompt 4096 --warmup-response 8 --budget-s 270 "$pb" \
       --tag "_full_P128K_chunk1K${pb#--}" "$@" 2>&1 | grep -v -i warn | tee "$OUT/pb_ckpt${pb#--}.log" | tail -4
   done
+  ;;
+glm-train|glm-ep2-cp2|glm-ep8-cp8)
+  # issue 28: a GLM-5 slice through LongStrawGRPOTrainer.train() (full_model.py --preset glm-5: GLM_LAYERS layers,
+  # default 4: layer 0 dense, 3 MoE layers of 256 experts top-8; LoRA r=64 on every linear layer but the MLP
+  # projections, whose names PEFT also maps onto the split experts), G = 8, R = 256, after a 64K warm-up step
+  # (128K under CP8: a 16K page a rank). glm-train: one GPU, no EP (the same path, measurable on the lent card); glm-ep2-cp2 on
+  # nvidia-h200-x2 (cp2.yaml) and glm-ep8-cp8 on nvidia-h200-x8 (cp8.yaml): the experts split over the CP group
+  # (ep_size = cp_size, transformers' EP, all_reduce), the prompt pages over its ranks. Per rank: peak against the
+  # plan, state bytes, experts held (the JSON's by_rank and expert_parallel). Phases without floors (glm_slice.py
+  # has GLM-5's on one GPU). GLM_PROMPT: another P (default 512K, 1M, 2M); GLM_TIMEOUT: seconds (default 590).
+  # Later arguments go to full_model.py (e.g. --gradient-modes response_only full).
+  mode=$1
+  shift
+  case $mode in
+    glm-train) P=524288 size=1 config="" warm=65536 ;;
+    glm-ep2-cp2) P=1048576 size=2 config=cp2.yaml warm=65536 ;;
+    glm-ep8-cp8) P=2097152 size=8 config=cp8.yaml warm=131072 ;;
+  esac
+  P=${GLM_PROMPT:-$P}
+  limit=${GLM_TIMEOUT:-590}
+  args=(--preset glm-5 --layers "${GLM_LAYERS:-4}" --skip-stock --prompts "$P" --response 256 --warmup-prompt "$warm"
+        --warmup-response 16 --budget-s $((limit - 30)) --tag "_${mode}_$P" "$@")
+  cd bench
+  if [[ -z $config ]]; then
+    cmd=(python3 -u full_model.py "${args[@]}")
+  else
+    cmd=(python3 -u -m accelerate.commands.launch --mixed_precision bf16 --config_file "../examples/accelerate/$config"
+         full_model.py "${args[@]}" --cp-size "$size" --ep-size "$size")
+  fi
+  PYTHONPATH=/tmp/site:/tmp/fla timeout "$limit" "${cmd[@]}" 2>&1 | grep -v -i warn | tee "$OUT/$mode.log" | tail -12
   ;;
 fsdp1-plain|fsdp1|cp2|fsdp2-cp2|fsdp2-cp8)
   # issue 28 (docs/fsdp.md): one LongStrawGRPOTrainer step of the whole Qwen3.6-27B, LoRA r=64, P = 512K, R = 256,
