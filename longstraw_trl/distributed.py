@@ -392,7 +392,10 @@ class ExpertParallel:
             if style == EP_DISPATCH and hasattr(modules[name], "base_layer"):
                 raise LongStrawError(
                     f"{name} is wrapped by a PEFT adapter: LoRA on MoE expert weights with ep_size > 1 is not "
-                    "supported (the adapter would wrap the sharded experts). Leave the experts out of target_modules."
+                    "supported (the adapter would wrap the sharded experts). Leave the experts out of target_modules: "
+                    "PEFT also maps the MLP projection names (gate_proj, up_proj, down_proj, and 'all-linear') onto "
+                    "the fused experts of a transformers-5 MoE model, so target the attention projections by name "
+                    "(docs/parallelism.md)."
                 )
         device = next(model.parameters()).device.type
         self.size = ep_size

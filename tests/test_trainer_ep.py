@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from _cp_step import main as run_step
 from _models import build_glm_dsa
 from _spawn import launch_step, relative_l2
@@ -128,6 +129,42 @@ def test_ep2_cp2_step_equals_single_process(tmp_path, family, mode):
     if family == "qwen3_moe" and mode == "response_only":
         pytest.skip("the default-suite test above")
     _check_ep2_cp2(tmp_path, "--family", family, "--gradient-mode", mode)
+
+
+def test_ep2_cp2_glm5_lora_step_equals_single_process(tmp_path):
+    """LoRA on the attention of a GLM-5 whose experts are split (the experts frozen, no adapter on them): the loss,
+    every adapter's gradient and update within 1e-5 of the single process."""
+    extra = ("--family", "glm_moe_dsa", "--lora")
+    single = _single(tmp_path / "single.json", *extra)
+    sharded = _launch(tmp_path / "ep.json", 2, "--cp-size", "2", "--ep-size", "2", *extra)
+    _assert_experts_split(sharded, 2)
+    assert abs(single["loss"][0] - sharded["loss"][0]) <= TOL
+    grads = {n: torch.tensor(g) for n, g in single["grads"].items()}
+    assert grads and all("lora_" in n for n in grads) and set(sharded["grads"]) == set(grads)
+    assert any(g.abs().max() > 0 for g in grads.values())
+    worst = max(relative_l2(sharded["grads"][n], g) for n, g in grads.items())
+    worst_param = max(relative_l2(sharded["params"][n], torch.tensor(p)) for n, p in single["params"].items())
+    print(f"LoRA EP2 x CP2: loss {sharded['loss'][0]:.8f} vs {single['loss'][0]:.8f}, grads {worst:.2e}, "
+          f"params {worst_param:.2e}")  # fmt: skip
+    assert worst <= TOL and worst_param <= TOL
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["o_proj", "down_proj"]])
+def test_lora_that_reaches_the_experts_is_refused_with_the_fix(targets):
+    """PEFT maps "all-linear" and the MLP projection names onto a transformers-5 MoE model's fused experts: EP refuses
+    the wrapped experts and says to name the attention projections."""
+    from peft import LoraConfig, get_peft_model
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from longstraw_trl.distributed import ExpertParallel
+
+    model = get_peft_model(build_glm_dsa(index_topk=8), LoraConfig(r=2, target_modules=targets))
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with pytest.raises(LongStrawError, match="PEFT also maps the MLP projection names"):
+            ExpertParallel(model.get_base_model(), 2)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_ep2_cp2_qwen3_5_moe_step_equals_single_process(tmp_path):
@@ -308,7 +345,6 @@ def test_keep_out_of_fsdp_adds_the_expert_modules_to_accelerates_ignored_modules
     or name regex, without duplicates. On rank 0 of a fake group of 2 (no collective runs)."""
     from types import SimpleNamespace
 
-    import torch.distributed as dist
     from _trl_helpers import tiny_qwen3_moe
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
