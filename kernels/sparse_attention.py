@@ -261,7 +261,9 @@ def selected_attention_dq(
             d_rows = torch.einsum("bhtk,bhtd->btkd", ds, q[:, :, a:e].float()) * scale
             d_rows[..., :value_dim] += torch.einsum("bhtk,bhtv->btkv", p, do)
             d_rows = d_rows * valid[:, 0, :, :, None]  # slots without a row (-1) send nothing
-            dtable.index_add_(0, rows[:, a:e].clamp_min(0).reshape(-1), d_rows.reshape(-1, d_rows.shape[-1]))
+            # (under autocast the einsums above give bf16 rows: they are summed into the fp32 buffer in fp32)
+            d_rows = d_rows.reshape(-1, d_rows.shape[-1]).to(dtable.dtype)
+            dtable.index_add_(0, rows[:, a:e].clamp_min(0).reshape(-1), d_rows)
     return dq
 
 

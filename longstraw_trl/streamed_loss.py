@@ -430,6 +430,19 @@ class StreamedLoss:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The micro-batch's loss (detached: back-propagated here when ``backward``) and, with an entropy bonus, the
         ``[entropy sum, token count]`` of the tokens it acts on (TRL's adaptive entropy controller)."""
+        # One process has nothing to reduce, yet Accelerate wraps a one-process CPU (gloo) launch in DDP and makes its
+        # `no_sync` a no-op there: every forward would then arm DDP's reducer, and a backward that enters through a
+        # segment's K/V and states (the prompt backward) instead of that forward's outputs would fire the parameters'
+        # hooks against it (marked ready twice, or never). DDP's own `no_sync` keeps the reducer out.
+        lone_ddp = (
+            isinstance(model, nn.parallel.DistributedDataParallel) and self.collectives.num_processes == 1
+        )
+        with model.no_sync() if lone_ddp else _NULL_CONTEXT:
+            return self._micro_batch(model, inputs, backward, scaling)
+
+    def _micro_batch(
+        self, model: nn.Module, inputs: dict[str, Any], backward: bool, scaling: LossScaling
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec, options, collectives = self.spec, self.options, self.collectives
         metrics_sink = self.host.phase_metrics()
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
