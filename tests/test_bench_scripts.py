@@ -170,22 +170,23 @@ def test_full_model_dry_run_fully_fine_tuned_under_fsdp2_x_cp2(tmp_path):
 
 def test_full_model_dry_run_glm5_slice_under_ep2_x_cp2(tmp_path):
     """`bash bench/run_device.sh glm-ep8-cp8`'s path on two CPU processes: a GLM-5 slice (layer 0 dense, two MoE
-    layers of 8 experts) through train() with its experts split over the CP group (EP2 x CP2 under cp2.yaml), LoRA
-    kept off the experts; every rank reports its own peak and state, and holds half the experts."""
+    layers of 8 experts) through train() with its experts split over the CP group (EP2 x CP2 under cp2.yaml's bf16
+    autocast), LoRA kept off the experts, in both gradient modes; every rank reports its own peak and state, and holds
+    half the experts."""
     config = BENCH.parent / "examples" / "accelerate" / "cp2.yaml"
     _run(tmp_path, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
          "--main_process_port", "0", "full_model.py", "--tiny", "--preset", "glm-5", "--layers", "3", "--skip-stock",
-         "--prompts", "512", "--cp-size", "2", "--ep-size", "2", "--tag", "_ep2_cp2")  # fmt: skip
+         "--prompts", "512", "--cp-size", "2", "--ep-size", "2", "--gradient-modes", "response_only", "full",
+         "--tag", "_ep2_cp2")  # fmt: skip
     data = json.loads((tmp_path / "full_model_glm-5_tiny_ep2_cp2.json").read_text())
-    assert (
-        "mlp" not in data["model"] and "q_a_proj" in data["model"]
-    )  # LoRA on the attention, not the experts
+    # LoRA on the attention, not the experts
+    assert "mlp" not in data["model"] and "q_a_proj" in data["model"]
     assert data["longstraw_warmup"]["ok"]
-    (step,) = data["longstraw"]
+    step, full = data["longstraw"]
+    assert full["ok"] and full["gradient_mode"] == "full" and full["phases"]["prompt_backward"]["seconds"] > 0
     assert step["ok"] and step["prompt_tokens_captured"] == 512
-    assert (
-        step["step_floor_s"] is None and step["phases"]["capture"]["over_floor"] is None
-    )  # GLM-5: no floors here
+    # GLM-5: no floors here
+    assert step["step_floor_s"] is None and step["phases"]["capture"]["over_floor"] is None
     assert step["expert_parallel"]["experts_here"] == [4] and step["expert_parallel"]["experts"] == [8]
     ranks = step["by_rank"]
     assert [r["rank"] for r in ranks] == [0, 1]
