@@ -77,7 +77,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, PromptState
 from longstraw_trl import engine as longstraw_engine
-from longstraw_trl.distributed import is_fsdp2
+from longstraw_trl.distributed import EP_IMPLEMENTATIONS, is_fsdp2
 from longstraw_trl.planner import GPU_MEMORY_GIB, plan_memory
 from longstraw_trl.planner import state_bytes as planned_state_bytes
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -172,8 +172,8 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--ep-implementation",
-        choices=["all_reduce", "all_to_all"],
-        default="all_reduce",
+        choices=EP_IMPLEMENTATIONS,
+        default=EP_IMPLEMENTATIONS[0],
         help="LongStrawGRPOConfig.ep_implementation",
     )
     ap.add_argument(
