@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from .engine import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE
 from .errors import LongStrawError, UnsupportedModelError
 from .planner import (
     DEFAULT_HOST_MEMORY_GIB,
@@ -144,8 +145,19 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--optimizer", choices=["adamw", "none"], default="adamw")
     ap.add_argument("--layers", type=int, default=None, help="plan a slice with this many layers")
     ap.add_argument("--gpu", default="h200", help=f"one of {', '.join(GPU_MEMORY_GIB)}, or GiB as a number")
-    ap.add_argument("--chunk-size", type=int, default=16384)
-    ap.add_argument("--page-size", type=int, default=16384)
+    # the trainer's own defaults (LongStrawGRPOConfig.capture_chunk_size / page_size): the plan is of what it runs
+    ap.add_argument(
+        "--chunk-size",
+        type=int,
+        default=DEFAULT_CHUNK_SIZE,
+        help=f"capture_chunk_size (default {DEFAULT_CHUNK_SIZE}, the trainer's)",
+    )
+    ap.add_argument(
+        "--page-size",
+        type=int,
+        default=DEFAULT_PAGE_SIZE,
+        help=f"page_size (default {DEFAULT_PAGE_SIZE}, the trainer's)",
+    )
     ap.add_argument(
         "--checkpoint-layers",
         action=argparse.BooleanOptionalAction,

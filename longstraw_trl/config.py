@@ -9,6 +9,7 @@ from transformers import ProcessorMixin
 from trl import GRPOConfig
 
 from .distributed import EP_IMPLEMENTATIONS
+from .engine import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE
 from .errors import LongStrawError
 from .generation import SamplingParams
 from .kernels.compile_ahead import start_compile_ahead_here
@@ -217,14 +218,14 @@ class LongStrawGRPOConfig(GRPOConfig):
     """
 
     capture_chunk_size: int = field(
-        default=8192,
+        default=DEFAULT_CHUNK_SIZE,
         metadata={
             "help": "Prompt tokens per prefill step of the capture. Peak activation memory of the capture grows with "
             "the chunk, never with the prompt length."
         },
     )
     page_size: int = field(
-        default=16384,
+        default=DEFAULT_PAGE_SIZE,
         metadata={"help": "Tokens per K/V page of the full-attention layers of the captured prompt state."},
     )
     offload_prompt_state: str | None = field(

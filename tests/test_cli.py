@@ -260,3 +260,20 @@ def test_offload_only_within_the_host_memory(capsys):
 def test_bad_host_memory(capsys):
     err = _error(capsys, ["plan", "qwen3-8b", *SMALL, "--host-memory", "0"])
     assert "--host-memory must be a positive number of GiB" in err
+
+
+def test_default_plan_is_of_the_trainers_default_chunk_and_page(capsys):
+    """With no --chunk-size / --page-size the plan is of what `LongStrawGRPOConfig`'s defaults run (the CLI once
+    planned 16K chunks against the trainer's 8K)."""
+    import dataclasses
+
+    from longstraw_trl import LongStrawGRPOConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(LongStrawGRPOConfig)}
+    chunk, page = defaults["capture_chunk_size"], defaults["page_size"]
+    argv = ["qwen3-8b", *SMALL, "--lora-rank", "16"]
+    _, default = _plan_json(capsys, argv)
+    _, trainers = _plan_json(capsys, [*argv, "--chunk-size", str(chunk), "--page-size", str(page)])
+    _, doubled = _plan_json(capsys, [*argv, "--chunk-size", str(2 * chunk)])
+    assert default == trainers
+    assert doubled["capture_workspace"] > default["capture_workspace"]  # the chunk shows in the plan
