@@ -77,7 +77,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, PromptState
 from longstraw_trl import engine as longstraw_engine
-from longstraw_trl.distributed import EP_IMPLEMENTATIONS, is_fsdp2
+from longstraw_trl.distributed import EP_IMPLEMENTATIONS, is_fsdp2, num_routed_experts
 from longstraw_trl.planner import GPU_MEMORY_GIB, plan_memory
 from longstraw_trl.planner import state_bytes as planned_state_bytes
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -246,10 +246,12 @@ def build_model(config, dev: str, dtype: torch.dtype):
 MLP_PROJECTIONS = {"gate_proj", "up_proj", "down_proj"}
 
 
-def lora_targets(model, ep_size: int) -> str | list[str]:
-    """LoRA's target modules: every linear layer, or with split experts (which take no adapter: ExpertParallel
-    refuses one) every linear layer but the MLP projections, whose names PEFT would also map onto the experts."""
-    if ep_size == 1:
+def lora_targets(model) -> str | list[str]:
+    """LoRA's target modules: every linear layer of a dense model; of a MoE model every linear layer but the MLP
+    projections, whose names (and "all-linear") PEFT also maps onto the fused routed experts: split experts take no
+    adapter (ExpertParallel refuses one), and the planner counts adapters on the non-expert linears only. (Session
+    19's glm-train runs, before this, had PEFT's 0.96 B fp32 expert adapters too.)"""
+    if not num_routed_experts(model.config):
         return "all-linear"
     head = model.get_output_embeddings()
     names = {
@@ -258,6 +260,16 @@ def lora_targets(model, ep_size: int) -> str | list[str]:
         if isinstance(m, torch.nn.Linear) and m is not head
     }
     return sorted(names - MLP_PROJECTIONS)
+
+
+def lora_description(lora: LoraConfig) -> str:
+    """What LoRA wraps, as PEFT resolved it (its MoE conversion rewrites ``target_modules`` in place and may add fused
+    expert weights as ``target_parameters``)."""
+    modules = lora.target_modules
+    text = modules if isinstance(modules, str) else "on " + ",".join(sorted(modules))
+    return text + (
+        f" and the weights {','.join(sorted(lora.target_parameters))}" if lora.target_parameters else ""
+    )
 
 
 def measure_rates(config, chunk: int, dev: str, dtype: torch.dtype) -> dict:
@@ -864,7 +876,7 @@ def main() -> None:
         LoraConfig(
             r=args.lora_rank,
             lora_alpha=2 * args.lora_rank,
-            target_modules=lora_targets(model, args.ep_size),
+            target_modules=lora_targets(model),
             task_type="CAUSAL_LM",
         )
         if args.lora_rank
@@ -892,12 +904,7 @@ def main() -> None:
         "model": f"{args.preset}, {config.num_hidden_layers} layers, random init (initializer_range "
         f"{config.initializer_range}), {str(dtype).removeprefix('torch.')}, "
         + (
-            f"LoRA r={args.lora_rank} alpha={2 * args.lora_rank} "
-            + (
-                lora.target_modules
-                if isinstance(lora.target_modules, str)
-                else "on " + ",".join(lora.target_modules)
-            )
+            f"LoRA r={args.lora_rank} alpha={2 * args.lora_rank} {lora_description(lora)}"
             if args.lora_rank
             else "full fine-tuning"
         ),

@@ -437,6 +437,27 @@ def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
     return tokens * (mixer + mlp)
 
 
+def _mla_dsa_capture_bytes(config, chunk: int) -> int:
+    """A capture chunk's transient through an MLA + DSA layer (GLM-5, DeepSeek-V3.2), at its peak: the merge of the
+    attention over the selected prompt rows with the chunk's own (``kernels/attention.merge_partials``), where five fp32
+    ``[H, chunk, kv_lora]`` tensors are alive (both parts, both weighted terms, the merged output), beside the absorbed
+    query ``[H, chunk, kv_lora + rope]``, the q / q_lora / indexer-query projections, three hidden-size activations,
+    this and the previous layer's int64 selections, and the absorbed ``kv_b_proj`` weights. Itemised on the CPU with
+    every tensor's lifetime tracked (session 19) and within 0.6% of the 13.52 GiB the GLM-5 slice's train() step
+    added over its weights and state on an H100 at a 16K chunk (``tests/test_planner.py``)."""
+    heads, lat = config.num_attention_heads, config.kv_lora_rank
+    nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+    per_token = (
+        20 * heads * lat
+        + 2 * heads * (lat + nope + 3 * rope)
+        + 2 * (config.q_lora_rank + config.index_n_heads * config.index_head_dim)
+        + 6 * config.hidden_size
+        + 32 * config.index_topk
+        + 4096
+    )
+    return chunk * per_token + 2 * lat * heads * (nope + config.v_head_dim)
+
+
 def _nemotron_h_block_bytes(config, kind: str, b: int) -> int:
     """Per response token, what autograd keeps for one Nemotron-H block (norm in/out plus its one mixer). An estimate
     from the tensors the mixers keep, not yet checked against a device peak (``tests/test_planner.py`` measures the
@@ -553,6 +574,8 @@ def plan_memory(
     capture_ws = chunk * (
         (2 * config.hidden_size + 3 * inter) * dtype_bytes + 3 * config.num_attention_heads * head_dim * 4
     )
+    if getattr(config, "index_topk", None) and getattr(config, "kv_lora_rank", None):
+        capture_ws = max(capture_ws, _mla_dsa_capture_bytes(config, chunk))
     plan = MemoryPlan(
         weights=weights,
         gradients=gradients,

@@ -531,3 +531,24 @@ def test_a_full_gradient_plan_that_does_not_fit_names_a_smaller_capture_chunk():
     (chunk,) = [s for s in suggestions if s.args[0] == "--chunk-size"]
     assert chunk.args == ["--chunk-size", "8192"] and chunk.options == {"capture_chunk_size": 8192}
     assert plan_memory(config, 1 << 18, **{**kwargs, **chunk.options}).fits
+
+
+@pytest.mark.parametrize("prompt", [131072, 262144])
+def test_glm5_capture_chunk_is_what_the_slice_measured(prompt):
+    """The GLM-5 slice's train() step on an H100 (session 19, `bash bench/run_device.sh glm-train`, 16K chunks): its
+    capture peak less its allocation at train begin (weights and adapters) and its state is the capture chunk's
+    transient, 13.52 GiB at both P; the planner's capture chunk is within 2% of it (it planned 2.25 GiB before), and
+    its state is the measured one exactly."""
+    name = f"full_model_glm-5_3L_train_{prompt}_h100_session19.json"
+    data = json.loads((RESULTS[0].parent / name).read_text())
+    step = data["longstraw"][0]
+    config = preset_config(
+        "glm-5", data["layers"], first_k_dense_replace=1, indexer_types=["full"] * data["layers"]
+    )
+    plan = plan_memory(config, prompt, lora_rank=64, capture_chunk_size=data["capture_chunk_size"])
+    assert plan.state == step["state_bytes"]
+    transient = step["capture_peak_gib"] - step["allocated_at_train_begin_gib"] - step["state_bytes"] / GiB
+    assert abs(plan.capture_workspace / GiB - transient) <= 0.02 * transient, (
+        plan.capture_workspace / GiB,
+        transient,
+    )
