@@ -73,6 +73,9 @@ def test_fsdp_on_one_rank_plans_its_gathered_copies(capsys):
     _, plain = _plan_json(capsys, ["qwen3-8b", *SMALL, "--lora-rank", "16"])
     _, wrapped = _plan_json(capsys, ["qwen3-8b", *SMALL, "--lora-rank", "16", "--fsdp", "1"])
     assert wrapped["weights"] == plain["weights"] and plain["fsdp_gathered"] == 0
+    # the generation's gathered units take what the card has free, beyond the plan: the plan says so
+    assert any("generation_fsdp_gather_gib" in n for n in wrapped["notes"])
+    assert not any("generation_fsdp_gather_gib" in n for n in plain["notes"])
     assert wrapped["fsdp_gathered"] > GiB  # the 8B's embedding and head alone are 2.3 GiB
     # the capture holds two gathered layers at its peak, the replays the root (embedding, head) too
     assert 0 < wrapped["fsdp_gathered_in_capture"] < wrapped["fsdp_gathered"]
