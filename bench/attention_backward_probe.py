@@ -32,6 +32,11 @@ def case(name: str, heads: int, rows: int, keys: int, causal: bool, d: int) -> l
     out, lse = attn.attention_lse(q, k, v, scale, causal=causal)
     flops = 2.5 * 4 * heads * rows * keys * d * (0.5 if causal else 1.0)
     grads, rows_out = {}, []
+    # the forward with LSE at the same shape (the engine's path): the rate the floors use
+    seconds = best_of(lambda: attn.attention_lse(q, k, v, scale, causal=causal), n=3)
+    rows_out.append(
+        {"case": name, "backend": "forward", "seconds": seconds, "tflops": flops / 2.5 / seconds / 1e12}
+    )
     for backend, fn in (("flash", attn._flash_grads), ("cudnn", attn._cudnn_grads)):
         grads[backend] = fn(q, k, v, out, lse, dout, scale, causal)
         seconds = best_of(lambda fn=fn: fn(q, k, v, out, lse, dout, scale, causal), n=3)
@@ -47,9 +52,11 @@ def case(name: str, heads: int, rows: int, keys: int, causal: bool, d: int) -> l
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--segment", type=int, default=16384)
+    ap.add_argument("--page", type=int, default=None, help="keys of the page (default: --segment)")
     args = ap.parse_args()
     d, hq, hkv, t = 256, 24, 4, args.segment
-    rows = case("pages", hkv, hq // hkv * t, t, False, d) + case("self", hq, t, t, True, d)
+    page = args.page or t
+    rows = case("pages", hkv, hq // hkv * t, page, False, d) + case("self", hq, t, t, True, d)
     ok = {
         "flash_backward_ok": attn.flash_backward_ok(
             torch.empty(1, 1, 1, d, device="cuda", dtype=torch.bfloat16)
@@ -61,7 +68,8 @@ def main() -> None:
     print(ok)
     print_table(rows)
     write_result(
-        "attention_backward_probe", {"segment": t, "heads": [hq, hkv], "head_dim": d, **ok, "rows": rows}
+        "attention_backward_probe",
+        {"segment": t, "page": page, "heads": [hq, hkv], "head_dim": d, **ok, "rows": rows},
     )
 
 

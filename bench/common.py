@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from longstraw_trl.kernels.attention import attention_grads, attention_lse
+
 GiB = 2**30
 
 
@@ -233,6 +235,42 @@ def attention_tflops_at(
             continue
         rates[name] = 4 * heads * head_dim * pairs * iters / t.seconds / 1e12
     return rates
+
+
+def attention_backward_tflops_at(
+    kv_heads: int,
+    query_heads: int,
+    head_dim: int,
+    queries: int,
+    keys: int,
+    device: str,
+    dtype: torch.dtype,
+    iters: int = 3,
+) -> float:
+    """Measured rate of the engine's page backward (``kernels.attention.attention_grads``, dQ dK dV of one page given
+    the final out/LSE; cuDNN's where it is verified) at the full mode's segment shape: ``queries`` tokens' grouped
+    query heads folded into rows against ``keys`` keys of ``kv_heads`` heads, non-causal. Counted in the floors'
+    FLOPs, 8 x query heads x head_dim per q-k pair (dQ, dK, dV: twice the forward's matmuls; the backward's own
+    recompute of the scores is not counted), so that a floor taking this rate is the same FLOPs at the kernel's
+    speed."""
+    rep = query_heads // kv_heads
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, kv_heads, rep * queries, head_dim, device=device, dtype=dtype, generator=gen)
+    k, v = (
+        torch.randn(1, kv_heads, keys, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(2)
+    )
+    dout = torch.randn_like(q)
+    scale = head_dim**-0.5
+    out, lse = attention_lse(q, k, v, scale)
+
+    def f():
+        return attention_grads(q, k, v, out, lse, dout, scale)
+
+    f()
+    with Timer() as t:
+        for _ in range(iters):
+            f()
+    return 8 * query_heads * head_dim * queries * keys * iters / t.seconds / 1e12
 
 
 def bandwidth_gbs_at(nbytes: int, device: str, iters: int = 10) -> float:

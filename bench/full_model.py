@@ -55,6 +55,7 @@ from common import (
     GiB,
     Timer,
     allocated_gib,
+    attention_backward_tflops_at,
     attention_tflops_at,
     bandwidth_gbs_at,
     gemm_tflops_at,
@@ -272,8 +273,9 @@ def lora_description(lora: LoraConfig) -> str:
     )
 
 
-def measure_rates(config, chunk: int, dev: str, dtype: torch.dtype) -> dict:
-    """The floors' denominators, at the model's shapes: MLP GEMMs and attention over one capture chunk."""
+def measure_rates(config, chunk: int, dev: str, dtype: torch.dtype, page: int | None = None) -> dict:
+    """The floors' denominators, at the model's shapes: MLP GEMMs and attention over one capture chunk, and the page
+    backward of a full-mode segment (``chunk`` queries against a ``page``-key page)."""
     h, hd = config.num_attention_heads, config.head_dim
     shapes = [
         (chunk, config.hidden_size, config.intermediate_size),
@@ -292,6 +294,12 @@ def measure_rates(config, chunk: int, dev: str, dtype: torch.dtype) -> dict:
         # the floors take the fastest attention measured: a floor must not be beaten by the engine's own kernel
         "attention_tflops": max([*causal.values(), *noncausal.values()]),
         "copy_gbs": bandwidth_gbs_at((4 * GiB) if dev == "cuda" else 64 * 2**20, dev),
+        # the engine's page backward (dQ dK dV in the floors' FLOPs) at a segment's shape: the rate the prompt
+        # backward's attention backward runs at, against the forward's rate the floor assumes
+        "attention_backward_tflops": attention_backward_tflops_at(
+            config.num_key_value_heads, h, hd, chunk, page or chunk, dev, dtype
+        ),
+        "attention_backward_queries_keys": [chunk, page or chunk],
     }
 
 
@@ -338,6 +346,17 @@ class Floors:
         forward + 4 P^2 Hq d for dQ, dK, dV per full-attention layer)."""
         dense = (4 * self.decoder + 6 * self.lora) * p / self.matmul
         return dense + 6 * p * p * self.attn_per_pair / self.attn
+
+    def prompt_backward_at_kernel_rates(self, p: int) -> float | None:
+        """:meth:`prompt_backward`'s FLOPs, the attention backward's (4 P^2 Hq d) at the rate the engine's page
+        backward measured (``attention_backward_tflops``) rather than the forward's: what the same work costs at
+        the speed of the kernels that run it. ``None`` without that rate."""
+        bwd = self.rates.get("attention_backward_tflops")
+        if not bwd:
+            return None
+        dense = (4 * self.decoder + 6 * self.lora) * p / self.matmul
+        pairs = p * p * self.attn_per_pair
+        return dense + 2 * pairs / self.attn + 4 * pairs / (bwd * 1e12)
 
     def replay(self, p: int, r: int, state: int) -> float:
         """One response: forward + backward to the trained weights (the head's dW too where it is trained)."""
@@ -603,6 +622,12 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         }
         for k in seconds
     }
+    if full and floor:
+        at_rates = floors.prompt_backward_at_kernel_rates(p)
+        phases["prompt_backward"]["floor_at_kernel_rates_s"] = at_rates
+        phases["prompt_backward"]["over_floor_at_kernel_rates"] = (
+            seconds["prompt_backward"] / at_rates if at_rates else None
+        )
     phases["replay"]["per_response_s"] = seconds["replay"] / g
     phases["replay"]["per_response_floor_s"] = floor["replay"] / g if floor else None
     logprob_s = sum(m.get("longstraw/logprob_replay_seconds", []))  # old-policy replays, if TRL asked for any
@@ -866,7 +891,7 @@ def main() -> None:
         )
     name = f"full_model_{args.preset}{'_tiny' if args.tiny else ''}{args.tag}"
 
-    rates = measure_rates(config, args.chunk, dev, dtype)  # on an empty device, before the weights
+    rates = measure_rates(config, args.chunk, dev, dtype, args.page)  # on an empty device, before the weights
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     with Timer() as t_build:
@@ -930,6 +955,8 @@ def main() -> None:
             "full-attention layers / attention, (3 weight bytes + 2 state bytes) / copy bandwidth)",
             "prompt_backward": "(4 decoder + 6 LoRA params) P / GEMM + 6 P^2 Hq d x full-attention layers / attention "
             "(recompute 2, dQ dK dV 4; causal)",
+            "prompt_backward_at_kernel_rates": "the same FLOPs, dQ dK dV's 4 P^2 Hq d at the measured page-backward "
+            "rate (rates.attention_backward_tflops)",
         },
         "longstraw_description": "LongStrawGRPOTrainer.train(), max_steps=1, a fresh trainer per P on one PEFT "
         "model: capture + generation (no reachable EOS: R tokens each) + G replays with backward + AdamW step",

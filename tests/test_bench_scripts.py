@@ -133,6 +133,24 @@ def test_full_model_dry_run(tmp_path):
     assert [r.get("ok") for r in stock["results"]] == [True, True, False] and stock["results"][2]["skipped"]
 
 
+def test_full_model_dry_run_full_mode_segments_and_kernel_rate_floor(tmp_path):
+    # the full mode's prompt backward: every segment timed, the middle one profiled, and its floor also at the
+    # measured page-backward rate (the same FLOPs at the speed of the kernel that runs them)
+    _run(tmp_path, "full_model.py", "--tiny", "--skip-stock", "--prompts", "512", "--gradient-modes", "full",
+         "--profile-segment", "5", "--tag", "_pb")  # fmt: skip
+    data = json.loads((tmp_path / "full_model_qwen3.6-27b_tiny_pb.json").read_text())
+    assert data["rates"]["attention_backward_tflops"] > 0
+    assert data["rates"]["attention_backward_queries_keys"] == [data["capture_chunk_size"], data["page_size"]]
+    (r,) = data["longstraw"]
+    pb = r["phases"]["prompt_backward"]
+    assert r["ok"] and pb["seconds"] > 0 and pb["floor_s"] > 0 and pb["floor_at_kernel_rates_s"] > 0
+    assert pb["over_floor_at_kernel_rates"] == pb["seconds"] / pb["floor_at_kernel_rates_s"]
+    # one segment a capture chunk (P - 1 resident tokens in chunks of 128), each timed; the middle one profiled
+    assert len(r["segment_s"]) == -(-(r["prompt_tokens"] - 1) // 128) and sum(r["segment_s"]) <= pb["seconds"]
+    assert r["segment_profile"]["segment_index"] == len(r["segment_s"]) // 2
+    assert r["segment_profile"]["families"] and len(r["segment_profile"]["top_kernels"]) <= 5
+
+
 def test_full_model_dry_run_under_fsdp2_at_world_size_one(tmp_path):
     """`bash bench/run_device.sh fsdp1`'s path (examples/accelerate/fsdp2.yaml on one process): the warm-up trainer
     shards the model, the measured step's fresh trainer runs on it, and the plan is FSDP2's (its gathered layers and
