@@ -678,6 +678,10 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         **MEMORY_MARKS,
         "trainer_peak_memory_gib": max(m["longstraw/peak_memory_gib"]),  # before the optimizer step
         "capture_peak_gib": max(m.get("longstraw/capture_peak_memory_gib", [float("nan")])),
+        # full mode: the step's peak before its prompt backward (captures, generation, replays)
+        "peak_before_prompt_backward_gib": max(
+            m.get("longstraw/peak_before_prompt_backward_gib", [float("nan")])
+        ),
         "planner": {
             "peak_gib": plan.peak / GiB,
             "capture_peak_gib": plan.capture_peak / GiB,

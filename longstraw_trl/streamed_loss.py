@@ -42,7 +42,7 @@ from .loss import (
     loss_lengths,
     response_loss,
 )
-from .prompt_states import PromptStates, StepHost
+from .prompt_states import PromptStates, StepHost, peak_memory_gib
 from .router_aux import RouterLoadBalancing, prepare_micro_batch, replay_inputs
 from .state import PromptState, StateGrads
 from .state_cache import CachedPrompt
@@ -598,6 +598,11 @@ class StreamedLoss:
                 if aux is None:
                     del logps_b, entropies_b
             if full:
+                # the step's peak before this group's prompt backward (captures, generation and replays so far): the
+                # prompt backward's own peak is the step's when the step's is higher
+                peak = peak_memory_gib(self.host.device)
+                if peak is not None:
+                    metrics_sink["longstraw/peak_before_prompt_backward_gib"].append(peak)
                 start = time.perf_counter()
                 last = plan.prompt_backward_syncs(g)
                 if last and entry.state.resident_tokens == 0:

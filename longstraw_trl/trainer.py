@@ -357,7 +357,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     Metrics (besides TRL's own; all under `longstraw/`): `prompt_tokens`, `state_bytes/<kind>` (per captured state),
     `live_state_bytes`, `peak_memory_gib` (CUDA max allocated, or the process's peak RSS on CPU; and
-    `capture_peak_memory_gib`, the same when the step's captures end), `capture_seconds`,
+    `capture_peak_memory_gib`, the same when the step's captures end; with `gradient_mode="full"`
+    `peak_before_prompt_backward_gib`, the same before each group's prompt backward, and `prompt_backward_seconds`),
+    `capture_seconds`,
     `capture_tokens_per_second`, `generation_seconds`, `generation_tokens_per_second`, `logprob_replay_seconds`
     (graph-free old/reference replays), `entropy_pass_seconds` (the graph-free entropy replays of
     `top_entropy_quantile < 1`), `replay_seconds` and `replay_tokens_per_second` (policy replay + backward),

@@ -149,6 +149,7 @@ def test_full_model_dry_run_full_mode_segments_and_kernel_rate_floor(tmp_path):
     assert len(r["segment_s"]) == -(-(r["prompt_tokens"] - 1) // 128) and sum(r["segment_s"]) <= pb["seconds"]
     assert r["segment_profile"]["segment_index"] == len(r["segment_s"]) // 2
     assert r["segment_profile"]["families"] and len(r["segment_profile"]["top_kernels"]) <= 5
+    assert 0 < r["capture_peak_gib"] <= r["peak_before_prompt_backward_gib"] <= r["trainer_peak_memory_gib"]
 
 
 def test_full_model_dry_run_under_fsdp2_at_world_size_one(tmp_path):
