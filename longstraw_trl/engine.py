@@ -472,6 +472,7 @@ def prompt_backward(
                 if own_loss is not None:
                     loss = _plus(loss, own_loss)
                 backward_segment(model, state, grads, ids, s, head, loss, checkpoint_layers)
+            grads.release(e)  # the gradient the later calls sent to the state at `e` is in this segment now
             bar.update(ids.shape[1])
 
 

@@ -37,7 +37,7 @@ from _trl_helpers import (
     train_stock_and_full,
 )
 
-from longstraw_trl import LongStrawError, capture_prompt
+from longstraw_trl import LongStrawError, capture_prompt, engine
 from longstraw_trl.engine import StateGrads, prompt_backward, replay_blocks_backward
 from longstraw_trl.state import WindowKV
 from longstraw_trl.state_cache import prompt_key
@@ -97,6 +97,31 @@ def test_prompt_gradient_buffers_and_leaves_are_what_the_design_says():
     fp32_factor = 4 // kv.dtype.itemsize  # fp32 buffers: the K/V's size here (fp32), twice it for bf16 K/V
     assert grads.kv(1).nbytes() == kv.stored_tokens() * kv.token_bytes() * fp32_factor
     assert {key for key in grads._leaves} == {(28, 0), (28, 2)}
+
+
+def test_prompt_backward_holds_two_boundaries_leaves_at_a_time(monkeypatch):
+    """A boundary's GDN leaf (and its gradient) is dropped once the segment ending there has taken it: while a segment
+    runs, only its start's leaf and its end's carried one are held (kept, they had grown with the prompt: 8.8 GiB more
+    at 262K than at 16K on the whole 27B), and the gradient is unchanged."""
+    model = _model("qwen3_5")
+    prompt, comps, weights = _data(prompt_len=45)
+    ref = stock_full_grads(model, prompt, comps, weights)
+    held = []
+    stock_segment = engine.backward_segment
+
+    def segment(model, state, grads, ids, start, *args, **kwargs):
+        out = stock_segment(model, state, grads, ids, start, *args, **kwargs)
+        held.append((start, grads.leaves_held()))
+        return out
+
+    monkeypatch.setattr(engine, "backward_segment", segment)
+    got = engine_full_grads(model, prompt, comps, weights)
+    assert_grads_close(got, ref)
+    # 44 resident tokens in chunks of 8: segments from the last (40) to the first; after each, the leaves at its start
+    # (taken next) and at its end (released right after it) only
+    assert [s for s, _ in held] == [40, 32, 24, 16, 8, 0]
+    assert all(leaves == sorted({s, s + 8} & {8, 16, 24, 32, 40, 44}) for s, leaves in held[1:]), held
+    assert held[0][1] == [40, 44]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
