@@ -338,6 +338,30 @@ def test_conv_gradients_and_constant_state():
     assert torch.equal(new_state, resp[..., -3:])
 
 
+@pytest.mark.parametrize("state_grad", [False, True])
+def test_conv_gradient_of_a_transposed_projection_comes_back_in_its_layout(state_grad):
+    """GDN passes the conv ``mixed_qkv.transpose(1, 2)``: its gradient must reach the projection row-major
+    (``[B, T, C]`` contiguous, as for any linear output), not as a slice of the conv window's gradient, whose row
+    stride ``T + kernel_size - 1`` sent the projection's input-gradient GEMM to an unaligned cuBLAS kernel; the values
+    are the plain path's."""
+    x, w, b = _conv_inputs(T=50, seed=1)
+    proj = x.transpose(1, 2).contiguous().requires_grad_(True)  # [B, T, C], a linear layer's output
+    ref = proj.detach().clone().requires_grad_(True)
+    state = torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(3)).requires_grad_(state_grad)
+    seen = []
+    wy = torch.randn(2, 6, 50, generator=torch.Generator().manual_seed(2))
+    xt = proj.transpose(1, 2)
+    xt.register_hook(lambda g: seen.append(g))
+    y, _ = causal_conv1d_with_state(xt, w, b, state, state_grad=state_grad)
+    (y * wy).sum().backward()
+    full = torch.cat([state.detach(), ref.transpose(1, 2)], dim=-1)
+    y_ref = F.silu(F.conv1d(full, w.unsqueeze(1), b, groups=6))
+    (y_ref * wy).sum().backward()
+    (g,) = seen
+    assert g.transpose(1, 2).is_contiguous()  # the projection's layout
+    assert _rel_l2(proj.grad, ref.grad) <= 1e-6
+
+
 def _fla_conv_semantics(x, weight, bias, initial_state=None, output_final_state=False, activation=None):
     """fla's ``causal_conv1d`` contract, written out: ``x [B, T, D]``, state ``[B, D, W]`` of which the last
     ``W - 1`` columns precede ``x`` (newest last), final state the last ``W`` inputs, fp32 math."""
