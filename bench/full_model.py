@@ -132,6 +132,13 @@ def parse_args() -> argparse.Namespace:
         default=True,
         help="graph_free_fused_kernels (--no-fused-kernels: HF's norm and MLP forwards in capture and generation)",
     )
+    ap.add_argument(
+        "--autograd-fused-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="autograd_fused_kernels (--no-autograd-fused-kernels: HF's norm and MLP forwards and their autograd "
+        "backward in the replays and the prompt backward)",
+    )
     ap.add_argument("--page", type=int, default=16384, help="page_size")
     ap.add_argument(
         "--lora-rank",
@@ -507,6 +514,7 @@ def longstraw_trainer(
         page_size=args.page,
         replay_batch_tokens=args.replay_batch_tokens,
         graph_free_fused_kernels=args.fused_kernels,
+        autograd_fused_kernels=args.autograd_fused_kernels,
         gradient_mode=gradient_mode,
         offload_prompt_state=args.offload,
         gradient_checkpointing=args.gradient_checkpointing,
@@ -942,6 +950,7 @@ def main() -> None:
         "capture_chunk_size": args.chunk,
         "page_size": args.page,
         "graph_free_fused_kernels": args.fused_kernels,
+        "autograd_fused_kernels": args.autograd_fused_kernels,
         # the kernel switches set for this run (README, "Kernel switches"); unset: every fast path on
         "kernel_switches": {
             k: v for k, v in os.environ.items() if k.startswith("LONGSTRAW_") and k != "LONGSTRAW_REV"

@@ -33,6 +33,7 @@
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh prefix-tree # prefix sharing: 8 decision points of a 512K trajectory
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh full-262k   # issue 25: response-only and full at 262K
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh pb-ckpt-128k # issue 25: prompt backward with / without checkpointing
+#   LONGSTRAW_REV=<git rev> bash bench/run_device.sh pb-ab       # issue 25: prompt backward, HF's forwards vs fused kernels
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp1-plain # issue 28: the 27B LoRA step at 512K, plain (then fsdp1)
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh fsdp1       # the same step under FSDP2 at world size 1; vs plain
 #   LONGSTRAW_REV=<git rev> bash bench/run_device.sh cp2         # on nvidia-h200-x2: the same step, CP2 (cp2.yaml)
@@ -455,6 +456,23 @@ full-262k)  # issue 25: the whole 27B's GRPO step at 262K, response-only then fu
   cd bench && PYTHONPATH=/tmp/site:/tmp/fla timeout 590 python3 -u full_model.py --skip-stock --prompts 262144 \
     --response 256 --gradient-modes response_only full --warmup-prompt 16384 --warmup-response 8 --budget-s 560 \
     --tag _full_P256K_v2 "$@" 2>&1 | grep -v -i warn | tee "$OUT/full_262k.log" | tail -8
+  ;;
+pb-ab)  # issue 25 (session 20): the full step's prompt backward at 64K (whole 27B, state on the host, 8K chunks, R = 32)
+       # with HF's norm / MLP forwards and their autograd backward, then with the fused kernels and their Triton
+       # backward (autograd_fused_kernels), two processes back to back, the middle segment of each profiled; the
+       # fused kernels' GPU tests first (a failure switches nothing off: the second process then shows it)
+  shift
+  GPU_TESTS_PATH=/tmp/site:/tmp/fla gpu_tests elementwise 150 tests/test_kernels_elementwise.py
+  tail -1 "$OUT/pytest_gpu_elementwise.log"
+  cd bench
+  for fused in --no-autograd-fused-kernels --autograd-fused-kernels; do
+    PYTHONPATH=/tmp/site:/tmp/fla timeout "${AB_TIMEOUT:-250}" python3 -u full_model.py --skip-stock \
+      --prompts "${AB_PROMPT:-65536}" --response 32 --gradient-modes full --offload cpu --chunk 8192 \
+      --warmup-prompt 16384 --warmup-response 8 --profile-segment 40 --budget-s "$(( ${AB_TIMEOUT:-250} - 15 ))" "$fused" \
+      --tag "_pb_ab_${fused#--}${AB_TAG:-}" "$@" 2>&1 | grep -v -i warn > "$OUT/pb_ab_${fused#--}.log"
+    tail -3 "$OUT/pb_ab_${fused#--}.log"
+  done
+  python3 pb_summary.py "$OUT/full_model_*_pb_ab_*.json" | grep -v "^    [0-9]" | tee "$OUT/pb_ab_summary.txt"
   ;;
 pb-ckpt-128k)  # issue 25 (session 17): the full step at 128K with 1K chunks, the prompt backward checkpointed (as TRL's
                # default) and then not (prompt_backward_checkpoint_layers=False, planned 134 GiB): two processes

@@ -1,4 +1,4 @@
-"""Fused elementwise kernels of the decoder layer (RMSNorm, gated RMSNorm, SiLU-and-multiply), graph-free only.
+"""Fused elementwise kernels of the decoder layer (RMSNorm, gated RMSNorm, SiLU-and-multiply), with backwards.
 
 Hugging Face's modules run these as chains of small kernels: ``Qwen3_5RMSNorm`` launches ten in bf16 (``x.float()``,
 ``pow``, ``mean``, ``+ eps``, ``rsqrt``, ``*``, ``w.float()``, ``1 + w``, ``*``, ``type_as``) and makes as many passes
@@ -23,8 +23,13 @@ SiLU-and-multiply (the MLPs): ``silu(gate) * up``, ``silu`` rounded to ``gate``'
 dtype of ``gate``, ``up`` (as ``act_fn(gate_proj(x)) * up_proj(x)`` computes it).
 
 Inputs: any leading shape, the normalised / multiplied dim last (``x.reshape(-1, d)``'s row stride is honoured:
-a chunk of a wider projection is read in place); outputs are contiguous. No host syncs (CUDA-graph safe) and no
-autograd: these are for capture and generation, never for a pass that is differentiated.
+a chunk of a wider projection is read in place); outputs are contiguous. No host syncs (CUDA-graph safe).
+``rms_norm`` / ``gated_rms_norm`` / ``silu_mul`` are graph-free (capture, generation). ``rms_norm_fn`` /
+``gated_rms_norm_fn`` / ``silu_mul_fn`` are the same forwards as autograd functions, for passes that are
+differentiated (replays, the prompt backward's recompute): they save their inputs alone, and one backward kernel
+an op gives the gradients of the fp32 math above, with every rounding taken as the identity (as autograd takes a
+cast) and each gradient rounded once to its input's dtype; the weight's gradient only when the weight requires
+grad (fp32 partial sums a program, summed by torch). Inputs the kernels do not take go through the references.
 """
 
 from __future__ import annotations
@@ -175,8 +180,130 @@ def _kernels() -> types.SimpleNamespace:
         a = tl.math.div_rn(gf, 1.0 + e).to(g.dtype).to(tl.float32)
         tl.store(Y + rows * N + cols[None, :], (a * u).to(Y.dtype.element_ty), mask=mask)
 
+    # Backward of rms_norm_kernel (same VARIANT / GATED / P_DTYPE math): dx (and dgate) of a block of rows, and,
+    # with HAS_DW, this program's fp32 partial sum of dweight over its blocks (summed over programs by torch).
+    # Roundings of the forward to x's dtype / P are identity here, as autograd treats casts; the values they
+    # feed (n.to(x.dtype) into the weight's gradient) are the rounded ones, as autograd saves them.
+    @triton.jit(do_not_specialize=["M", "blocks_per_program"])
+    def rms_norm_backward_kernel(
+        X,
+        G,
+        W,
+        DY,
+        DX,
+        DG,
+        DW,
+        stride_x,
+        stride_g,
+        stride_dy,
+        M,
+        D,
+        inv_d,
+        eps,
+        blocks_per_program,
+        VARIANT: tl.constexpr,
+        GATED: tl.constexpr,
+        P_DTYPE: tl.constexpr,
+        PRECISE_EXP: tl.constexpr,
+        HAS_DW: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        in_d = cols < D
+        x_dtype = X.dtype.element_ty
+        w = tl.load(W + cols, mask=in_d, other=0.0).to(tl.float32)[None, :]
+        dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+        # a while loop, not ``for b in range(blocks_per_program)``: the interpreter (numpy 2) cannot take a
+        # runtime scalar argument as a range bound
+        block = pid * blocks_per_program
+        end = block + blocks_per_program
+        while block < end:
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            block += 1
+            mask = (rows < M)[:, None] & in_d[None, :]
+            rows = rows.to(tl.int64)[:, None]
+            x = tl.load(X + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            # rstd recomputed as the forward computes it (padded lanes and rows load 0: n = 0, dy = 0)
+            rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)[:, None]
+            n = x * rstd
+            if GATED:  # y = p * silu(g), p = (w * n.to(x.dtype)).to(P)
+                n_x = n.to(x_dtype).to(tl.float32)
+                p = (w * n_x).to(P_DTYPE).to(tl.float32)
+                g = tl.load(G + rows * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                if PRECISE_EXP:
+                    e = libdevice.exp(-g)
+                else:
+                    e = tl.exp(-g)
+                sig = 1.0 / (1.0 + e)
+                dp = dy * (g * sig)
+                # d silu(g) / dg = sig * (1 + g * (1 - sig)), torch's silu_backward
+                dgate = dy * p * (sig * (1.0 + g * (1.0 - sig)))
+                tl.store(DG + rows * D + cols[None, :], dgate.to(DG.dtype.element_ty), mask=mask)
+                dn = dp * w
+                dw_rows = dp * n_x
+            elif VARIANT == 0:  # y = n * (1 + w)
+                dn = dy * (1.0 + w)
+                dw_rows = dy * n
+            elif VARIANT == 1:  # y = w * n.to(x.dtype)
+                dn = dy * w
+                dw_rows = dy * n.to(x_dtype).to(tl.float32)
+            else:  # y = w * n, in fp32
+                dn = dy * w
+                dw_rows = dy * n
+            # n = x * rstd, rstd = (mean(x^2) + eps)^(-1/2): dx = rstd * (dn - n * mean(dn * n))
+            dx = rstd * (dn - n * (tl.sum(dn * n, axis=1) * inv_d)[:, None])
+            tl.store(DX + rows * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_DW:
+                dw += tl.sum(dw_rows, axis=0)
+        if HAS_DW:
+            tl.store(DW + pid * D + cols, dw, mask=in_d)
+
+    # Backward of silu_mul_kernel: y = a * u with a = silu(g) rounded to g's dtype (the value autograd saves):
+    # du = dy * a, dg = dy * u * silu'(g), each rounded once to its input's dtype.
+    @triton.jit(do_not_specialize=["M"])
+    def silu_mul_backward_kernel(
+        G,
+        U,
+        DY,
+        DG,
+        DU,
+        stride_g,
+        stride_u,
+        stride_dy,
+        M,
+        N,
+        PRECISE_EXP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        rows = rows.to(tl.int64)[:, None]
+        g = tl.load(G + rows * stride_g + cols[None, :], mask=mask, other=0.0)
+        u = tl.load(U + rows * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gf = g.to(tl.float32)
+        if PRECISE_EXP:
+            e = libdevice.exp(-gf)
+        else:
+            e = tl.exp(-gf)
+        a = tl.math.div_rn(gf, 1.0 + e).to(g.dtype).to(tl.float32)
+        sig = 1.0 / (1.0 + e)
+        dg = dy * u * (sig * (1.0 + gf * (1.0 - sig)))
+        tl.store(DG + rows * N + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + rows * N + cols[None, :], (dy * a).to(DU.dtype.element_ty), mask=mask)
+
     return types.SimpleNamespace(
-        rms_norm=rms_norm_kernel, silu_mul=silu_mul_kernel, interpret=interpret, precise_exp=not interpret
+        rms_norm=rms_norm_kernel,
+        silu_mul=silu_mul_kernel,
+        rms_norm_backward=rms_norm_backward_kernel,
+        silu_mul_backward=silu_mul_backward_kernel,
+        interpret=interpret,
+        precise_exp=not interpret,
     )
 
 
@@ -321,3 +448,188 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         num_warps=4,
     )
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Under autograd: the forward kernels above, and one backward kernel an op
+# ---------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _dw_programs(device: torch.device) -> int:
+    """Programs of a backward that sums the weight's gradient: each loops over its share of the rows and writes
+    one fp32 partial row, so few programs keep the ``[programs, d]`` partials (and their sum) small. Two a
+    multiprocessor on CUDA; on the CPU (the Triton interpreter, which runs programs one after another) three,
+    so that the tests' short inputs already give several programs, several blocks each and a short last one."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 3
+
+
+def _norm_backward(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    dy: torch.Tensor,
+    eps: float,
+    variant_id: int,
+    p_dtype: torch.dtype,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dgate, dweight)`` of :func:`rms_norm` / :func:`gated_rms_norm` (``dgate`` None without a gate,
+    ``dweight`` None unless ``need_dw``), in the dtypes of ``x``, ``gate``, ``weight``."""
+    x2 = _rows(x, "the RMSNorm input")
+    g2 = x2 if gate is None else _rows(gate, "the gate")
+    dy2 = _rows(dy, "the RMSNorm output's gradient")
+    m, d = x2.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dgate = None if gate is None else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if m == 0:
+        return dx, dgate, torch.zeros_like(weight) if need_dw else None
+    block_d = _pow2(d)
+    block_m = min(max(1, _TILE // block_d), _pow2(m))
+    blocks = triton.cdiv(m, block_m)
+    # without dweight one block a program (the most parallelism); with it, a bounded number of programs
+    programs = min(blocks, _dw_programs(x.device)) if need_dw else blocks
+    per_program = triton.cdiv(blocks, programs)
+    programs = triton.cdiv(blocks, per_program)
+    partial = torch.empty((programs, d), dtype=torch.float32, device=x.device) if need_dw else dx
+    kernels = _kernels()
+    kernels.rms_norm_backward[(programs,)](
+        x2,
+        g2,
+        weight.contiguous(),
+        dy2,
+        dx,
+        dx if dgate is None else dgate,
+        partial,
+        x2.stride(0),
+        g2.stride(0),
+        dy2.stride(0),
+        m,
+        d,
+        _inv(d),
+        float(eps),
+        per_program,
+        VARIANT=variant_id,
+        GATED=gate is not None,
+        P_DTYPE=_TL_DTYPES[p_dtype],
+        PRECISE_EXP=kernels.precise_exp,
+        HAS_DW=need_dw,
+        BLOCK_M=block_m,
+        BLOCK_D=block_d,
+        num_warps=_num_warps(block_m * block_d),
+    )
+    return dx, dgate, partial.sum(0).to(weight.dtype) if need_dw else None
+
+
+# The backward recomputes rstd from the saved input rather than saving the forward's fp32 [rows] rstd: the
+# forward kernel stays as the graph-free path runs it (no extra output), and the backward loads each row anyway,
+# so the sum of squares is one more in-register reduction. The saved tensors are the inputs alone, which the
+# activation checkpointing of the replays frees and recomputes with the rest of the segment.
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, variant):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.variant = eps, variant
+        return rms_norm(x, weight, eps, variant)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx, _, dw = _norm_backward(
+            x, None, weight, dy, ctx.eps, _VARIANTS[ctx.variant], torch.float32, ctx.needs_input_grad[1]
+        )
+        return dx if ctx.needs_input_grad[0] else None, dw, None, None
+
+
+class _GatedRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps):
+        ctx.save_for_backward(x, gate, weight)
+        ctx.eps = eps
+        return gated_rms_norm(x, gate, weight, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, gate, weight = ctx.saved_tensors
+        p_dtype = torch.promote_types(weight.dtype, x.dtype)
+        dx, dgate, dw = _norm_backward(x, gate, weight, dy, ctx.eps, 0, p_dtype, ctx.needs_input_grad[2])
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None, dgate if needs[1] else None, dw, None
+
+
+def _silu_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dgate, dup)`` of :func:`silu_mul`, in the dtypes of ``gate`` and ``up``."""
+    g2, u2 = _rows(gate, "the MLP gate"), _rows(up, "the MLP up projection")
+    dy2 = _rows(dy, "the SiLU product's gradient")
+    m, n = g2.shape
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    if m == 0 or n == 0:
+        return dgate, dup
+    block_n = min(_pow2(n), 1024)
+    block_m = min(max(1, _TILE // block_n), _pow2(m))
+    kernels = _kernels()
+    kernels.silu_mul_backward[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        g2,
+        u2,
+        dy2,
+        dgate,
+        dup,
+        g2.stride(0),
+        u2.stride(0),
+        dy2.stride(0),
+        m,
+        n,
+        PRECISE_EXP=kernels.precise_exp,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return dgate, dup
+
+
+class _SiluMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return silu_mul(gate, up)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dgate, dup = _silu_mul_backward(gate, up, dy)
+        return dgate if ctx.needs_input_grad[0] else None, dup if ctx.needs_input_grad[1] else None
+
+
+def rms_norm_fn(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: RMSNormVariant) -> torch.Tensor:
+    """:func:`rms_norm` with a backward kernel (dx; dweight when ``weight`` requires grad). Inputs the kernels
+    do not take (:func:`rms_norm_ok` False) go through :func:`rms_norm_reference`, differentiated by torch."""
+    if variant not in _VARIANTS:
+        raise ValueError(f"unknown RMSNorm variant {variant!r}; expected one of {sorted(_VARIANTS)}")
+    if not rms_norm_ok(x, weight):
+        return rms_norm_reference(x, weight, eps, variant)
+    return _RMSNormFunction.apply(x, weight, eps, variant)
+
+
+def gated_rms_norm_fn(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`gated_rms_norm` with a backward kernel (dx, dgate; dweight when ``weight`` requires grad); other
+    inputs through :func:`gated_rms_norm_reference`."""
+    if not (
+        gate.shape == x.shape and gate.device == x.device and kernels_ok(gate) and rms_norm_ok(x, weight)
+    ):
+        return gated_rms_norm_reference(x, gate, weight, eps)
+    return _GatedRMSNormFunction.apply(x, gate, weight, eps)
+
+
+def silu_mul_fn(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul` with a backward kernel (dgate, dup); other inputs through :func:`silu_mul_reference`."""
+    if not (gate.shape == up.shape and gate.dim() > 0 and kernels_ok(gate, up)):
+        return silu_mul_reference(gate, up)
+    return _SiluMulFunction.apply(gate, up)

@@ -188,6 +188,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             are kept: outputs match HF's to within one unit in the last place of the model's dtype (the fp32
             summation order of the norm's mean). Replays (training, old and reference log-probs) always run HF's
             forwards. No effect on the CPU or without Triton.
+        autograd_fused_kernels (`bool`, *optional*, defaults to `True`):
+            During the policy replays and, with `gradient_mode="full"`, the prompt backward's recomputed segments (under
+            autograd, CUDA), run the same modules as `graph_free_fused_kernels` through fused Triton kernels that have
+            their own Triton backward (`fused_elementwise_forwards(..., differentiable=True)`) instead of HF's chains
+            of small fp32 kernels and their autograd backward (a fifth of a 27B prompt-backward segment's device time
+            on an H100 went to such elementwise kernels and copies). Forward outputs as `graph_free_fused_kernels`';
+            gradients equal autograd's through HF's modules up to fp32 summation order. No effect on the CPU or
+            without Triton.
         generation_fsdp_gather_gib (`float` or `None`, *optional*, defaults to `None`):
             Under FSDP2, GPU memory (GiB) the generation may spend keeping the model's FSDP2 units gathered from their
             first decode step to the last: FSDP2 otherwise gathers every layer for every generated token (R
@@ -262,6 +270,13 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "During capture, generation and extension (no autograd, CUDA), run HF's RMSNorm, gated RMSNorm "
             "and SiLU-MLP modules as fused Triton kernels (HF's cast points kept). Replays always run HF's forwards."
+        },
+    )
+    autograd_fused_kernels: bool = field(
+        default=True,
+        metadata={
+            "help": "During the replays and the full mode's prompt backward (autograd, CUDA), run HF's RMSNorm, gated "
+            "RMSNorm and SiLU-MLP modules as fused Triton kernels with a Triton backward."
         },
     )
     generation_fsdp_gather_gib: float | None = field(

@@ -1,13 +1,20 @@
-"""Fused elementwise forwards of HF's norm and MLP modules in graph-free passes (capture, generation, extend).
+"""Fused elementwise forwards of HF's norm and MLP modules: graph-free passes (capture, generation, extend), and,
+with ``differentiable=True``, passes that are differentiated (training replays, the prompt backward's recompute).
 
 Hugging Face's RMSNorm modules run ten or so small kernels each (``Qwen3_5RMSNorm``: ``x.float()``, ``pow``,
 ``mean``, ``+ eps``, ``rsqrt``, ``*``, ``w.float()``, ``1 + w``, ``*``, ``type_as``), the gated norm of the Gated
 DeltaNet layers twelve, the MLP's ``act_fn(gate) * up`` two: in a decode step (one CUDA graph of a few small
 kernels per op) and in a capture (as many passes over an fp32 copy of the activations) they are most of what
-runs besides the GEMMs and attention. Inside :func:`fused_elementwise_forwards` each such module whose class is
-known runs one Triton kernel instead (``longstraw_trl.kernels.elementwise``), with HF's cast points: the outputs
-match HF's up to the summation order of the mean and the last bits of ``exp`` (at most one unit in the last place
-of the activation dtype; most are bit-identical).
+runs besides the GEMMs and attention. The training replays and the full-gradient prompt backward run the same
+chains under autograd (HF's / our activation checkpointing runs each segment's forward twice), plus their autograd
+backward: as many small kernels again, and the fp32 intermediates they save. Inside
+:func:`fused_elementwise_forwards` each such module whose class is known runs one Triton kernel instead
+(``longstraw_trl.kernels.elementwise``), with HF's cast points: the outputs match HF's up to the summation order
+of the mean and the last bits of ``exp`` (at most one unit in the last place of the activation dtype; most are
+bit-identical). With ``differentiable=True`` a call under autograd runs the same forward kernel as an autograd
+function that saves only its inputs and has one backward kernel (``rms_norm_fn`` and the like): the gradients
+are those of HF's fp32 math, rounded once to the inputs' dtypes (autograd through HF's forward rounds some
+intermediate gradients to the activation dtype as well).
 
 A class is served only if it is one of the exact HF classes listed here (by module and name: a subclass or a
 look-alike keeps its forward), its instance has the attributes the kernel reads (an ``eps`` / ``variance_epsilon``
@@ -16,8 +23,10 @@ forward is run on a tiny CPU probe in bfloat16 and must equal the kernel's torch
 transformers release that changes the math, or a class registered under the wrong variant, is left alone).
 
 The forwards are bound on the instances (``module.forward``, as :func:`longstraw_trl.adapters.fused_lora_forwards`
-does) and removed on exit. A call with autograd enabled, on a CPU tensor, or with inputs the kernels do not take
-runs the stock forward; on a model on the CPU (or without Triton) nothing is bound.
+does) and removed on exit. A call on a CPU tensor, with inputs the kernels do not take, or (unless
+``differentiable``) with autograd enabled runs the stock forward; on a model on the CPU (or without Triton)
+nothing is bound. A checkpointed segment's backward recomputes its forward: with ``differentiable=True``, run
+that backward inside the block too, so that the recompute runs the forwards that the first pass ran.
 """
 
 from __future__ import annotations
@@ -32,12 +41,15 @@ from transformers.activations import SiLUActivation
 from longstraw_trl.kernels.elementwise import (
     RMSNormVariant,
     gated_rms_norm,
+    gated_rms_norm_fn,
     gated_rms_norm_reference,
     kernels_ok,
     rms_norm,
+    rms_norm_fn,
     rms_norm_ok,
     rms_norm_reference,
     silu_mul,
+    silu_mul_fn,
     silu_mul_reference,
 )
 
@@ -102,6 +114,8 @@ _MLPS = frozenset(
     )
 )
 _EPS_NAMES = ("variance_epsilon", "eps")
+# The bound module's (variant, differentiable): its RMSNorm variant (None for the others) and whether calls under
+# autograd run the kernels too.
 _ATTR = "_longstraw_fused_elementwise"
 
 
@@ -125,48 +139,50 @@ def _stock(self, args: tuple, kwargs: dict) -> torch.Tensor:
     return type(self).forward(self, *args, **kwargs)
 
 
+def _graph(self) -> bool | None:
+    """Whether this call builds a graph (True), is graph-free (False), or is the stock forward's (None: autograd
+    on, and the module bound without ``differentiable``)."""
+    if not torch.is_grad_enabled():
+        return False
+    return True if getattr(self, _ATTR)[1] else None
+
+
 def _fused_norm_forward(self, *args, **kwargs) -> torch.Tensor:
-    """An RMSNorm in one kernel (graph-free, CUDA, one positional input); otherwise the stock forward."""
+    """An RMSNorm in one kernel (CUDA, one positional input; graph-free, or differentiable when bound so);
+    otherwise the stock forward."""
     eps = _eps(self)
-    if (
-        len(args) != 1
-        or kwargs
-        or eps is None
-        or torch.is_grad_enabled()
-        or not rms_norm_ok(args[0], self.weight)
-    ):
+    graph = _graph(self)
+    if len(args) != 1 or kwargs or eps is None or graph is None or not rms_norm_ok(args[0], self.weight):
         return _stock(self, args, kwargs)
-    return rms_norm(args[0], self.weight, eps, getattr(self, _ATTR))
+    variant = getattr(self, _ATTR)[0]
+    return (rms_norm_fn if graph else rms_norm)(args[0], self.weight, eps, variant)
 
 
 def _fused_gated_norm_forward(self, *args, **kwargs) -> torch.Tensor:
-    """A gated RMSNorm in one kernel (graph-free, CUDA, ``(hidden_states, gate)`` positional); otherwise the
-    stock forward."""
+    """A gated RMSNorm in one kernel (CUDA, ``(hidden_states, gate)`` positional; graph-free, or differentiable
+    when bound so); otherwise the stock forward."""
     eps = _eps(self)
-    if len(args) != 2 or kwargs or eps is None or torch.is_grad_enabled():
+    graph = _graph(self)
+    if len(args) != 2 or kwargs or eps is None or graph is None:
         return _stock(self, args, kwargs)
     x, gate = args
     if not (isinstance(gate, torch.Tensor) and gate.shape == x.shape and kernels_ok(gate)):
         return _stock(self, args, kwargs)
     if not rms_norm_ok(x, self.weight):
         return _stock(self, args, kwargs)
-    return gated_rms_norm(x, gate, self.weight, eps)
+    return (gated_rms_norm_fn if graph else gated_rms_norm)(x, gate, self.weight, eps)
 
 
 def _fused_mlp_forward(self, *args, **kwargs) -> torch.Tensor:
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the activation and product in one kernel."""
-    if (
-        len(args) != 1
-        or kwargs
-        or torch.is_grad_enabled()
-        or not kernels_ok(args[0])
-        or not _is_silu(self.act_fn)
-    ):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the activation and product in one kernel (graph-free,
+    or differentiable when bound so)."""
+    graph = _graph(self)
+    if len(args) != 1 or kwargs or graph is None or not kernels_ok(args[0]) or not _is_silu(self.act_fn):
         return _stock(self, args, kwargs)
     gate, up = self.gate_proj(args[0]), self.up_proj(args[0])
     if gate.shape != up.shape or not kernels_ok(gate, up):  # e.g. fp64 projections: HF's expression
         return self.down_proj(self.act_fn(gate) * up)
-    return self.down_proj(silu_mul(gate, up))
+    return self.down_proj((silu_mul_fn if graph else silu_mul)(gate, up))
 
 
 # The probe of each class's math (see the module docstring): class -> whether its forward is the kernel's math.
@@ -258,12 +274,20 @@ _FORWARDS = {"norm": _fused_norm_forward, "gated": _fused_gated_norm_forward, "m
 
 
 @contextlib.contextmanager
-def fused_elementwise_forwards(model: nn.Module, enabled: bool = True) -> Iterator[dict[str, int]]:
+def fused_elementwise_forwards(
+    model: nn.Module, enabled: bool = True, differentiable: bool = False
+) -> Iterator[dict[str, int]]:
     """Inside the block, HF's RMSNorm, gated RMSNorm and SiLU-MLP modules of ``model`` run fused Triton kernels
-    (graph-free passes on CUDA; see the module docstring); each gets its stock forward back afterwards.
+    (on CUDA; see the module docstring); each gets its stock forward back afterwards.
 
     Yields how many modules of each kind (``"norm"``, ``"gated"``, ``"mlp"``) were bound: none on a CPU model,
-    without Triton, or when ``enabled`` is False. Calls under autograd run the stock forwards.
+    without Triton, or when ``enabled`` is False. Calls under autograd run the stock forwards unless
+    ``differentiable``: then they run the kernels too, as autograd functions with one backward kernel each
+    (dweight only for a weight that requires grad), since the replays and the prompt backward's checkpointed
+    segments otherwise run HF's chains of small kernels, twice with the recompute, and their autograd backward.
+
+    Nested blocks leave the modules an outer block bound as it bound them (an inner exit must not take the outer
+    block's forwards away: a checkpointed segment's backward would then recompute with other forwards).
     """
     counts = dict.fromkeys(_FORWARDS, 0)
     if not enabled:
@@ -272,11 +296,13 @@ def fused_elementwise_forwards(model: nn.Module, enabled: bool = True) -> Iterat
     bound = []
     try:
         for module in model.modules():
+            if hasattr(module, _ATTR):  # bound by an enclosing block: its binding stands
+                continue
             fusion = _fusion(module)
             if fusion is None:
                 continue
             kind, variant = fusion
-            setattr(module, _ATTR, variant)
+            setattr(module, _ATTR, (variant, differentiable))
             module.forward = _FORWARDS[kind].__get__(module)
             bound.append(module)
             counts[kind] += 1

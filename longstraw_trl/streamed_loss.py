@@ -35,6 +35,7 @@ from torch import nn
 
 from .engine import checkpointing_off, prompt_backward, replay_blocks_backward
 from .errors import LongStrawError, NonFiniteLossError
+from .fused_forwards import fused_elementwise_forwards
 from .loss import (
     GRPOLossSpec,
     aggregate_metrics,
@@ -125,6 +126,8 @@ class LossOptions:
         prompt_backward_checkpoint_layers: whether the prompt backward's recomputed capture chunks checkpoint their
             layers (``None``: as the replays' segments do).
         capture_chunk_size: the router statistics' chunking (MoE load-balancing loss).
+        autograd_fused_kernels: the replays and prompt-backward segments run HF's norm and MLP modules through the
+            fused kernels with their own backward (:func:`~longstraw_trl.fused_forwards.fused_elementwise_forwards`).
     """
 
     temperature: float = 1.0
@@ -135,6 +138,7 @@ class LossOptions:
     gradient_checkpointing: bool = False
     capture_chunk_size: int | None = None
     prompt_backward_checkpoint_layers: bool | None = None
+    autograd_fused_kernels: bool = False
 
     @property
     def segment_checkpoint_layers(self) -> bool | None:
@@ -437,7 +441,11 @@ class StreamedLoss:
         lone_ddp = (
             isinstance(model, nn.parallel.DistributedDataParallel) and self.collectives.num_processes == 1
         )
-        with model.no_sync() if lone_ddp else _NULL_CONTEXT:
+        # HF's norm and MLP modules through the fused kernels with their own backward, where configured: bound for the
+        # whole micro-batch, since a checkpointed replay or segment recomputes its forwards in its backward, which must
+        # run the forwards its first pass ran
+        fused = fused_elementwise_forwards(model, self.options.autograd_fused_kernels, differentiable=True)
+        with model.no_sync() if lone_ddp else _NULL_CONTEXT, fused:
             return self._micro_batch(model, inputs, backward, scaling)
 
     def _micro_batch(

@@ -513,6 +513,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 gradient_checkpointing=bool(args.gradient_checkpointing),
                 capture_chunk_size=args.capture_chunk_size,
                 prompt_backward_checkpoint_layers=args.prompt_backward_checkpoint_layers,
+                autograd_fused_kernels=args.autograd_fused_kernels,
             ),
             self,
             self.prompt_states,

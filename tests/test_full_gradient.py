@@ -439,6 +439,53 @@ def test_train_full_gradient_with_and_without_prompt_backward_checkpointing(chec
     assert_updates_match(start, stock_weights, ours)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_train_full_gradient_with_autograd_fused_kernels_matches_stock(fused, monkeypatch):
+    """`autograd_fused_kernels` (the fused norm / SiLU-MLP kernels with their own backward, here in the Triton
+    interpreter on the CPU) through `trainer.train()` under TRL's defaults (HF checkpointing on: the replays' and the
+    prompt backward's recomputes must run the kernels their first pass ran, or checkpointing raises): the weight
+    updates equal stock GRPOTrainer's, and the kernels ran under autograd in the replays and the prompt backward."""
+    triton = pytest.importorskip("triton")
+    if not triton.knobs.runtime.interpret:
+        pytest.skip(
+            "the Triton interpreter is off (CUDA present, or Triton imported before tests/conftest.py)"
+        )
+    import longstraw_trl.streamed_loss as streamed_loss
+    from longstraw_trl import fused_forwards
+    from longstraw_trl.kernels import elementwise
+
+    monkeypatch.setattr(elementwise, "_KERNEL_DEVICE", "cpu")  # the kernels take CPU tensors (interpreter)
+    calls = {"rms_norm_fn": [], "silu_mul_fn": []}
+    in_prompt_backward = []
+
+    def counted(name):
+        real = getattr(fused_forwards, name)
+
+        def fn(*args, **kwargs):
+            calls[name].append(bool(in_prompt_backward))
+            return real(*args, **kwargs)
+
+        return fn
+
+    for name in calls:
+        monkeypatch.setattr(fused_forwards, name, counted(name))
+    real_prompt_backward = streamed_loss.prompt_backward
+
+    def marked(*args, **kwargs):
+        in_prompt_backward.append(1)
+        try:
+            return real_prompt_backward(*args, **kwargs)
+        finally:
+            in_prompt_backward.pop()
+
+    monkeypatch.setattr(streamed_loss, "prompt_backward", marked)
+    start, stock_weights, ours = train_stock_and_full(full_overrides={"autograd_fused_kernels": fused})
+    assert ours.args.gradient_checkpointing and ours.args.autograd_fused_kernels == fused
+    for name, where in calls.items():  # replays (outside the prompt backward) and segments (inside)
+        assert (set(where) == {False, True}) if fused else not where, (name, len(where))
+    assert_updates_match(start, stock_weights, ours)
+
+
 def _replayed_for_prompt_backward(family: str):
     """A tiny model, a 25-token prompt captured in chunks of 8 with its boundaries kept, and the gradient one replay
     sent to the prompt state: what a prompt backward starts from."""

@@ -239,12 +239,13 @@ def test_whole_model_forward_with_fused_modules(interpreter):
 
 
 def test_autograd_inside_runs_stock_forwards(interpreter, monkeypatch):
-    """Bound, but a call with autograd enabled runs HF's forward (and can be differentiated)."""
+    """Bound without ``differentiable``: a call with autograd enabled runs HF's forward (and can be
+    differentiated), neither the graph-free kernels nor their autograd functions."""
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a fused kernel ran under autograd")
 
-    for name in ("rms_norm", "gated_rms_norm", "silu_mul"):
+    for name in ("rms_norm", "gated_rms_norm", "silu_mul", "rms_norm_fn", "gated_rms_norm_fn", "silu_mul_fn"):
         monkeypatch.setattr(ff, name, no_kernel)
     norm, mlp = _norm(Qwen3_5RMSNorm, 32, torch.float32), _mlp(Qwen3_5MLP, 32, 48, torch.float32)
     x = _rand(3, 32).requires_grad_()
@@ -342,6 +343,270 @@ def test_cpu_model_is_left_alone():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# CPU: the backward kernels (``differentiable=True``) against HF's modules under autograd
+# ---------------------------------------------------------------------------------------------------------
+
+# fp16 gradients, relative L2 against HF's fp16 autograd (which rounds intermediate gradients to fp16 too) and
+# against the fp32 math on the same inputs: measured (interpreter) at most 4.5e-4 and 4.9e-4 (about one fp16
+# rounding of each gradient). fp32: 1e-5, measured at most 3.0e-7 for the modules, 5.0e-6 for the whole Qwen3.5
+# (its GDN A_log / dt_bias, whose fp32 gradients HF's own autograd gets within 6.1e-6 of fp64).
+FP16_GRAD_TOL = 1.5e-3
+FP32_GRAD_TOL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of ``a`` against ``b`` (in fp64)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _grads(fn, leaves, *args, seed=7):
+    """The gradients of ``(fn(*args).float() * r).sum()`` for ``leaves``, ``r`` a fixed random tensor
+    (bf16-rounded, so that every output dtype takes the same ``dy``)."""
+    for t in leaves:
+        t.grad = None
+    y = fn(*args)
+    r = _rand(y.numel(), seed=seed).to(torch.bfloat16).to(device=y.device, dtype=torch.float32).view(y.shape)
+    (y.float() * r).sum().backward()
+    grads = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    return grads
+
+
+def _fused_grads(model, fn, leaves, classes, *args, expected=1):
+    """:func:`_grads` inside ``fused_elementwise_forwards(model, differentiable=True)``, HF's forwards of
+    ``classes`` failing (no fallback)."""
+    with fused_elementwise_forwards(model, differentiable=True) as counts:
+        assert sum(counts.values()) == expected, counts
+        with _stock_forwards_fail(*classes):
+            return _grads(fn, leaves, *args)
+
+
+def _fp32_twin(module, *tensors):
+    """A float32 copy of ``module`` and fp32 leaves of ``tensors`` (the fp32 math on the same values)."""
+    import copy
+
+    twin = copy.deepcopy(module).float()
+    return twin, [t.detach().float().requires_grad_() for t in tensors]
+
+
+def _check_grads(out, ref, tol, what):
+    assert len(out) == len(ref)
+    for i, (o, r) in enumerate(zip(out, ref, strict=True)):
+        assert o is not None and o.dtype == r.dtype and o.shape == r.shape, (what, i)
+        err = _rel(o, r)
+        assert err <= tol, f"{what}: gradient {i} rel L2 {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cls", NORMS)
+def test_rms_norm_backward_matches_hf_module(interpreter, cls, dtype, weight_grad):
+    """``loss = (y * r).sum()`` through the fused module against HF's autograd: dx, and dweight when the weight
+    requires grad (none otherwise). Hidden 96 over 210 rows (7 blocks of 32 rows; with dweight 3 programs of 3
+    blocks, the last one's partly past the end), the per-head shape [2, 7, 4, 16], and rows read in place from
+    the first half of a wider tensor (row stride 192)."""
+    tol = FP32_GRAD_TOL if dtype == torch.float32 else FP16_GRAD_TOL
+    for shape, width in (((3, 70, 96), 96), ((2, 7, 4, 16), 16), ((5, 96), 192)):
+        d = shape[-1]
+        module = _norm(cls, d, dtype)
+        module.weight.requires_grad_(weight_grad)
+        wide = _rand(*shape[:-1], width, dtype=dtype, scale=3.0).requires_grad_()
+        leaves = [wide, module.weight] if weight_grad else [wide]
+        ref = _grads(module, leaves, wide[..., :d])
+        out = _fused_grads(module, module, leaves, [cls], wide[..., :d])
+        _check_grads(out, ref, tol, f"{cls.__name__} {shape} vs HF")
+        assert module.weight.grad is None
+        if dtype != torch.float32:  # and against the fp32 math
+            twin, (wide32,) = _fp32_twin(module, wide)
+            twin.weight.requires_grad_(weight_grad)
+            math = _grads(twin, [wide32, twin.weight] if weight_grad else [wide32], wide32[..., :d])
+            _check_grads([g.float() for g in out], math, tol, f"{cls.__name__} {shape} vs fp32")
+
+
+def test_every_registered_norm_class_backward(interpreter):
+    """Every class of the registry (each under its variant): dx and dweight against its own HF autograd, fp32."""
+    for name in ff._NORMS:
+        cls = _registered_class(name)
+        module = _norm(cls, 48, torch.float32, seed=3)
+        x = _rand(37, 48, scale=2.0).requires_grad_()
+        ref = _grads(module, [x, module.weight], x)
+        out = _fused_grads(module, module, [x, module.weight], [cls], x)
+        _check_grads(out, ref, FP32_GRAD_TOL, name)
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cls", GATED)
+def test_gated_rms_norm_backward_matches_hf_module(interpreter, cls, dtype, weight_grad):
+    """dx, dgate (and dweight) of the gated norm against HF's autograd: 600 rows of 24 (5 blocks of 128 rows),
+    and x / gate read in place as the two halves of one wider tensor."""
+    tol = FP32_GRAD_TOL if dtype == torch.float32 else FP16_GRAD_TOL
+    module = _norm(cls, 24, dtype)
+    module.weight.requires_grad_(weight_grad)
+    w = [module.weight] if weight_grad else []
+    x, gate = _rand(600, 24, dtype=dtype, scale=2.0), _rand(600, 24, dtype=dtype, scale=2.0, seed=5)
+    x.requires_grad_(), gate.requires_grad_()
+    wide = _rand(3, 5, 4, 48, dtype=dtype, scale=2.0, seed=6).requires_grad_()
+    cases = [
+        (lambda: module(x, gate), [x, gate, *w]),
+        (lambda: module(wide[..., :24], wide[..., 24:]), [wide, *w]),
+    ]
+    for i, (fn, leaves) in enumerate(cases):
+        ref = _grads(fn, leaves)
+        out = _fused_grads(module, fn, leaves, [cls])
+        _check_grads(out, ref, tol, f"{cls.__name__} case {i} vs HF")
+        assert module.weight.grad is None
+        if dtype != torch.float32:
+            twin, (x32, g32) = _fp32_twin(module, x, gate)
+            twin.weight.requires_grad_(weight_grad)
+            math = _grads(twin, [x32, g32, *([twin.weight] if weight_grad else [])], x32, g32)
+            ours = _fused_grads(module, lambda: module(x, gate), [x, gate, *w], [cls])
+            _check_grads([g.float() for g in ours], math, tol, f"{cls.__name__} vs fp32")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cls", [Qwen3_5MLP, LlamaMLP])
+def test_silu_mlp_backward_matches_hf_module(interpreter, cls, dtype):
+    """dx and the three projections' gradients of the MLP (dgate / dup of the kernel reach them through the
+    GEMMs), and :func:`silu_mul_fn` itself on the two halves of a fused gate_up (row stride 2n), fp16 and a
+    mixed fp32 gate with an fp16 up, against HF's autograd and the fp32 math."""
+    tol = FP32_GRAD_TOL if dtype == torch.float32 else FP16_GRAD_TOL
+    module = _mlp(cls, 32, 80, dtype)
+    x = _rand(2, 9, 32, dtype=dtype).requires_grad_()
+    leaves = [x, *(p for p in module.parameters())]
+    assert len(leaves) == 4
+    ref = _grads(lambda: module(x), leaves)
+    out = _fused_grads(module, lambda: module(x), leaves, [cls])
+    _check_grads(out, ref, tol, f"{cls.__name__} vs HF")
+    gate_up = _rand(5, 7, 2 * 48, dtype=dtype, scale=3.0, seed=4).requires_grad_()
+    act = module.act_fn  # HF's SiLU, as the stock MLP applies it
+    ref = _grads(lambda: act(gate_up[..., :48]) * gate_up[..., 48:], [gate_up])
+    out = _grads(lambda: ew.silu_mul_fn(gate_up[..., :48], gate_up[..., 48:]), [gate_up])
+    _check_grads(out, ref, tol, "silu_mul_fn on gate_up halves vs HF")
+    g32 = gate_up.detach().float().requires_grad_()
+    math = _grads(lambda: act(g32[..., :48]) * g32[..., 48:], [g32])
+    _check_grads([out[0].float()], math, tol, "silu_mul_fn vs fp32")
+    if dtype == torch.float16:  # fp32 gate x fp16 up: an fp32 product, dgate fp32, dup fp16
+        g, u = g32[..., :48].detach().requires_grad_(), gate_up[..., 48:].detach().requires_grad_()
+        ref = _grads(lambda: act(g) * u, [g, u])
+        out = _grads(lambda: ew.silu_mul_fn(g, u), [g, u])
+        _check_grads(out, ref, tol, "mixed silu_mul_fn")
+
+
+def test_mixed_dtype_norm_backward(interpreter):
+    """fp16 input with an fp32 weight (HF promotes: llama's output and the gated norm's product in fp32): dx in
+    fp16, dweight in fp32, against the references under autograd."""
+    wide = _rand(6, 64, dtype=torch.float16, scale=2.0).requires_grad_()
+    w = _rand(32, scale=0.5, seed=2).requires_grad_()
+    x, gate = wide[:, :32], wide[:, 32:]
+    for variant in ("zero_centered", "llama", "gpt_oss"):
+        ref = _grads(ew.rms_norm_reference, [wide, w], x, w, 1e-6, variant)
+        out = _grads(ew.rms_norm_fn, [wide, w], x, w, 1e-6, variant)
+        _check_grads(out, ref, FP16_GRAD_TOL, variant)
+    ref = _grads(lambda: ew.gated_rms_norm_reference(x, gate, w, 1e-6), [wide, w])
+    out = _grads(lambda: ew.gated_rms_norm_fn(x, gate, w, 1e-6), [wide, w])
+    _check_grads(out, ref, FP16_GRAD_TOL, "gated")
+    # a loss of y.sum(): dy a stride-0 expanded tensor
+    ref = _grads(lambda: ew.rms_norm_reference(x, w, 1e-6, "llama").sum(), [wide, w])
+    out = _grads(lambda: ew.rms_norm_fn(x, w, 1e-6, "llama").sum(), [wide, w])
+    _check_grads(out, ref, FP16_GRAD_TOL, "y.sum()")
+    ref = _grads(lambda: ew.silu_mul_reference(gate.float(), x).sum(), [wide])
+    out = _grads(lambda: ew.silu_mul_fn(gate.float(), x).sum(), [wide])
+    _check_grads(out, ref, FP16_GRAD_TOL, "silu_mul_fn, y.sum()")
+    # no rows: zero gradients
+    dx, dw = _grads(lambda: ew.rms_norm_fn(x[:0], w, 1e-6, "llama"), [wide, w])
+    assert not dx.any() and not dw.any()
+    (dx,) = _grads(lambda: ew.silu_mul_fn(gate[:0], x[:0]), [wide])
+    assert not dx.any()
+
+
+def test_differentiable_functions_fall_back_to_the_references(monkeypatch):
+    """Inputs the kernels do not take (CPU tensors outside the interpreter, float64) go through the torch
+    references under autograd, no kernel launched: the same gradients as the references, bit for bit."""
+
+    def no_kernels():
+        raise AssertionError("a kernel was built for inputs the kernels do not take")
+
+    monkeypatch.setattr(ew, "_kernels", no_kernels)
+    for dtype in (torch.float32, torch.float64):
+        x, g = _rand(4, 16, dtype=dtype).requires_grad_(), _rand(4, 16, dtype=dtype, seed=1).requires_grad_()
+        w = _rand(16, dtype=dtype, seed=2).requires_grad_()
+        cases = [
+            (ew.rms_norm_fn, ew.rms_norm_reference, (x, w, 1e-6, "llama")),
+            (ew.gated_rms_norm_fn, ew.gated_rms_norm_reference, (x, g, w, 1e-6)),
+            (ew.silu_mul_fn, ew.silu_mul_reference, (g, x)),
+        ]
+        for fused, reference, args in cases:
+            for a, b in zip(
+                _grads(fused, [x, g, w], *args), _grads(reference, [x, g, w], *args), strict=True
+            ):
+                assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_checkpointed_segment_gives_the_same_gradients(interpreter):
+    """A norm, a gated norm and an MLP inside ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (the
+    backward recomputes the segment through the fused forwards, the context still open): the gradients of the
+    segment run without checkpointing, bit for bit, and HF's within fp32 rounding."""
+    from torch.utils.checkpoint import checkpoint
+
+    norm, gated = _norm(Qwen3_5RMSNorm, 32, torch.float32), _norm(Qwen3_5RMSNormGated, 32, torch.float32)
+    mlp = _mlp(Qwen3_5MLP, 32, 48, torch.float32)
+    model = nn.ModuleList([norm, gated, mlp])
+    x = _rand(3, 5, 32, scale=2.0).requires_grad_()
+    gate = _rand(3, 5, 32, seed=4).requires_grad_()
+    leaves = [x, gate, *model.parameters()]
+
+    def segment(x, gate):
+        return mlp(gated(norm(x), gate))
+
+    classes = [Qwen3_5RMSNorm, Qwen3_5RMSNormGated, Qwen3_5MLP]
+    ref = _grads(lambda: segment(x, gate), leaves)
+    plain = _fused_grads(model, lambda: segment(x, gate), leaves, classes, expected=3)
+    ckpt = _fused_grads(
+        model, lambda: checkpoint(segment, x, gate, use_reentrant=False), leaves, classes, expected=3
+    )
+    for a, b in zip(ckpt, plain, strict=True):
+        assert torch.equal(a, b)
+    _check_grads(plain, ref, FP32_GRAD_TOL, "segment vs HF")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_whole_model_backward_with_fused_modules(interpreter, monkeypatch, family):
+    """A tiny Qwen3.5 (gated norms, zero-centred norms, MLPs) / Llama, every parameter trainable: with
+    ``differentiable=True`` every norm, gated norm and MLP runs fused under autograd, none falls back, and each
+    parameter's gradient of a loss on the logits is HF's (relative L2 <= 1e-5). The Llama runs under HF's own
+    activation checkpointing (non-reentrant), as the replays do: its layers' norms run again in the backward."""
+    calls = []
+    monkeypatch.setattr(ff, "rms_norm_fn", lambda *a: calls.append(1) or ew.rms_norm_fn(*a))
+    if family == "qwen3_5":
+        model, expected = build_hybrid("qwen3_5"), {"norm": 9, "gated": 2, "mlp": 3}
+        classes = [Qwen3_5RMSNorm, Qwen3_5RMSNormGated, Qwen3_5MLP]
+        norm_calls = 9
+    else:
+        model, expected = build("llama"), {"norm": 5, "gated": 0, "mlp": 2}
+        classes = [LlamaRMSNorm, LlamaMLP]
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        model.train()  # HF checkpoints only in training mode (the test models have no dropout)
+        norm_calls = (
+            5 + 4
+        )  # 2 layers x 2 norms recomputed in the backward; the final norm is not checkpointed
+    ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(0))
+    params = [p for p in model.parameters()]
+    ref = _grads(lambda: model(ids).logits, params)
+    with fused_elementwise_forwards(model, differentiable=True) as counts:
+        assert counts == expected
+        with _stock_forwards_fail(*classes):
+            out = _grads(lambda: model(ids).logits, params)
+    assert len(calls) == norm_calls
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    names = [n for n, _ in model.named_parameters()]
+    for name, o, r in zip(names, out, ref, strict=True):
+        assert _rel(o, r) <= FP32_GRAD_TOL, (name, _rel(o, r))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # CUDA: bf16 at the shapes of Qwen3.6-27B (hidden 5120, 24 query heads of 256, 48 GDN value heads of 128,
 # MLP 17408): a capture chunk of 16384 tokens and a decode step of 8 sequences
 # ---------------------------------------------------------------------------------------------------------
@@ -426,3 +691,65 @@ def test_qwen3_5_capture_and_generate_on_cuda(dtype):
         torch.testing.assert_close(a, b, **tol)
     if dtype == torch.float32:
         assert torch.equal(tokens, ref_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA: the backward kernels in bf16 at the 27B's shapes (a replay segment of 8192 tokens), against HF's bf16
+# autograd and against the fp32 math on the same inputs. HF's bf16 autograd rounds its intermediate gradients
+# to bf16 (relative errors of a few 1e-3 against fp32); the kernels round each gradient once.
+# ---------------------------------------------------------------------------------------------------------
+
+BF16_GRAD_TOL = 1e-2
+
+
+def _check_bf16_grads(module, fn, leaves, classes, twin_fn, twin_leaves):
+    out = _fused_grads(module, fn, leaves, classes)
+    _check_grads(out, _grads(fn, leaves), BF16_GRAD_TOL, "vs HF bf16")
+    _check_grads([g.float() for g in out], _grads(twin_fn, twin_leaves), BF16_GRAD_TOL, "vs fp32 math")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("cls", NORMS)
+def test_rms_norm_backward_bf16_on_cuda(cls):
+    """dx and dweight, 8192 rows of 5120."""
+    module = _norm(cls, 5120, torch.bfloat16, "cuda")
+    x = _rand(1, 8192, 5120, dtype=torch.bfloat16, scale=3.0, device="cuda").requires_grad_()
+    twin, (x32,) = _fp32_twin(module, x)
+    _check_bf16_grads(
+        module, lambda: module(x), [x, module.weight], [cls], lambda: twin(x32), [x32, twin.weight]
+    )
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("cls", GATED)
+def test_gated_rms_norm_backward_bf16_on_cuda(cls):
+    """dx, dgate and dweight, 8192 * 48 rows of 128 (the GDN's value heads)."""
+    module = _norm(cls, 128, torch.bfloat16, "cuda")
+    x = _rand(8192 * 48, 128, dtype=torch.bfloat16, scale=2.0, device="cuda").requires_grad_()
+    gate = _rand(8192 * 48, 128, dtype=torch.bfloat16, scale=2.0, seed=5, device="cuda").requires_grad_()
+    twin, (x32, g32) = _fp32_twin(module, x, gate)
+    _check_bf16_grads(
+        module,
+        lambda: module(x, gate),
+        [x, gate, module.weight],
+        [cls],
+        lambda: twin(x32, g32),
+        [x32, g32, twin.weight],
+    )
+
+
+@pytest.mark.gpu
+@cuda
+def test_silu_mul_backward_bf16_on_cuda():
+    """dgate and dup, 8192 x 17408, against HF's ``act_fn(gate) * up`` under autograd."""
+    from transformers.activations import ACT2FN
+
+    act = ACT2FN["silu"]
+    gate = _rand(8192, 17408, dtype=torch.bfloat16, scale=3.0, device="cuda").requires_grad_()
+    up = _rand(8192, 17408, dtype=torch.bfloat16, seed=3, device="cuda").requires_grad_()
+    out = _grads(lambda: ew.silu_mul_fn(gate, up), [gate, up])
+    _check_grads(out, _grads(lambda: act(gate) * up, [gate, up]), BF16_GRAD_TOL, "vs HF bf16")
+    g32, u32 = (t.detach().float().requires_grad_() for t in (gate, up))
+    _check_grads([g.float() for g in out], _grads(lambda: act(g32) * u32, [g32, u32]), BF16_GRAD_TOL, "fp32")
