@@ -10,14 +10,19 @@ a generation :func:`adapters_in_model_dtype` points each adapter parameter at a 
 dtype and restores the original afterwards. The adapter's contribution is then rounded to bf16 before it is
 added, an error of the order of bf16 rounding of that contribution, which is itself added to (and rounded
 with) the base layer's bf16 output. The passes that train or score (every replay: policy, old and reference
-log-probs) never use it: they run the adapters exactly as PEFT does.
+log-probs) never use that cast: they run the adapters' parameters as PEFT holds them.
 
 In the same block a plain LoRA layer (one active adapter, no dropout, no variant such as DoRA, no LoRA bias, an
 ``nn.Linear`` base) also adds its update in the base output's GEMM epilogue: ``result.addmm_(x A^T, B^T,
 alpha=scaling)``. PEFT runs ``result + lora_B(lora_A(x)) * scaling``: a GEMM writing the update, a multiply and an
 add, three more passes over the layer's output and two more kernels per adapted layer, which in a whole-model
 capture or decode step are thousands of launches and passes over every linear layer's output. The update is
-then accumulated once in fp32 and rounded once, instead of rounded after each of the three steps.
+then accumulated once in fp32 and rounded once, instead of rounded after each of the three steps. With
+``differentiable=True`` (``autograd_fused_kernels``: the loss binds it for each micro-batch, so that a checkpointed
+recompute takes the same path) the passes that train take the same epilogue out of place (``torch.addmm``): the
+scale then multiplies the ``[T, r]`` operand's gradient, not the ``[T, out]`` output and its gradient, one multiply and
+one add over every adapted layer's output less a forward (equal to PEFT's forward and gradients in fp32; under bf16
+autocast within twice PEFT's own bf16 error, ``tests/test_adapters.py``).
 
 In the passes that train, under autocast (TRL's default ``bf16=True``), PEFT's input cast is a round trip:
 ``x.to(float32)`` copies a bf16 activation to fp32, and autocast casts it straight back to bf16 for the adapter's
@@ -88,18 +93,25 @@ def _fusable_adapter(module: nn.Module) -> str | None:
 
 
 def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A plain LoRA ``Linear`` without autograd: the update accumulated into the base output by one GEMM."""
+    """A plain LoRA ``Linear``: the update accumulated into the base output by one GEMM, in place without autograd,
+    out of place (``torch.addmm``, differentiable) with it. Under autograd the scale goes with the ``[T, r]`` operand's
+    gradient, not over the ``[T, out]`` output as PEFT's ``* scaling`` and its backward do."""
     if args or kwargs:  # adapter_names (mixed batches) or variant keywords: PEFT's own forward
         return type(self).forward(self, x, *args, **kwargs)
     name = self._longstraw_fused_adapter
     lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
     result = self.base_layer(x)
-    update = torch.nn.functional.linear(x.to(lora_a.dtype), lora_a)
-    if update.dtype != result.dtype or lora_b.dtype != result.dtype:
-        return type(self).forward(self, x)  # mixed dtypes (adapters left in fp32): PEFT's forward
-    flat = result.view(-1, result.shape[-1])
-    flat.addmm_(update.view(-1, update.shape[-1]), lora_b.t(), alpha=self.scaling[name])
-    return result
+    # PEFT's input cast (a round trip skipped under autocast where `bind_autocast_lora_inputs` bound it)
+    update = torch.nn.functional.linear(self._cast_input_dtype(x, lora_a.dtype), lora_a)
+    graph = torch.is_grad_enabled()
+    autocast = graph and torch.is_autocast_enabled(result.device.type)
+    if update.dtype != result.dtype or (lora_b.dtype != result.dtype and not autocast):
+        return type(self).forward(self, x)  # mixed dtypes (adapters left in fp32, no autocast): PEFT's forward
+    flat, low = result.view(-1, result.shape[-1]), update.view(-1, update.shape[-1])
+    if not graph:
+        flat.addmm_(low, lora_b.t(), alpha=self.scaling[name])
+        return result
+    return torch.addmm(flat, low, lora_b.t(), alpha=self.scaling[name]).view(result.shape)
 
 
 # the expert weights a MoE experts module of transformers v5 multiplies by (`use_experts_implementation`)
@@ -213,14 +225,16 @@ def _unbound_expert_chains(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def fused_lora_forwards(model: nn.Module, enabled: bool = True) -> Iterator[int]:
-    """Inside the block (graph-free only), plain LoRA layers add their update in one GEMM epilogue, and LoRA on
-    MoE experts' fused weights multiplies the activations by its factors (:func:`_expert_lora_forward`). Yields
-    how many modules were changed; each gets PEFT's forward back afterwards."""
+def fused_lora_forwards(model: nn.Module, enabled: bool = True, differentiable: bool = False) -> Iterator[int]:
+    """Inside the block, plain LoRA layers add their update in one GEMM epilogue, and LoRA on MoE experts' fused
+    weights multiplies the activations by its factors (:func:`_expert_lora_forward`). Yields how many modules were
+    changed; each gets PEFT's forward back afterwards. Graph-free only, unless ``differentiable``: then calls under
+    autograd take the epilogue too (an out-of-place ``addmm``; the training replays and the prompt backward, whose
+    checkpointed recomputes must run inside the same block). Modules an enclosing block bound keep its forward."""
     if not enabled:
         yield 0
         return
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and not differentiable:
         raise LongStrawError("fused_lora_forwards is for graph-free passes: enter it under torch.no_grad()")
     fused = []
     try:

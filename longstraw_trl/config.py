@@ -193,9 +193,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             autograd, CUDA), run the same modules as `graph_free_fused_kernels` through fused Triton kernels that have
             their own Triton backward (`fused_elementwise_forwards(..., differentiable=True)`) instead of HF's chains
             of small fp32 kernels and their autograd backward (a fifth of a 27B prompt-backward segment's device time
-            on an H100 went to such elementwise kernels and copies). Forward outputs as `graph_free_fused_kernels`';
-            gradients equal autograd's through HF's modules up to fp32 summation order. No effect on the CPU or
-            without Triton.
+            on an H100 went to such elementwise kernels and copies; the segment's prompt backward took 57.6 s instead
+            of 64.2 at 64K). Forward outputs as `graph_free_fused_kernels`'; gradients equal autograd's through HF's
+            modules up to fp32 summation order. Plain PEFT LoRA layers also add their update in the base GEMM's
+            epilogue (`torch.addmm`, the scale on the `[T, r]` operand) instead of PEFT's multiply and add over the
+            layer's output (on the CPU too; not yet timed on the GPU).
         generation_fsdp_gather_gib (`float` or `None`, *optional*, defaults to `None`):
             Under FSDP2, GPU memory (GiB) the generation may spend keeping the model's FSDP2 units gathered from their
             first decode step to the last: FSDP2 otherwise gathers every layer for every generated token (R
@@ -275,8 +277,9 @@ class LongStrawGRPOConfig(GRPOConfig):
     autograd_fused_kernels: bool = field(
         default=True,
         metadata={
-            "help": "During the replays and the full mode's prompt backward (autograd, CUDA), run HF's RMSNorm, gated "
-            "RMSNorm and SiLU-MLP modules as fused Triton kernels with a Triton backward."
+            "help": "During the replays and the full mode's prompt backward (autograd), run HF's RMSNorm, gated "
+            "RMSNorm and SiLU-MLP modules as fused Triton kernels with a Triton backward (CUDA), and plain LoRA "
+            "layers' update in the base GEMM's epilogue."
         },
     )
     generation_fsdp_gather_gib: float | None = field(

@@ -137,6 +137,59 @@ def test_fused_lora_forwards_equal_peft_and_are_restored():
             pass
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_differentiable_fused_lora_forwards_train_as_peft(autocast):
+    """Under autograd (`differentiable=True`, what the loss binds for a micro-batch) plain LoRA layers add their update
+    with one out-of-place `addmm`: logits and every adapter parameter's gradient equal PEFT's (fp32 to rounding; under
+    CPU bf16 autocast to bf16 rounding), also through HF's non-reentrant checkpointing, whose recompute takes the same
+    path inside the block; nested blocks leave the outer binding in place."""
+    from longstraw_trl.adapters import bind_autocast_lora_inputs, fused_lora_forwards
+
+    model = _lora(build("qwen3"))
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():  # (peft initialises B to zero: its gradient path would be half tested)
+        for m in model.modules():
+            if hasattr(m, "lora_B") and len(m.lora_B):
+                for p in m.lora_B.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    bind_autocast_lora_inputs(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
+    weights = torch.randn(2, 9, VOCAB, generator=gen)
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A") and len(m.lora_A)]
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(fused: bool, autocast: bool = autocast):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with fused_lora_forwards(model, fused, differentiable=True) as n:
+                assert n == (len(adapted) if fused else 0)
+                assert all(("forward" in m.__dict__) == fused for m in adapted)
+                with fused_lora_forwards(model, fused, differentiable=True) as inner:
+                    assert inner == 0  # an outer binding stands (and without one, nothing is bound)
+                    logits = model(ids).logits
+                assert all(("forward" in m.__dict__) == fused for m in adapted)
+                (logits.float() * weights).sum().backward()  # the checkpoint's recompute, inside the outer block
+        assert not any("forward" in m.__dict__ for m in adapted)
+        return logits.detach().float(), [p.grad.clone() for p in trained]
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    ref_logits, ref = grads(False)
+    got_logits, got = grads(True)
+    if not autocast:
+        assert rel(got_logits, ref_logits) <= 1e-5
+        assert all(rel(g, r) <= 1e-5 for g, r in zip(got, ref, strict=True))
+    else:  # within twice PEFT's own bf16 error of the fp32 result (the update is rounded once, PEFT's thrice)
+        exact_logits, exact = grads(False, autocast=False)
+        assert rel(got_logits, exact_logits) <= 2 * rel(ref_logits, exact_logits)
+        assert sum(rel(g, e) for g, e in zip(got, exact, strict=True)) <= 2 * sum(
+            rel(r, e) for r, e in zip(ref, exact, strict=True)
+        )
+
+
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 def test_expert_lora_multiplies_activations_and_equals_peft(implementation):
     """LoRA on a MoE block's fused expert weights (PEFT's ``ParamWrapper``, what "all-linear" gives GLM-5): inside
