@@ -33,8 +33,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .engine import checkpointing_off, prompt_backward, replay_blocks_backward
 from .adapters import fused_lora_forwards
+from .engine import checkpointing_off, prompt_backward, replay_blocks_backward
 from .errors import LongStrawError, NonFiniteLossError
 from .fused_forwards import fused_elementwise_forwards
 from .loss import (
