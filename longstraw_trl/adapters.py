@@ -106,7 +106,9 @@ def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     graph = torch.is_grad_enabled()
     autocast = graph and torch.is_autocast_enabled(result.device.type)
     if update.dtype != result.dtype or (lora_b.dtype != result.dtype and not autocast):
-        return type(self).forward(self, x)  # mixed dtypes (adapters left in fp32, no autocast): PEFT's forward
+        return type(self).forward(
+            self, x
+        )  # mixed dtypes (adapters left in fp32, no autocast): PEFT's forward
     flat, low = result.view(-1, result.shape[-1]), update.view(-1, update.shape[-1])
     if not graph:
         flat.addmm_(low, lora_b.t(), alpha=self.scaling[name])
@@ -225,7 +227,9 @@ def _unbound_expert_chains(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def fused_lora_forwards(model: nn.Module, enabled: bool = True, differentiable: bool = False) -> Iterator[int]:
+def fused_lora_forwards(
+    model: nn.Module, enabled: bool = True, differentiable: bool = False
+) -> Iterator[int]:
     """Inside the block, plain LoRA layers add their update in one GEMM epilogue, and LoRA on MoE experts' fused
     weights multiplies the activations by its factors (:func:`_expert_lora_forward`). Yields how many modules were
     changed; each gets PEFT's forward back afterwards. Graph-free only, unless ``differentiable``: then calls under

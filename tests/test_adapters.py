@@ -170,7 +170,9 @@ def test_differentiable_fused_lora_forwards_train_as_peft(autocast):
                     assert inner == 0  # an outer binding stands (and without one, nothing is bound)
                     logits = model(ids).logits
                 assert all(("forward" in m.__dict__) == fused for m in adapted)
-                (logits.float() * weights).sum().backward()  # the checkpoint's recompute, inside the outer block
+                (
+                    logits.float() * weights
+                ).sum().backward()  # the checkpoint's recompute, inside the outer block
         assert not any("forward" in m.__dict__ for m in adapted)
         return logits.detach().float(), [p.grad.clone() for p in trained]
 
