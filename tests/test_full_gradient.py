@@ -403,34 +403,41 @@ def test_train_full_gradient_under_trl_defaults_matches_stock_grpo_trainer(lora)
     assert_updates_match(start, stock_weights, ours)
 
 
+def _mark_prompt_backward(monkeypatch) -> list:
+    """A list that is non-empty while the loss's prompt backward runs (``streamed_loss.prompt_backward`` wrapped)."""
+    import longstraw_trl.streamed_loss as streamed_loss
+
+    inside = []
+    real = streamed_loss.prompt_backward
+
+    def marked(*args, **kwargs):
+        inside.append(1)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(streamed_loss, "prompt_backward", marked)
+    return inside
+
+
 @pytest.mark.parametrize("checkpointed", [None, False], ids=["as_trl", "off"])
 def test_train_full_gradient_with_and_without_prompt_backward_checkpointing(checkpointed, monkeypatch):
     """`prompt_backward_checkpoint_layers=False` under TRL's default checkpointing: the prompt backward's chunks keep
     every layer's activations (the engine's layer checkpoint is never entered: one forward less per layer) and the
     weight updates still equal stock GRPOTrainer's; `None` checkpoints them as TRL's option says."""
     import longstraw_trl.hooks as hooks
-    import longstraw_trl.streamed_loss as streamed_loss
 
-    entered, inside = (
-        [],
-        [],
-    )  # the engine's layer checkpoints entered during a prompt backward (not the replays')
-    real_checkpoint, real_prompt_backward = hooks.checkpoint, streamed_loss.prompt_backward
+    entered = []  # the engine's layer checkpoints entered during a prompt backward (not the replays')
+    inside = _mark_prompt_backward(monkeypatch)
+    real_checkpoint = hooks.checkpoint
 
     def counted(*args, **kwargs):
         if inside:
             entered.append(1)
         return real_checkpoint(*args, **kwargs)
 
-    def marked(*args, **kwargs):
-        inside.append(1)
-        try:
-            return real_prompt_backward(*args, **kwargs)
-        finally:
-            inside.pop()
-
     monkeypatch.setattr(hooks, "checkpoint", counted)
-    monkeypatch.setattr(streamed_loss, "prompt_backward", marked)
     start, stock_weights, ours = train_stock_and_full(
         full_overrides={"prompt_backward_checkpoint_layers": checkpointed}
     )
@@ -450,13 +457,12 @@ def test_train_full_gradient_with_autograd_fused_kernels_matches_stock(fused, mo
         pytest.skip(
             "the Triton interpreter is off (CUDA present, or Triton imported before tests/conftest.py)"
         )
-    import longstraw_trl.streamed_loss as streamed_loss
     from longstraw_trl import fused_forwards
     from longstraw_trl.kernels import elementwise
 
     monkeypatch.setattr(elementwise, "_KERNEL_DEVICE", "cpu")  # the kernels take CPU tensors (interpreter)
     calls = {"rms_norm_fn": [], "silu_mul_fn": []}
-    in_prompt_backward = []
+    in_prompt_backward = _mark_prompt_backward(monkeypatch)
 
     def counted(name):
         real = getattr(fused_forwards, name)
@@ -469,16 +475,6 @@ def test_train_full_gradient_with_autograd_fused_kernels_matches_stock(fused, mo
 
     for name in calls:
         monkeypatch.setattr(fused_forwards, name, counted(name))
-    real_prompt_backward = streamed_loss.prompt_backward
-
-    def marked(*args, **kwargs):
-        in_prompt_backward.append(1)
-        try:
-            return real_prompt_backward(*args, **kwargs)
-        finally:
-            in_prompt_backward.pop()
-
-    monkeypatch.setattr(streamed_loss, "prompt_backward", marked)
     start, stock_weights, ours = train_stock_and_full(full_overrides={"autograd_fused_kernels": fused})
     assert ours.args.gradient_checkpointing and ours.args.autograd_fused_kernels == fused
     for name, where in calls.items():  # replays (outside the prompt backward) and segments (inside)
