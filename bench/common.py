@@ -285,12 +285,30 @@ def bandwidth_gbs_at(nbytes: int, device: str, iters: int = 10) -> float:
     return 2 * nbytes * iters / t.seconds / 1e9
 
 
-def kernel_profiler() -> torch.profiler.profile:
-    """A torch profiler of CPU ops and, on a GPU, device kernels."""
+def kernel_profiler(record_shapes: bool = False) -> torch.profiler.profile:
+    """A torch profiler of CPU ops and, on a GPU, device kernels (``record_shapes``: the ops' input shapes, for
+    :func:`top_ops`)."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=acts)
+    return torch.profiler.profile(activities=acts, record_shapes=record_shapes)
+
+
+def top_ops(prof: torch.profiler.profile, top: int) -> list[dict]:
+    """The ``top`` aten ops of ``prof`` by the device time of the kernels they launched themselves (CPU time on CPU),
+    grouped by input shapes where ``prof`` recorded them: which op and shape a device kernel of :func:`top_kernels`
+    comes from (a kernel's name alone, e.g. ``FillFunctor<int>``, does not say)."""
+    cuda = torch.cuda.is_available()
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if not e.key.startswith("aten::") or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        self_us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if self_us > 0:
+            shapes = str(e.input_shapes)[:160] if e.input_shapes else ""
+            rows.append({"op": e.key, "shapes": shapes, "self_s": self_us / 1e6, "calls": e.count})
+    rows.sort(key=lambda r: -r["self_s"])
+    return rows[:top]
 
 
 def top_kernels(prof: torch.profiler.profile, top: int) -> list[dict]:

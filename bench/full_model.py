@@ -66,6 +66,7 @@ from common import (
     reset_peak,
     sync,
     top_kernels,
+    top_ops,
     write_result,
 )
 from compare_stock import attempt, build_trainers, stock_step
@@ -466,7 +467,7 @@ class SegmentProbe:
 
     def _timed(self, *args, **kwargs):
         profiled = len(self.seconds) == self.profile_at
-        prof = kernel_profiler() if profiled else contextlib.nullcontext()
+        prof = kernel_profiler(record_shapes=True) if profiled else contextlib.nullcontext()
         sync()
         start = time.perf_counter()
         with prof:
@@ -483,6 +484,7 @@ class SegmentProbe:
                 "device_busy_share": device_s / seconds,
                 "families": families,
                 "top_kernels": top_kernels(prof, self.top),
+                "top_ops": top_ops(prof, self.top),  # the ops (and shapes) that launched them
             }
         self.seconds.append(seconds)
         return out

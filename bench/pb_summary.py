@@ -40,6 +40,8 @@ def summarise(path: str) -> None:
                 print(f"    {name:12s} {fam['self_s']:.3f}s {fam['calls']}")
             for k in prof["top_kernels"][:25]:
                 print(f"    {k['self_s']:.3f}s {k['calls']:6d} {k['name'][:100]}")
+            for o in prof.get("top_ops", [])[:15]:
+                print(f"    op {o['self_s']:.3f}s {o['calls']:6d} {o['op']} {o['shapes'][:80]}")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,8 @@ def test_full_model_dry_run_full_mode_segments_and_kernel_rate_floor(tmp_path):
     assert len(r["segment_s"]) == -(-(r["prompt_tokens"] - 1) // 128) and sum(r["segment_s"]) <= pb["seconds"]
     assert r["segment_profile"]["segment_index"] == len(r["segment_s"]) // 2
     assert r["segment_profile"]["families"] and len(r["segment_profile"]["top_kernels"]) <= 5
+    ops = r["segment_profile"]["top_ops"]  # the ops that launched the kernels, with their input shapes
+    assert 0 < len(ops) <= 5 and all(o["op"].startswith("aten::") and o["shapes"] for o in ops)
     assert 0 < r["capture_peak_gib"] <= r["peak_before_prompt_backward_gib"] <= r["trainer_peak_memory_gib"]
 
 
