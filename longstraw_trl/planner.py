@@ -104,9 +104,15 @@ class MemoryPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned host memory of this rank: the offloaded state and, in full mode, its gradient buffers and the kept
+        """Host memory of this rank: the offloaded state and, in full mode, its gradient buffers and the kept
         boundary states."""
         return self.host_state + self.host_gradient_buffers + self.host_kept_boundaries
+
+    @property
+    def host_pinned_bytes(self) -> int:
+        """What of :attr:`host_bytes` is pinned: the offloaded state and the kept boundary states. The full mode's
+        dK/dV buffers are pageable host memory (a segment takes its tokens' part back with a synchronous copy)."""
+        return self.host_state + self.host_kept_boundaries
 
     @property
     def device_full_gradient(self) -> int:
@@ -195,6 +201,8 @@ class MemoryPlan:
             fits_gpu=self.fits_gpu,
             fits_host=self.fits_host,
             fits=self.fits,
+            host_bytes=self.host_bytes,
+            host_pinned_bytes=self.host_pinned_bytes,
         )
         return d
 
@@ -704,15 +712,18 @@ class Suggestion:
         options: the :func:`plan_memory` keywords it changes (``--prompt`` is ``prompt_tokens`` instead).
         prompt_tokens: the prompt length of the re-plan (smaller than asked only for a ``--prompt`` change).
         peak: per-rank peak bytes of the re-plan, at most the GPU's memory.
-        host_bytes: pinned host memory per rank the change needs (``--offload cpu``), 0 otherwise.
+        host_bytes: host memory per rank the change needs (``--offload cpu``), 0 otherwise.
+        host_pinned_bytes: what of it is pinned (:attr:`MemoryPlan.host_pinned_bytes`).
     """
 
     args: list[str]
     options: dict[str, Any]
     prompt_tokens: int
     peak: int
-    #: pinned host memory the change needs (``--offload cpu``: the offloaded state), 0 otherwise
+    #: host memory the change needs (``--offload cpu``: the offloaded state, full mode's buffers), 0 otherwise
     host_bytes: int = 0
+    #: what of :attr:`host_bytes` is pinned
+    host_pinned_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -823,7 +834,11 @@ def suggest_changes(
             if combo:
                 plan = plan_memory(config, prompt_tokens, page_size=page_size, **kwargs)
                 if plan.fits:
-                    out.append(Suggestion(args, options, prompt_tokens, plan.peak, plan.host_bytes))
+                    out.append(
+                        Suggestion(
+                            args, options, prompt_tokens, plan.peak, plan.host_bytes, plan.host_pinned_bytes
+                        )
+                    )
                     fits_alone.append(chosen)
                     continue
             parts = [v for s, v in best.items() if s < chosen]
@@ -831,12 +846,28 @@ def suggest_changes(
             if cp and all(c is None or cp < c for c, _ in parts):
                 with_cp = {**options, "cp_size": cp}
                 out.append(
-                    Suggestion(args + ["--cp", str(cp)], with_cp, prompt_tokens, at_cp.peak, at_cp.host_bytes)
+                    Suggestion(
+                        args + ["--cp", str(cp)],
+                        with_cp,
+                        prompt_tokens,
+                        at_cp.peak,
+                        at_cp.host_bytes,
+                        at_cp.host_pinned_bytes,
+                    )
                 )
             p = largest_prompt(config, page_size=page_size, **kwargs) if vary_prompt else 0
             if p and all(p > q for _, q in parts):
                 plan = plan_memory(config, p, page_size=page_size, **kwargs)
-                out.append(Suggestion(args + ["--prompt", str(p)], options, p, plan.peak, plan.host_bytes))
+                out.append(
+                    Suggestion(
+                        args + ["--prompt", str(p)],
+                        options,
+                        p,
+                        plan.peak,
+                        plan.host_bytes,
+                        plan.host_pinned_bytes,
+                    )
+                )
             best[chosen] = (cp, p)
     return out
 
@@ -852,7 +883,14 @@ def format_suggestions(suggestions: list[Suggestion], gpu_bytes: int) -> str:
     width = max(len(" ".join(s.args)) for s in suggestions)
     lines = [f"to fit {gpu_bytes / GiB:.2f} GiB, change any one of (each re-planned):"]
     for s in suggestions:
-        host = f" (+ {s.host_bytes / GiB:.2f} GiB of pinned host memory a rank)" if s.host_bytes else ""
+        host = ""
+        if s.host_bytes and s.host_pinned_bytes == s.host_bytes:
+            host = f" (+ {s.host_bytes / GiB:.2f} GiB of pinned host memory a rank)"
+        elif s.host_bytes:
+            host = (
+                f" (+ {s.host_bytes / GiB:.2f} GiB of host memory a rank, {s.host_pinned_bytes / GiB:.2f} GiB of "
+                "it pinned)"
+            )
         lines.append(f"  {' '.join(s.args):<{width}}  ->  peak {s.peak / GiB:.2f} GiB{host}")
     return "\n".join(lines)
 
@@ -906,7 +944,12 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.host_bytes:
         lines.append(
             f"host memory         {g(plan.host_memory)}  ->  {'FITS' if plan.fits_host else 'DOES NOT FIT'}"
-            "  (pinned, this rank's share)"
+            + (
+                "  (pinned, this rank's share)"
+                if plan.host_pinned_bytes == plan.host_bytes
+                else f"  (this rank's share; {g(plan.host_pinned_bytes).strip()} of the {g(plan.host_bytes).strip()} "
+                "pinned: the dK/dV buffers are pageable)"
+            )
         )
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

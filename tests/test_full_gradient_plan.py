@@ -11,7 +11,7 @@ from _reference import VOCAB
 
 from longstraw_trl import capture_prompt
 from longstraw_trl.engine import StateGrads
-from longstraw_trl.planner import full_gradient_bytes, plan_memory
+from longstraw_trl.planner import format_plan, full_gradient_bytes, plan_memory
 from longstraw_trl.presets import preset_config
 from longstraw_trl.state import storage_device
 
@@ -64,6 +64,10 @@ def test_full_gradient_plan_counts_the_buffers_and_kept_states_where_they_live()
     assert 0 < off.host_gradient_buffers < off.gradient_buffers  # the pages' dK/dV; the GDN leaves stay
     moved = off.host_gradient_buffers + off.host_kept_boundaries
     assert off.host_bytes == off.host_state + moved
+    # pinned: the state and the kept states; the dK/dV buffers are pageable host memory (KVGrad's torch.zeros)
+    assert off.host_pinned_bytes == off.host_state + off.host_kept_boundaries < off.host_bytes
+    text = format_plan(off)
+    assert "pinned: the dK/dV buffers are pageable" in text, text
     assert resident.replay_peak - off.replay_peak == off.host_state - off.offload_workspace + moved
     assert (
         resident.prompt_backward_peak - off.prompt_backward_peak
