@@ -96,9 +96,11 @@ def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A plain LoRA ``Linear``: the update accumulated into the base output by one GEMM, in place without autograd,
     out of place (``torch.addmm``, differentiable) with it. Under autograd the scale goes with the ``[T, r]`` operand's
     gradient, not over the ``[T, out]`` output as PEFT's ``* scaling`` and its backward do."""
-    if args or kwargs:  # adapter_names (mixed batches) or variant keywords: PEFT's own forward
-        return type(self).forward(self, x, *args, **kwargs)
     name = self._longstraw_fused_adapter
+    # adapter_names (mixed batches) or variant keywords, or the adapters switched since the binding (a reference pass
+    # with them disabled, another adapter made active): PEFT's own forward
+    if args or kwargs or self.disable_adapters or self.merged or list(self.active_adapters) != [name]:
+        return type(self).forward(self, x, *args, **kwargs)
     lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
     result = self.base_layer(x)
     # PEFT's input cast (a round trip skipped under autocast where `bind_autocast_lora_inputs` bound it)

@@ -186,8 +186,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             gated RMSNorm and SiLU-MLP modules of the known classes as one fused Triton kernel each
             (`longstraw_trl.fused_elementwise_forwards`) instead of their chains of small kernels. HF's cast points
             are kept: outputs match HF's to within one unit in the last place of the model's dtype (the fp32
-            summation order of the norm's mean). Replays (training, old and reference log-probs) always run HF's
-            forwards. No effect on the CPU or without Triton.
+            summation order of the norm's mean). Replays (training, old and reference log-probs) run what
+            `autograd_fused_kernels` says. No effect on the CPU or without Triton.
         autograd_fused_kernels (`bool`, *optional*, defaults to `True`):
             During the policy replays and, with `gradient_mode="full"`, the prompt backward's recomputed segments (under
             autograd, CUDA), run the same modules as `graph_free_fused_kernels` through fused Triton kernels that have
@@ -197,7 +197,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             of 64.2 at 64K). Forward outputs as `graph_free_fused_kernels`'; gradients equal autograd's through HF's
             modules up to fp32 summation order. Plain PEFT LoRA layers also add their update in the base GEMM's
             epilogue (`torch.addmm`, the scale on the `[T, r]` operand) instead of PEFT's multiply and add over the
-            layer's output (on the CPU too; not yet timed on the GPU).
+            layer's output (on the CPU too; not yet timed on the GPU). The graph-free scoring passes (old and
+            reference log-probs, entropies) run the same forwards, so that the old log-probs equal the first replay's
+            bit for bit, as in stock TRL.
         generation_fsdp_gather_gib (`float` or `None`, *optional*, defaults to `None`):
             Under FSDP2, GPU memory (GiB) the generation may spend keeping the model's FSDP2 units gathered from their
             first decode step to the last: FSDP2 otherwise gathers every layer for every generated token (R
@@ -271,7 +273,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "During capture, generation and extension (no autograd, CUDA), run HF's RMSNorm, gated RMSNorm "
-            "and SiLU-MLP modules as fused Triton kernels (HF's cast points kept). Replays always run HF's forwards."
+            "and SiLU-MLP modules as fused Triton kernels (HF's cast points kept). Replays and scoring passes: see "
+            "autograd_fused_kernels."
         },
     )
     autograd_fused_kernels: bool = field(

@@ -94,7 +94,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
 
-from .adapters import adapters_in_model_dtype, bind_autocast_lora_inputs, bind_expert_adapters
+from .adapters import (
+    adapters_in_model_dtype,
+    bind_autocast_lora_inputs,
+    bind_expert_adapters,
+    fused_lora_forwards,
+)
 from .agents import grouped_rollout_func
 from .config import LongStrawGRPOConfig, check_whole_groups
 from .distributed import (
@@ -613,16 +618,19 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def graph_free(self, model, cast_adapters: bool = False):
         """No autograd, no activation checkpointing (nothing to recompute), the accelerator's autocast; with
         `cast_adapters` (capture, generation, extension: nothing is scored) adapters in the model's dtype and the
-        fused norm / MLP kernels, if configured."""
+        fused norm / MLP kernels (`graph_free_fused_kernels`). Without it (scoring: old and reference log-probs,
+        entropies, the refresh probe) the forwards the training replays run (`autograd_fused_kernels`: the fused
+        norm / MLP kernels and the LoRA epilogue), so that old log-probs equal the first replay's, as in stock TRL."""
         stack = contextlib.ExitStack()
         stack.enter_context(torch.no_grad())
         stack.enter_context(checkpointing_off(model))
         stack.enter_context(self.accelerator.autocast())
         enabled = cast_adapters and self.args.graph_free_adapters_in_model_dtype
         stack.enter_context(adapters_in_model_dtype(model, enabled))
-        stack.enter_context(
-            fused_elementwise_forwards(model, cast_adapters and self.args.graph_free_fused_kernels)
-        )
+        fused = self.args.graph_free_fused_kernels if cast_adapters else self.args.autograd_fused_kernels
+        stack.enter_context(fused_elementwise_forwards(model, fused))
+        if not cast_adapters:
+            stack.enter_context(fused_lora_forwards(model, self.args.autograd_fused_kernels))
         return stack
 
     @property

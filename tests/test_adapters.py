@@ -192,6 +192,31 @@ def test_differentiable_fused_lora_forwards_train_as_peft(autocast):
         )
 
 
+def test_fused_lora_forward_steps_aside_for_adapters_switched_after_binding():
+    """A bound epilogue whose adapters are disabled afterwards (TRL's reference pass: `disable_adapter()` inside a pass
+    already bound) runs PEFT's forward: the base model's logits, not the adapted ones."""
+    from longstraw_trl.adapters import fused_lora_forwards
+
+    model = _lora(build("qwen3"))
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_B") and len(m.lora_B):
+                for p in m.lora_B.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
+    with torch.no_grad():
+        with model.disable_adapter():
+            base = model(ids).logits
+        with fused_lora_forwards(model) as n:
+            assert n > 0
+            adapted = model(ids).logits
+            with model.disable_adapter():
+                got = model(ids).logits
+    assert (adapted - base).abs().max() > 1e-3  # the adapters matter here
+    torch.testing.assert_close(got, base, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 def test_expert_lora_multiplies_activations_and_equals_peft(implementation):
     """LoRA on a MoE block's fused expert weights (PEFT's ``ParamWrapper``, what "all-linear" gives GLM-5): inside

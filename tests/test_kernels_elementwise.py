@@ -282,20 +282,27 @@ def test_only_known_classes_with_their_math_are_bound(interpreter, monkeypatch):
     assert ff._MATH_CHECKED[GptOssRMSNorm] is False
 
 
-@pytest.mark.parametrize("fused,cast", [(True, True), (False, True), (True, False)])
-def test_trainer_no_grad_context_binds_when_configured(interpreter, fused, cast):
+@pytest.mark.parametrize("graph_free_fused", [True, False])
+@pytest.mark.parametrize("autograd_fused", [True, False])
+@pytest.mark.parametrize("cast", [True, False])
+def test_trainer_no_grad_context_binds_when_configured(interpreter, graph_free_fused, autograd_fused, cast):
     """``LongStrawGRPOTrainer.graph_free``: the fused forwards in capture / generation / extension
-    (``cast_adapters=True``) when ``graph_free_fused_kernels`` is on, never in a scoring pass."""
+    (``cast_adapters=True``) when ``graph_free_fused_kernels`` is on; in a scoring pass (old / reference log-probs)
+    when ``autograd_fused_kernels`` is, the replays' setting, so that both score with the same forwards."""
     from longstraw_trl.trainer import LongStrawGRPOTrainer
 
     model = build("llama")
-    args = types.SimpleNamespace(graph_free_fused_kernels=fused, graph_free_adapters_in_model_dtype=True)
+    args = types.SimpleNamespace(
+        graph_free_fused_kernels=graph_free_fused,
+        autograd_fused_kernels=autograd_fused,
+        graph_free_adapters_in_model_dtype=True,
+    )
     fake = types.SimpleNamespace(
         args=args, accelerator=types.SimpleNamespace(autocast=contextlib.nullcontext)
     )
     with LongStrawGRPOTrainer.graph_free(fake, model, cast_adapters=cast):
         bound = sum("forward" in m.__dict__ for m in model.modules())
-    assert bound == (7 if fused and cast else 0)
+    assert bound == (7 if (graph_free_fused if cast else autograd_fused) else 0)
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 

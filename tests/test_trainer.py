@@ -641,3 +641,31 @@ def test_train_gpt_oss_with_its_config_aux_loss_coefficient():
     trainer, logs = _train(model=model, max_completion_length=6)
     assert coef > 0 and trainer.loss_spec.router_aux_loss_coef == coef and trainer.router_aux is not None
     assert len(logs) == 2 and all(math.isfinite(h["loss"]) and h["aux_loss"] > 0 for h in logs)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_old_logprobs_equal_the_first_replays_bit_for_bit(fused, monkeypatch):
+    """TRL's old-policy log-probs (a graph-free scoring pass) and the first policy replay of the same weights run the
+    same forwards, with or without `autograd_fused_kernels` (its LoRA epilogue, here with a scale that is not a power of
+    two, and on the GPU its norm kernels): the importance ratio of the first iteration is exactly 1, as in stock TRL."""
+    from _trl_helpers import scripted_trainer
+    from peft import LoraConfig
+
+    import longstraw_trl.streamed_loss as streamed_loss
+
+    seen = []
+    real = streamed_loss.response_loss
+
+    def recorded(spec, ctx, i, logps, old, *args, **kwargs):
+        seen.append((logps.detach().clone(), old.detach().clone()))
+        return real(spec, ctx, i, logps, old, *args, **kwargs)
+
+    monkeypatch.setattr(streamed_loss, "response_loss", recorded)
+    lora = LoraConfig(
+        r=10, lora_alpha=7, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    trainer = scripted_trainer(False, lora, full_overrides={"autograd_fused_kernels": fused}, max_steps=1)
+    trainer.train()
+    assert trainer.args.num_iterations == 2 and seen
+    logps, old = seen[0]
+    assert torch.equal(logps, old), (logps - old).abs().max().item()
