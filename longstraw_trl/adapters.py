@@ -93,8 +93,8 @@ def _fusable_adapter(module: nn.Module) -> str | None:
 
 
 def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A plain LoRA ``Linear``: the update accumulated into the base output by one GEMM, in place without autograd,
-    out of place (``torch.addmm``, differentiable) with it. Under autograd the scale goes with the ``[T, r]`` operand's
+    """A plain LoRA ``Linear``: the update accumulated into the base output by one GEMM, in place without autograd
+    (adapters in the output's dtype), otherwise out of place (``torch.addmm``, differentiable). Under autograd the scale goes with the ``[T, r]`` operand's
     gradient, not over the ``[T, out]`` output as PEFT's ``* scaling`` and its backward do."""
     name = self._longstraw_fused_adapter
     # adapter_names (mixed batches) or variant keywords, or the adapters switched since the binding (a reference pass
@@ -105,16 +105,16 @@ def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     result = self.base_layer(x)
     # PEFT's input cast (a round trip skipped under autocast where `bind_autocast_lora_inputs` bound it)
     update = torch.nn.functional.linear(self._cast_input_dtype(x, lora_a.dtype), lora_a)
-    graph = torch.is_grad_enabled()
-    autocast = graph and torch.is_autocast_enabled(result.device.type)
+    autocast = torch.is_autocast_enabled(result.device.type)
     if update.dtype != result.dtype or (lora_b.dtype != result.dtype and not autocast):
-        return type(self).forward(
-            self, x
-        )  # mixed dtypes (adapters left in fp32, no autocast): PEFT's forward
+        # mixed dtypes (adapters left in fp32, no autocast): PEFT's forward
+        return type(self).forward(self, x)
     flat, low = result.view(-1, result.shape[-1]), update.view(-1, update.shape[-1])
-    if not graph:
+    if not torch.is_grad_enabled() and lora_b.dtype == result.dtype:
         flat.addmm_(low, lora_b.t(), alpha=self.scaling[name])
         return result
+    # under autograd, or fp32 adapters under autocast (which casts them): out of place, the same call with or without
+    # a graph, so that a scoring pass gets the replay's values
     return torch.addmm(flat, low, lora_b.t(), alpha=self.scaling[name]).view(result.shape)
 
 

@@ -192,6 +192,31 @@ def test_differentiable_fused_lora_forwards_train_as_peft(autocast):
         )
 
 
+def test_fused_lora_forward_scores_as_it_trains_under_autocast():
+    """fp32 adapters on a model under bf16 autocast (TRL's default, `bf16=True`): the bound epilogue gives a graph-free
+    scoring pass the values a replay under autograd gets, bit for bit (both one autocast `addmm`), where PEFT's forward
+    rounds its update three times."""
+    from longstraw_trl.adapters import bind_autocast_lora_inputs, fused_lora_forwards
+
+    model = _lora(build("qwen3"))
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_B") and len(m.lora_B):
+                for p in m.lora_B.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    bind_autocast_lora_inputs(model)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16), fused_lora_forwards(model, differentiable=True):
+        trained = model(ids).logits
+        with torch.no_grad():
+            scored = model(ids).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        peft = model(ids).logits
+    assert torch.equal(scored, trained.detach())
+    assert not torch.equal(peft, scored)  # PEFT's rounding differs: the comparison above means something
+
+
 def test_fused_lora_forward_steps_aside_for_adapters_switched_after_binding():
     """A bound epilogue whose adapters are disabled afterwards (TRL's reference pass: `disable_adapter()` inside a pass
     already bound) runs PEFT's forward: the base model's logits, not the adapted ones."""
