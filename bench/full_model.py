@@ -348,23 +348,21 @@ class Floors:
     def generation(self, r: int, state: int) -> float:
         return r * (self.weight_bytes + state) / self.bandwidth
 
-    def prompt_backward(self, p: int) -> float:
+    def prompt_backward(self, p: int, attention_backward: float | None = None) -> float:
         """The full gradient's prompt backward: the prompt recomputed under autograd and back-propagated (dense: 4 FLOP
         per frozen parameter per token, forward and input gradient, 6 per LoRA parameter; causal attention: 2 P^2 Hq d
-        forward + 4 P^2 Hq d for dQ, dK, dV per full-attention layer)."""
-        dense = (4 * self.decoder + 6 * self.lora) * p / self.matmul
-        return dense + 6 * p * p * self.attn_per_pair / self.attn
-
-    def prompt_backward_at_kernel_rates(self, p: int) -> float | None:
-        """:meth:`prompt_backward`'s FLOPs, the attention backward's (4 P^2 Hq d) at the rate the engine's page
-        backward measured (``attention_backward_tflops``) rather than the forward's: what the same work costs at
-        the speed of the kernels that run it. ``None`` without that rate."""
-        bwd = self.rates.get("attention_backward_tflops")
-        if not bwd:
-            return None
+        forward + 4 P^2 Hq d for dQ, dK, dV per full-attention layer). ``attention_backward``: the dQ dK dV FLOPs'
+        rate (FLOP/s; default: the forward's)."""
         dense = (4 * self.decoder + 6 * self.lora) * p / self.matmul
         pairs = p * p * self.attn_per_pair
-        return dense + 2 * pairs / self.attn + 4 * pairs / (bwd * 1e12)
+        return dense + 2 * pairs / self.attn + 4 * pairs / (attention_backward or self.attn)
+
+    def prompt_backward_at_kernel_rates(self, p: int) -> float | None:
+        """:meth:`prompt_backward`'s FLOPs, the attention backward's at the rate the engine's page backward measured
+        (``attention_backward_tflops``) rather than the forward's: what the same work costs at the speed of the
+        kernels that run it. ``None`` without that rate."""
+        bwd = self.rates.get("attention_backward_tflops")
+        return self.prompt_backward(p, bwd * 1e12) if bwd else None
 
     def replay(self, p: int, r: int, state: int) -> float:
         """One response: forward + backward to the trained weights (the head's dW too where it is trained)."""

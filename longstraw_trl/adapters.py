@@ -94,8 +94,9 @@ def _fusable_adapter(module: nn.Module) -> str | None:
 
 def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A plain LoRA ``Linear``: the update accumulated into the base output by one GEMM, in place without autograd
-    (adapters in the output's dtype), otherwise out of place (``torch.addmm``, differentiable). Under autograd the scale goes with the ``[T, r]`` operand's
-    gradient, not over the ``[T, out]`` output as PEFT's ``* scaling`` and its backward do."""
+    (adapters in the output's dtype), otherwise out of place (``torch.addmm``, differentiable). Under autograd the
+    scale goes with the ``[T, r]`` operand's gradient, not over the ``[T, out]`` output as PEFT's ``* scaling`` and
+    its backward do."""
     name = self._longstraw_fused_adapter
     # adapter_names (mixed batches) or variant keywords, or the adapters switched since the binding (a reference pass
     # with them disabled, another adapter made active): PEFT's own forward

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
+from longstraw_trl.adapters import fused_lora_forwards
 from longstraw_trl.kernels.elementwise import (
     RMSNormVariant,
     gated_rms_norm,
@@ -311,3 +312,17 @@ def fused_elementwise_forwards(
         for module in bound:
             del module.forward
             delattr(module, _ATTR)
+
+
+@contextlib.contextmanager
+def replay_forwards(model: nn.Module, enabled: bool = True, differentiable: bool = False) -> Iterator[None]:
+    """The forwards the training replays run (``autograd_fused_kernels``): HF's norm and MLP modules through the fused
+    kernels (:func:`fused_elementwise_forwards`) and plain LoRA layers' update in their base GEMM's epilogue
+    (:func:`~longstraw_trl.adapters.fused_lora_forwards`). One place for both, so that a graph-free scoring pass (old
+    and reference log-probs) and a replay under autograd (``differentiable``) run the same forwards: the first
+    iteration's old log-probs then equal its replay's bit for bit, as in stock TRL."""
+    with (
+        fused_elementwise_forwards(model, enabled, differentiable),
+        fused_lora_forwards(model, enabled, differentiable),
+    ):
+        yield

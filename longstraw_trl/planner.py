@@ -725,6 +725,11 @@ class Suggestion:
     #: what of :attr:`host_bytes` is pinned
     host_pinned_bytes: int = 0
 
+    @classmethod
+    def of(cls, args: list[str], options: dict[str, Any], prompt_tokens: int, plan: MemoryPlan) -> Suggestion:
+        """The suggestion whose re-plan (at ``prompt_tokens``) is ``plan``."""
+        return cls(args, options, prompt_tokens, plan.peak, plan.host_bytes, plan.host_pinned_bytes)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -834,40 +839,18 @@ def suggest_changes(
             if combo:
                 plan = plan_memory(config, prompt_tokens, page_size=page_size, **kwargs)
                 if plan.fits:
-                    out.append(
-                        Suggestion(
-                            args, options, prompt_tokens, plan.peak, plan.host_bytes, plan.host_pinned_bytes
-                        )
-                    )
+                    out.append(Suggestion.of(args, options, prompt_tokens, plan))
                     fits_alone.append(chosen)
                     continue
             parts = [v for s, v in best.items() if s < chosen]
             cp, at_cp = _smallest_cp(config, prompt_tokens, page_size, kwargs) or (None, None)
             if cp and all(c is None or cp < c for c, _ in parts):
                 with_cp = {**options, "cp_size": cp}
-                out.append(
-                    Suggestion(
-                        args + ["--cp", str(cp)],
-                        with_cp,
-                        prompt_tokens,
-                        at_cp.peak,
-                        at_cp.host_bytes,
-                        at_cp.host_pinned_bytes,
-                    )
-                )
+                out.append(Suggestion.of(args + ["--cp", str(cp)], with_cp, prompt_tokens, at_cp))
             p = largest_prompt(config, page_size=page_size, **kwargs) if vary_prompt else 0
             if p and all(p > q for _, q in parts):
                 plan = plan_memory(config, p, page_size=page_size, **kwargs)
-                out.append(
-                    Suggestion(
-                        args + ["--prompt", str(p)],
-                        options,
-                        p,
-                        plan.peak,
-                        plan.host_bytes,
-                        plan.host_pinned_bytes,
-                    )
-                )
+                out.append(Suggestion.of(args + ["--prompt", str(p)], options, p, plan))
             best[chosen] = (cp, p)
     return out
 

@@ -33,10 +33,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .adapters import fused_lora_forwards
 from .engine import checkpointing_off, prompt_backward, replay_blocks_backward
 from .errors import LongStrawError, NonFiniteLossError
-from .fused_forwards import fused_elementwise_forwards
+from .fused_forwards import replay_forwards
 from .loss import (
     GRPOLossSpec,
     aggregate_metrics,
@@ -128,9 +127,8 @@ class LossOptions:
             layers (``None``: as the replays' segments do).
         capture_chunk_size: the router statistics' chunking (MoE load-balancing loss).
         autograd_fused_kernels: the replays and prompt-backward segments run HF's norm and MLP modules through the
-            fused kernels with their own backward (:func:`~longstraw_trl.fused_forwards.fused_elementwise_forwards`)
-            and plain LoRA layers' update in their base GEMM's epilogue
-            (:func:`~longstraw_trl.adapters.fused_lora_forwards`).
+            fused kernels with their own backward and plain LoRA layers' update in their base GEMM's epilogue
+            (:func:`~longstraw_trl.fused_forwards.replay_forwards`).
     """
 
     temperature: float = 1.0
@@ -447,12 +445,8 @@ class StreamedLoss:
         # HF's norm and MLP modules through the fused kernels with their own backward, and plain LoRA layers' update in
         # their base GEMM's epilogue, where configured: bound for the whole micro-batch, since a checkpointed replay or
         # segment recomputes its forwards in its backward, which must run the forwards its first pass ran
-        fused = self.options.autograd_fused_kernels
-        with (
-            model.no_sync() if lone_ddp else _NULL_CONTEXT,
-            fused_elementwise_forwards(model, fused, differentiable=True),
-            fused_lora_forwards(model, fused, differentiable=True),
-        ):
+        fused = replay_forwards(model, self.options.autograd_fused_kernels, differentiable=True)
+        with model.no_sync() if lone_ddp else _NULL_CONTEXT, fused:
             return self._micro_batch(model, inputs, backward, scaling)
 
     def _micro_batch(

@@ -94,12 +94,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable
 
-from .adapters import (
-    adapters_in_model_dtype,
-    bind_autocast_lora_inputs,
-    bind_expert_adapters,
-    fused_lora_forwards,
-)
+from .adapters import adapters_in_model_dtype, bind_autocast_lora_inputs, bind_expert_adapters
 from .agents import grouped_rollout_func
 from .config import LongStrawGRPOConfig, check_whole_groups
 from .distributed import (
@@ -118,7 +113,7 @@ from .errors import (
     RewardFunctionError,
     UnsupportedModelError,
 )
-from .fused_forwards import fused_elementwise_forwards
+from .fused_forwards import fused_elementwise_forwards, replay_forwards
 from .generation import SamplingParams
 from .kernels.autotune import use_kernel_cache
 from .kernels.compile_ahead import start_compile_ahead_here
@@ -627,10 +622,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         stack.enter_context(self.accelerator.autocast())
         enabled = cast_adapters and self.args.graph_free_adapters_in_model_dtype
         stack.enter_context(adapters_in_model_dtype(model, enabled))
-        fused = self.args.graph_free_fused_kernels if cast_adapters else self.args.autograd_fused_kernels
-        stack.enter_context(fused_elementwise_forwards(model, fused))
-        if not cast_adapters:
-            stack.enter_context(fused_lora_forwards(model, self.args.autograd_fused_kernels))
+        if cast_adapters:
+            stack.enter_context(fused_elementwise_forwards(model, self.args.graph_free_fused_kernels))
+        else:
+            stack.enter_context(replay_forwards(model, self.args.autograd_fused_kernels))
         return stack
 
     @property
