@@ -48,6 +48,7 @@ import time
 import traceback
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -445,6 +446,10 @@ def record_progress(trainer, entry: dict, save) -> None:
 
     trainer.prompt_states.capture = recording(trainer.prompt_states.capture)
     trainer._generate_single_turn = recording(trainer._generate_single_turn)
+    if (
+        PROBE is not None
+    ):  # and after each prompt-backward segment: a step cut by the timeout keeps their seconds
+        PROBE.entry, PROBE.save = entry, save
 
 
 class SegmentProbe:
@@ -454,12 +459,15 @@ class SegmentProbe:
 
     def __init__(self, profile_top: int):
         self.top = profile_top
+        self.entry: dict | None = None  # the running step's JSON entry, and the function that writes it
+        self.save: Callable[[], object] = lambda: None
         self.stock = longstraw_engine.backward_segment
         longstraw_engine.backward_segment = self._timed
         self.start_step(0)
 
     def start_step(self, segments: int) -> None:
         self.seconds: list[float] = []
+        self.starts: list[int] = []  # each timed segment's first token (the segments run last to first)
         self.profile: dict | None = None
         self.profile_at = segments // 2 if self.top else None
 
@@ -485,10 +493,18 @@ class SegmentProbe:
                 "top_ops": top_ops(prof, self.top),  # the ops (and shapes) that launched them
             }
         self.seconds.append(seconds)
+        self.starts.append(int(args[4] if len(args) > 4 else kwargs["start"]))
+        if self.entry is not None:
+            self.entry.setdefault("partial", {}).update(self.result())
+            self.save()
         return out
 
     def result(self) -> dict:
-        return {"segment_s": [round(x, 4) for x in self.seconds], "segment_profile": self.profile}
+        return {
+            "segment_s": [round(x, 4) for x in self.seconds],
+            "segment_start_tokens": self.starts,
+            "segment_profile": self.profile,
+        }
 
 
 PROBE: SegmentProbe | None = None

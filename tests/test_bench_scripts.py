@@ -147,6 +147,8 @@ def test_full_model_dry_run_full_mode_segments_and_kernel_rate_floor(tmp_path):
     assert pb["over_floor_at_kernel_rates"] == pb["seconds"] / pb["floor_at_kernel_rates_s"]
     # one segment a capture chunk (P - 1 resident tokens in chunks of 128), each timed; the middle one profiled
     assert len(r["segment_s"]) == -(-(r["prompt_tokens"] - 1) // 128) and sum(r["segment_s"]) <= pb["seconds"]
+    # last to first, each by its first token: what a step cut by the timeout leaves in its entry's "partial"
+    assert r["segment_start_tokens"] == list(range(0, r["prompt_tokens"] - 1, 128))[::-1]
     assert r["segment_profile"]["segment_index"] == len(r["segment_s"]) // 2
     assert r["segment_profile"]["families"] and len(r["segment_profile"]["top_kernels"]) <= 5
     ops = r["segment_profile"]["top_ops"]  # the ops that launched the kernels, with their input shapes
