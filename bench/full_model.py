@@ -317,6 +317,24 @@ def measure_rates(config, chunk: int, dev: str, dtype: torch.dtype, page: int | 
 FLOOR_MODEL_TYPES = ("qwen3", "qwen3_5_text")
 
 
+def prompt_backward_floor_s(
+    p: int,
+    decoder: int,
+    lora: int,
+    attn_per_pair: int,
+    matmul: float,
+    attention: float,
+    attention_backward: float | None = None,
+) -> float:
+    """The full gradient's prompt backward: the prompt recomputed under autograd and back-propagated (dense: 4 FLOP
+    per frozen parameter per token, forward and input gradient, 6 per LoRA parameter; causal attention: 2 P^2 Hq d
+    forward + 4 P^2 Hq d for dQ, dK, dV per full-attention layer, ``attn_per_pair`` = Hq d x those layers).
+    Rates in FLOP/s; ``attention_backward``: the dQ dK dV FLOPs' rate (default: the forward's)."""
+    dense = (4 * decoder + 6 * lora) * p / matmul
+    pairs = p * p * attn_per_pair
+    return dense + 2 * pairs / attention + 4 * pairs / (attention_backward or attention)
+
+
 class Floors:
     """Lower bounds of each phase from parameter counts, state bytes and the measured rates (``modelled``: the
     config's family is one the floors describe; otherwise :meth:`phases` is empty)."""
@@ -350,13 +368,10 @@ class Floors:
         return r * (self.weight_bytes + state) / self.bandwidth
 
     def prompt_backward(self, p: int, attention_backward: float | None = None) -> float:
-        """The full gradient's prompt backward: the prompt recomputed under autograd and back-propagated (dense: 4 FLOP
-        per frozen parameter per token, forward and input gradient, 6 per LoRA parameter; causal attention: 2 P^2 Hq d
-        forward + 4 P^2 Hq d for dQ, dK, dV per full-attention layer). ``attention_backward``: the dQ dK dV FLOPs'
-        rate (FLOP/s; default: the forward's)."""
-        dense = (4 * self.decoder + 6 * self.lora) * p / self.matmul
-        pairs = p * p * self.attn_per_pair
-        return dense + 2 * pairs / self.attn + 4 * pairs / (attention_backward or self.attn)
+        """:func:`prompt_backward_floor_s` of this model at the measured rates."""
+        return prompt_backward_floor_s(
+            p, self.decoder, self.lora, self.attn_per_pair, self.matmul, self.attn, attention_backward
+        )
 
     def prompt_backward_at_kernel_rates(self, p: int) -> float | None:
         """:meth:`prompt_backward`'s FLOPs, the attention backward's at the rate the engine's page backward measured
@@ -392,6 +407,7 @@ class Floors:
             "decoder_params": self.decoder,
             "head_params": self.head,
             "lora_params": self.lora,  # the trained parameters but the head (the whole decoder without LoRA)
+            "attention_heads_x_head_dim_x_layers": self.attn_per_pair,  # the floors' Hq d x full-attention layers
             "head_trained": self.head_trained,
             "weight_bytes_read_per_decode_step": self.weight_bytes,
         }

@@ -481,3 +481,33 @@ def test_segment_ops_dry_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "copy" in proc.stdout and "elementwise" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_cut_prompt_backward_estimate_recovers_a_whole_measured_one():
+    """bench/pb_summary.py's estimate for a step the device command's timeout cut during its prompt backward (the
+    27B's full step at 512K, session 21): applied to the whole 262K step of session 21 cut after its first 16 timed
+    segments, it gives the measured total within 1%, and its floors are the ones the run itself reported."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from pb_summary import estimate_cut_prompt_backward
+    finally:
+        sys.path.remove(str(BENCH))
+    data = json.loads(
+        (
+            BENCH / "results" / "full_model_qwen3.6-27b_full_P256K_h100_offload_chunk8k_session21.json"
+        ).read_text()
+    )
+    whole = data["longstraw"][1]
+    assert whole["gradient_mode"] == "full" and len(whole["segment_s"]) == 32
+    starts = list(range(0, whole["prompt_tokens"] - 1, data["capture_chunk_size"]))[::-1]
+    cut = {
+        **whole,
+        "status": "running",
+        "partial": {"segment_s": whole["segment_s"][:16], "segment_start_tokens": starts[:16]},
+    }
+    estimate = estimate_cut_prompt_backward(data, cut)
+    assert estimate["segments_timed"] == 16 and estimate["segments_estimated"] == 16
+    assert estimate["prompt_backward_estimate_s"] == pytest.approx(sum(whole["segment_s"]), rel=0.01)
+    pb = whole["phases"]["prompt_backward"]
+    assert estimate["floor_s"] == pytest.approx(pb["floor_s"], rel=1e-9)
+    assert estimate["floor_at_kernel_rates_s"] == pytest.approx(pb["floor_at_kernel_rates_s"], rel=1e-9)
