@@ -19,6 +19,7 @@ import torch
 
 from longstraw_trl.errors import LongStrawError, UnsupportedModelError
 from longstraw_trl.kernels.logprob import LOGITS_CHUNK_ELEMENTS
+from longstraw_trl.kernels.sparse_attention import ATTENTION_QUERY_ROWS
 from longstraw_trl.model_patches import patch_for_model_type, supported_model_types
 from longstraw_trl.state import owned_tokens
 
@@ -466,6 +467,29 @@ def _mla_dsa_capture_bytes(config, chunk: int) -> int:
     return chunk * per_token + 2 * lat * heads * (nope + config.v_head_dim)
 
 
+def _mla_dsa_backward_bytes(config, segment: int, resident: int, b: int) -> int:
+    """What an MLA + DSA layer holds at the peak of its backward over a ``segment`` of prompt tokens after
+    ``resident`` ones (the full gradient's prompt backward): per token the absorbed query ``[H, kv_lora + rope]`` and
+    the projected ``q``, both parts' selections (int64 top-k each), both parts' fp32 ``[H, kv_lora]`` outputs kept for
+    the merge's backward and the gradients of the merged output and of a part, and the part's fp32 dQ; beside them
+    one query tile of the selected-keys backward (``kernels/sparse_attention.selected_attention_dq``: its gathered
+    rows, five fp32 score-sized tensors and the rows' fp32 gradient with its value-half temporary) and the fp32
+    gradient of the whole latent table. Itemised from that code and measured on the CPU at the real widths (session
+    21: 4.85 / 5.20 GiB a segment of 512 / 1,024 tokens, 0.68 MiB a token; this term gives 0.77 MiB a token and
+    4.6 GiB beside, ``tests/test_planner.py``)."""
+    heads, lat, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    width, topk = lat + rope, config.index_topk
+    per_token = (
+        4 * heads * lat * 4  # both parts' outputs (the merge saves them) and two gradients of that size
+        + heads * width * (4 + b)  # the part's dQ (fp32) and the absorbed query
+        + heads * config.qk_head_dim * b  # q, saved by its split and the absorbing einsum
+        + 2 * 8 * topk  # the prompt's and the segment's own selected rows
+    )
+    rows, keys = ATTENTION_QUERY_ROWS, min(topk, resident + segment)
+    tile = rows * keys * (width * (b + 4 + 4) + lat * 4) + 5 * heads * rows * keys * 4
+    return segment * per_token + tile + resident * width * 4
+
+
 def _nemotron_h_block_bytes(config, kind: str, b: int) -> int:
     """Per response token, what autograd keeps for one Nemotron-H block (norm in/out plus its one mixer). An estimate
     from the tensors the mixers keep, not yet checked against a device peak (``tests/test_planner.py`` measures the
@@ -628,12 +652,18 @@ def plan_memory(
             if prompt_backward_checkpoint_layers is None
             else prompt_backward_checkpoint_layers
         )
+        layer_graph = {t: _layer_graph_bytes(config, t, segment, dtype_bytes) for t in set(types)}
+        if getattr(config, "index_topk", None) and getattr(config, "kv_lora_rank", None):
+            # the MLA + DSA layers' backward (the last segment's: the most resident tokens), or its forward's merge
+            mla = _mla_dsa_backward_bytes(config, segment, max(prompt_tokens - 1 - segment, 0), dtype_bytes)
+            for t in layer_graph:  # GLM-5's "indexed_attention" / "shared_attention", DeepSeek-V3.2's
+                layer_graph[t] = max(layer_graph[t], mla, _mla_dsa_capture_bytes(config, segment))
         if segment_checkpointed:
             segment_graph = len(types) * segment * config.hidden_size * dtype_bytes + max(
-                _layer_graph_bytes(config, t, segment, dtype_bytes) for t in set(types)
+                layer_graph[t] for t in set(types)
             )
         else:
-            segment_graph = sum(_layer_graph_bytes(config, t, segment, dtype_bytes) for t in types)
+            segment_graph = sum(layer_graph[t] for t in types)
         kv = config.num_key_value_heads * head_dim
         attention_layers = sum(t == "full_attention" for t in types)
         handed_back = attention_layers * segment * 2 * kv * (dtype_bytes + 4)
