@@ -535,6 +535,7 @@ def plan_memory(
     prefix_sharing: bool = False,
     fsdp_size: int = 0,
     prompt_backward_checkpoint_layers: bool | None = None,
+    adapter_dtype_bytes: int | None = None,
 ) -> MemoryPlan:
     """Per-rank memory of a LongStraw GRPO step on ``config`` (bf16 weights by default).
 
@@ -549,6 +550,8 @@ def plan_memory(
     ``prompt_backward_checkpoint_layers`` (the trainer's option; ``None``: as ``checkpoint_layers``): whether the
     full gradient's recomputed chunk checkpoints its layers (their inputs and one layer's graph) or keeps every
     layer's graph over the chunk.
+    ``adapter_dtype_bytes``: bytes a LoRA parameter takes, and its gradient and each AdamW state (``None``: 4, PEFT's
+    fp32 adapters, ``autocast_adapter_dtype=True``; 2 for adapters kept in bf16).
     ``fsdp_size``: the policy sharded with FSDP2 over that many ranks (0: not wrapped; 1: FSDP2 on one GPU, whose shards
     are the whole parameters and whose gathered copies are all overhead; weights, gradients and optimizer states by
     :func:`fsdp_shard_elements`; plus :attr:`MemoryPlan.fsdp_gathered` and, since the replays accumulate under
@@ -559,9 +562,12 @@ def plan_memory(
     check_plannable(getattr(config, "model_type", None))
     params, experts, vocab = count_parameters(config, ep_size)
     trainable = lora_parameters(config, lora_rank) if lora_rank else params
-    weights = params * dtype_bytes + (trainable * dtype_bytes if lora_rank else 0)
-    gradients = trainable * dtype_bytes
-    optimizer_bytes = {"adamw": 2 * trainable * dtype_bytes, "none": 0}[optimizer]
+    # PEFT keeps the adapters of a bf16 / fp16 model in fp32 (its autocast_adapter_dtype, on by default): they, their
+    # gradients and AdamW's states take 4 bytes a parameter; without LoRA the trained weights are the model's dtype
+    trained_bytes = (adapter_dtype_bytes or max(dtype_bytes, 4)) if lora_rank else dtype_bytes
+    weights = params * dtype_bytes + (trainable * trained_bytes if lora_rank else 0)
+    gradients = trainable * trained_bytes
+    optimizer_bytes = {"adamw": 2 * trainable * trained_bytes, "none": 0}[optimizer]
     fsdp_gathered = fsdp_gathered_in_capture = fsdp_unsharded_gradients = 0
     if fsdp_size < 0:
         raise LongStrawError(f"fsdp_size must be >= 0 (0: not wrapped), got {fsdp_size}")
@@ -571,7 +577,11 @@ def plan_memory(
         kept_trainable = 0 if lora_rank else kept
         groups = fsdp_groups(config, lora_rank, without_experts=ep_size > 1)
         every = [entry for entries in groups.values() for entry in entries]
+        sharded_adapters = (
+            fsdp_shard_elements([shape for shape, t in every if t], fsdp_size) if lora_rank else 0
+        )
         weights = (fsdp_shard_elements([shape for shape, _ in every], fsdp_size) + kept) * dtype_bytes
+        weights += sharded_adapters * (trained_bytes - dtype_bytes)  # the adapters' shards in their own dtype
         largest_layer = max(
             sum(math.prod(shape) for shape, _ in entries) for key, entries in groups.items() if key != "root"
         )
@@ -579,10 +589,11 @@ def plan_memory(
         fsdp_gathered = (root + 2 * largest_layer) * dtype_bytes
         fsdp_gathered_in_capture = 2 * largest_layer * dtype_bytes
         sharded_trainable = fsdp_shard_elements([shape for shape, trainable in every if trainable], fsdp_size)
-        fsdp_unsharded_gradients = gradients - kept_trainable * dtype_bytes
+        # the unsharded parameters' gradients under no_sync are in their compute dtype (the model's: FSDP2's param_dtype)
+        fsdp_unsharded_gradients = (trainable - kept_trainable) * dtype_bytes
         sharded_trainable += kept_trainable
-        gradients = sharded_trainable * dtype_bytes
-        optimizer_bytes = {"adamw": 2 * sharded_trainable * dtype_bytes, "none": 0}[optimizer]
+        gradients = sharded_trainable * trained_bytes
+        optimizer_bytes = {"adamw": 2 * sharded_trainable * trained_bytes, "none": 0}[optimizer]
     types = _layer_types(config)
     together = max(1, min(num_generations, replay_batch_tokens // max(response_tokens, 1)))
     r = response_tokens * together

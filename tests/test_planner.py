@@ -422,9 +422,13 @@ def test_fsdp_per_rank_bytes_equal_fully_shard_storage(lora_rank):
     assert fsdp_shard_elements([s for s, trainable in every if trainable], n) == stored[True] > 0
     plan = plan_memory(config, 256, num_generations=2, response_tokens=16, lora_rank=lora_rank, fsdp_size=n)
     single = plan_memory(config, 256, num_generations=2, response_tokens=16, lora_rank=lora_rank)
-    assert plan.weights == 2 * (stored[True] + stored[False])  # bf16
-    assert plan.gradients == 2 * stored[True] and plan.optimizer == 4 * stored[True]
-    assert plan.fsdp_unsharded_gradients == single.gradients
+    trained = (
+        4 if lora_rank else 2
+    )  # PEFT's fp32 adapters (autocast_adapter_dtype), or the bf16 model's weights
+    assert plan.weights == 2 * stored[False] + trained * stored[True]
+    assert plan.gradients == trained * stored[True] and plan.optimizer == 2 * trained * stored[True]
+    # under no_sync the unsharded (bf16) parameters' gradients: the whole trainable set in the model's dtype
+    assert plan.fsdp_unsharded_gradients == single.gradients * 2 // trained
     assert plan.weights < single.weights
 
 
@@ -473,7 +477,7 @@ def test_fsdp_with_ep_per_rank_bytes_equal_fully_shard_and_ep_storage():
 def test_plan_of_fsdp2_at_world_size_one_against_the_device():
     """The whole 27B's warm-up step (P = 48K, R = 32, LoRA r=64, TRL's checkpointing), unwrapped and under FSDP2 at
     world size 1, in one device call (H100, session 17, `bench/results/fsdp1_vs_plain_65536_h100_session17.json`):
-    each peak within 10% of its plan, and FSDP2's measured overhead (0.4 GiB, the capture's peak) no more than
+    the unwrapped peak within 10% of its plan, FSDP2's plan at most 15% over its peak, and FSDP2's measured overhead (0.4 GiB, the capture's peak) no more than
     planned and within 1.5 GiB of it (two gathered layers, 1.5 GiB; the plan had counted the root's embedding and
     head there too: 6.2 GiB)."""
     results = RESULTS[0].parent
@@ -491,8 +495,10 @@ def test_plan_of_fsdp2_at_world_size_one_against_the_device():
         for fsdp in (0, 1)
     }
     measured = {0: summary["plain"]["peak_gib"], 1: summary["fsdp2_world1"]["peak_gib"]}
-    for fsdp, plan in plans.items():
-        assert abs(plan.peak / GiB - measured[fsdp]) <= 0.10 * measured[fsdp], (fsdp, plan.peak / GiB)
+    assert abs(plans[0].peak / GiB - measured[0]) <= 0.10 * measured[0], plans[0].peak / GiB
+    # FSDP2's replay peak is planned with the root (embedding and head, 4.7 GiB) gathered beside two layers, which
+    # at world size 1 the device did not show: over, never under
+    assert measured[1] <= plans[1].peak / GiB <= 1.15 * measured[1], plans[1].peak / GiB
     overhead, planned = measured[1] - measured[0], (plans[1].capture_peak - plans[0].capture_peak) / GiB
     assert 0 < overhead <= planned <= overhead + 1.5, (overhead, planned)
 
@@ -622,3 +628,21 @@ def test_glm5_prompt_backward_segment_is_what_it_allocates():
         plan.prompt_backward_graph / GiB,
         peaks[0] / GiB,
     )
+
+
+def test_lora_adapters_are_planned_in_fp32_as_peft_keeps_them():
+    """The whole 27B's response-only step at 262K on an H100 (session 21, state on the host, 8K chunks, R = 32) peaked
+    at 57.6 GiB in its optimizer step, 2.6 GiB over the 55.0 it was planned: PEFT keeps a bf16 model's adapters in fp32,
+    so their gradients and AdamW's two states take 4 bytes a parameter where the plan had counted 2 (0.47 B adapter
+    parameters: 0.87 + 1.74 GiB). Planned in fp32 the step is covered, within 3%; the memory at train begin (weights
+    and fp32 adapters) is the plan's weights within 0.2 GiB."""
+    name = "full_model_qwen3.6-27b_full_P256K_h100_offload_chunk8k_session21.json"
+    data = json.loads((RESULTS[0].parent / name).read_text())
+    step = data["longstraw"][0]
+    assert step["gradient_mode"] == "response_only"
+    options = dict(checkpoint_layers=True, offload="cpu", gpu_memory_gib=80)
+    plan = _plan_whole_model_run(data, step, **options)
+    assert step["peak_gib"] <= plan.peak / GiB <= 1.03 * step["peak_gib"], plan.peak / GiB
+    assert abs(plan.weights / GiB - step["allocated_at_train_begin_gib"]) <= 0.2
+    bf16_adapters = _plan_whole_model_run(data, step, adapter_dtype_bytes=2, **options)
+    assert bf16_adapters.peak / GiB < step["peak_gib"]  # what was planned before
