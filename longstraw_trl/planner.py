@@ -475,8 +475,8 @@ def _mla_dsa_backward_bytes(config, segment: int, resident: int, b: int) -> int:
     one query tile of the selected-keys backward (``kernels/sparse_attention.selected_attention_dq``: its gathered
     rows, five fp32 score-sized tensors and the rows' fp32 gradient with its value-half temporary) and the fp32
     gradient of the whole latent table. Itemised from that code and measured on the CPU at the real widths (session
-    21: 4.85 / 5.20 GiB a segment of 512 / 1,024 tokens, 0.68 MiB a token; this term gives 0.77 MiB a token and
-    4.6 GiB beside, ``tests/test_planner.py``)."""
+    21: 4.85 / 5.20 / 5.89 GiB a segment of 512 / 1,024 / 2,048 tokens, 0.68 MiB a token; this term gives 4.84 /
+    5.24 / 6.04, 0.77 MiB a token and 4.6 GiB beside, ``tests/test_planner.py``)."""
     heads, lat, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
     width, topk = lat + rope, config.index_topk
     per_token = (
