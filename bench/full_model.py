@@ -462,9 +462,8 @@ def record_progress(trainer, entry: dict, save) -> None:
 
     trainer.prompt_states.capture = recording(trainer.prompt_states.capture)
     trainer._generate_single_turn = recording(trainer._generate_single_turn)
-    if (
-        PROBE is not None
-    ):  # and after each prompt-backward segment: a step cut by the timeout keeps their seconds
+    # and after each prompt-backward segment: a step cut by the timeout keeps their seconds
+    if PROBE is not None:
         PROBE.entry, PROBE.save = entry, save
 
 
