@@ -486,15 +486,15 @@ class SegmentProbe:
         self.profile: dict | None = None
         self.profile_at = segments // 2 if self.top else None
 
-    def _timed(self, *args, **kwargs):
+    def _timed(self, model, state, grads, ids, start: int, *args, **kwargs):
         profiled = len(self.seconds) == self.profile_at
         prof = kernel_profiler(record_shapes=True) if profiled else contextlib.nullcontext()
         sync()
-        start = time.perf_counter()
+        began = time.perf_counter()
         with prof:
-            out = self.stock(*args, **kwargs)
+            out = self.stock(model, state, grads, ids, start, *args, **kwargs)
             sync()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - began
         if profiled:
             families = kernel_families(prof)
             device_s = sum(f["self_s"] for f in families.values())
@@ -508,7 +508,7 @@ class SegmentProbe:
                 "top_ops": top_ops(prof, self.top),  # the ops (and shapes) that launched them
             }
         self.seconds.append(seconds)
-        self.starts.append(int(args[4] if len(args) > 4 else kwargs["start"]))
+        self.starts.append(int(start))
         if self.entry is not None:
             self.entry.setdefault("partial", {}).update(self.result())
             self.save()

@@ -446,6 +446,11 @@ def _layer_graph_bytes(config, kind: str, tokens: int, b: int) -> int:
     return tokens * (mixer + mlp)
 
 
+def _is_mla_dsa(config) -> bool:
+    """Whether ``config``'s attention is MLA with a DSA indexer (GLM-5, DeepSeek-V3.2)."""
+    return bool(getattr(config, "index_topk", None) and getattr(config, "kv_lora_rank", None))
+
+
 def _mla_dsa_capture_bytes(config, chunk: int) -> int:
     """A capture chunk's transient through an MLA + DSA layer (GLM-5, DeepSeek-V3.2), at its peak: the merge of the
     attention over the selected prompt rows with the chunk's own (``kernels/attention.merge_partials``), where five fp32
@@ -577,18 +582,16 @@ def plan_memory(
         kept_trainable = 0 if lora_rank else kept
         groups = fsdp_groups(config, lora_rank, without_experts=ep_size > 1)
         every = [entry for entries in groups.values() for entry in entries]
-        sharded_adapters = (
-            fsdp_shard_elements([shape for shape, t in every if t], fsdp_size) if lora_rank else 0
-        )
+        sharded_trainable = fsdp_shard_elements([shape for shape, trainable in every if trainable], fsdp_size)
         weights = (fsdp_shard_elements([shape for shape, _ in every], fsdp_size) + kept) * dtype_bytes
-        weights += sharded_adapters * (trained_bytes - dtype_bytes)  # the adapters' shards in their own dtype
+        if lora_rank:  # the adapters' shards in their own dtype
+            weights += sharded_trainable * (trained_bytes - dtype_bytes)
         largest_layer = max(
             sum(math.prod(shape) for shape, _ in entries) for key, entries in groups.items() if key != "root"
         )
         root = sum(math.prod(shape) for shape, _ in groups["root"])
         fsdp_gathered = (root + 2 * largest_layer) * dtype_bytes
         fsdp_gathered_in_capture = 2 * largest_layer * dtype_bytes
-        sharded_trainable = fsdp_shard_elements([shape for shape, trainable in every if trainable], fsdp_size)
         # the unsharded parameters' gradients under no_sync are in their compute dtype (the model's: FSDP2's param_dtype)
         fsdp_unsharded_gradients = (trainable - kept_trainable) * dtype_bytes
         sharded_trainable += kept_trainable
@@ -617,7 +620,7 @@ def plan_memory(
     capture_ws = chunk * (
         (2 * config.hidden_size + 3 * inter) * dtype_bytes + 3 * config.num_attention_heads * head_dim * 4
     )
-    if getattr(config, "index_topk", None) and getattr(config, "kv_lora_rank", None):
+    if _is_mla_dsa(config):
         capture_ws = max(capture_ws, _mla_dsa_capture_bytes(config, chunk))
     plan = MemoryPlan(
         weights=weights,
@@ -664,11 +667,14 @@ def plan_memory(
             else prompt_backward_checkpoint_layers
         )
         layer_graph = {t: _layer_graph_bytes(config, t, segment, dtype_bytes) for t in set(types)}
-        if getattr(config, "index_topk", None) and getattr(config, "kv_lora_rank", None):
+        if _is_mla_dsa(config):
             # the MLA + DSA layers' backward (the last segment's: the most resident tokens), or its forward's merge
-            mla = _mla_dsa_backward_bytes(config, segment, max(prompt_tokens - 1 - segment, 0), dtype_bytes)
+            mla = max(
+                _mla_dsa_backward_bytes(config, segment, max(prompt_tokens - 1 - segment, 0), dtype_bytes),
+                _mla_dsa_capture_bytes(config, segment),
+            )
             for t in layer_graph:  # GLM-5's "indexed_attention" / "shared_attention", DeepSeek-V3.2's
-                layer_graph[t] = max(layer_graph[t], mla, _mla_dsa_capture_bytes(config, segment))
+                layer_graph[t] = max(layer_graph[t], mla)
         if segment_checkpointed:
             segment_graph = len(types) * segment * config.hidden_size * dtype_bytes + max(
                 layer_graph[t] for t in set(types)
