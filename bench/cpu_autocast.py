@@ -1,6 +1,6 @@
 """CPU: a real model's forward in fp32 against TRL's default bf16 (CPU autocast), interleaved repetitions.
 
-python bench/cpu_autocast.py --out bench/results/cpu_autocast_smollm2.json
+python bench/cpu_autocast.py --out bench/results/cpu_autocast_smollm2_cpu.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="bench/results/cpu_autocast_smollm2.json")
+    ap.add_argument("--out", default="bench/results/cpu_autocast_smollm2_cpu.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = load_pretrained(args.model)

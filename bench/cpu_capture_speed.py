@@ -1,6 +1,6 @@
 """CPU: the capture against HF's prefill on a real model, with the CPU flash path on and off (interleaved runs).
 
-    python bench/cpu_capture_speed.py --lengths 1024 2048 --out bench/results/cpu_capture_speed_smollm2.json
+    python bench/cpu_capture_speed.py --lengths 1024 2048 --out bench/results/cpu_capture_speed_smollm2_cpu.json
 
 Each repetition times, in this order: HF's forward over the prompt (``model(ids, logits_to_keep=1)``, no grad), the
 capture with ``LONGSTRAW_CPU_FLASH`` on, and with it off (the plain-math path). Medians over the repetitions.
@@ -26,7 +26,7 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="bench/results/cpu_capture_speed_smollm2.json")
+    ap.add_argument("--out", default="bench/results/cpu_capture_speed_smollm2_cpu.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = load_pretrained(args.model)

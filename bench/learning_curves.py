@@ -226,7 +226,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--out", default=str(HERE / "results" / "learning_curves_smollm2.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "learning_curves_smollm2_cpu.json"))
     ap.add_argument("--runs-dir", default=None, help="default: <out without .json>_runs/")
     ap.add_argument("--collect", action="store_true", help="only rebuild the JSON and PNG from finished runs")
     ap.add_argument("--dry-run", action="store_true", help="a tiny task, 1 step per arm, out to $OUT or /tmp")

@@ -1,4 +1,4 @@
-"""Draw bench/results/*.json as bench/results/longstraw_h200.png (needs matplotlib).
+"""Draw bench/results/*.json as bench/results/plot_slices_h200.png (needs matplotlib).
 
     python bench/plot.py
 
@@ -132,7 +132,7 @@ def main() -> None:
     step.set_yscale("log")
     sweep.set_yscale("log")
     fig.tight_layout()
-    out = RESULTS / "longstraw_h200.png"
+    out = RESULTS / "plot_slices_h200.png"
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
 

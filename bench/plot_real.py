@@ -1,9 +1,9 @@
-"""Draw the real-model results as bench/results/real_smollm2.png (needs matplotlib).
+"""Draw the real-model results as bench/results/real_modes_smollm2_cpu.png (needs matplotlib).
 
     python bench/plot_real.py
 
 Left: training reward per step of stock GRPOTrainer, gradient_mode="full" and the response-only default
-(real_modes_smollm2.json; thin lines: seeds, thick: their mean). Middle: seconds per step of each. Right: cosine of
+(real_modes_smollm2_cpu.json; thin lines: seeds, thick: their mean). Middle: seconds per step of each. Right: cosine of
 the response-only gradient to the full one against the prompt length (real_cosine_smollm2*.json; hollow: a group with equal rewards, centred ranks as advantages).
 """
 
@@ -23,7 +23,7 @@ COLORS = {"stock": "tab:gray", "full": "tab:blue", "response_only": "tab:red"}
 
 
 def main():
-    modes = json.loads((RESULTS / "real_modes_smollm2.json").read_text())
+    modes = json.loads((RESULTS / "real_modes_smollm2_cpu.json").read_text())
     cosines = [json.loads(f.read_text()) for f in sorted(RESULTS.glob("real_cosine_smollm2*.json"))]
     fig, (ax_r, ax_t, ax_c) = plt.subplots(1, 3, figsize=(15, 4.2))
     for mode, color in COLORS.items():
@@ -61,7 +61,7 @@ def main():
     )
     fig.suptitle("SmolLM2-135M-Instruct, LoRA r=16, fp32 (CPU)")
     fig.tight_layout()
-    fig.savefig(RESULTS / "real_smollm2.png", dpi=110)
+    fig.savefig(RESULTS / "real_modes_smollm2_cpu.png", dpi=110)
 
 
 if __name__ == "__main__":

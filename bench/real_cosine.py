@@ -1,6 +1,6 @@
 """Cosine between the response-only and the full-sequence gradient on a real model, over prompt lengths (CPU, fp32).
 
-    python bench/real_cosine.py --lengths 512 1024 2048 4096 --out bench/results/real_cosine_smollm2.json
+    python bench/real_cosine.py --lengths 512 1024 2048 4096 --out bench/results/real_cosine_smollm2_cpu.json
 
 For each length: a locker-notes document of that many tokens (examples/grpo_lockers.py's task) and a question; G
 completions sampled from the captured state (temperature 1); GRPO advantages from the task's reward (reward minus the
@@ -57,7 +57,7 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench/results/real_cosine_smollm2.json")
+    ap.add_argument("--out", default="bench/results/real_cosine_smollm2_cpu.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from peft import LoraConfig, get_peft_model

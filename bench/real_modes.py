@@ -1,6 +1,6 @@
 """Stock GRPOTrainer, gradient_mode="full" and the default response-only mode on the locker task, same budget (CPU).
 
-    python bench/real_modes.py --seeds 0 1 2 --steps 6 --out bench/results/real_modes_smollm2.json
+    python bench/real_modes.py --seeds 0 1 2 --steps 6 --out bench/results/real_modes_smollm2_cpu.json
 
 Every run: SmolLM2-135M-Instruct, LoRA r=16 on every linear layer, fp32, one thread, the task of
 examples/grpo_lockers.py (``--facts`` facts per document), the same data order and seed for the three trainers; it
@@ -90,7 +90,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--modes", nargs="+", default=["stock", "full", "response_only"])
-    ap.add_argument("--out", default="bench/results/real_modes_smollm2.json")
+    ap.add_argument("--out", default="bench/results/real_modes_smollm2_cpu.json")
     own, rest = ap.parse_known_args(argv)
     # like for like: no activation checkpointing in any of the three (gradient_mode="full" fails with TRL's default
     # checkpointing on this model and LoRA: torch's CheckpointError, "a different number of tensors was saved")

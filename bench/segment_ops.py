@@ -2,7 +2,7 @@
 
 The full mode's prompt backward (``prompt_backward``: each capture chunk recomputed under autograd, then its
 backward) launched about 260 copy and 220 elementwise kernels per layer per 16K-token segment on an H200
-(``bench/results/full_model_qwen3.6-27b_full_P128K_probe.json``). Their number does not depend on the segment's
+(``bench/results/full_model_qwen3.6-27b_h200_P131072_segment-profile.json``). Their number does not depend on the segment's
 length, so a tiny Qwen3.5 hybrid on the CPU runs the same Python and shows the same ops: this script captures a
 prompt of a few chunks (``keep_boundaries=True``), replays responses with the full gradient, then profiles
 ``prompt_backward`` and counts the kernel-launching aten ops (those with no aten op below them but allocations

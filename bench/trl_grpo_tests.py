@@ -8,7 +8,7 @@ clone of huggingface/trl at `--trl-rev` (or takes a checkout's `tests/` folder w
 `--work`, builds local stand-ins for the `trl-internal-testing/...` repos there (bench/trl_standins.py), and runs
 pytest in that folder twice, in parallel: plain, and with `LONGSTRAW_SWAP=1` (bench/trl_grpo_swap.py swaps the
 names the test module imports). Writes each test's outcome on both sides, the counts, and the tests stock passes and
-ours does not with the first line of their error, to `--out` (bench/results/trl_grpo_tests.json).
+ours does not with the first line of their error, to `--out` (bench/results/trl_grpo_tests_cpu.json).
 
 Each run into a `--work` folder is logged there (`invocations.jsonl`) and listed in the JSON's `invocations`; each
 test names the entries its two outcomes come from (`runs`). `--append` runs a `-k` subset on top of the earlier
@@ -183,7 +183,7 @@ def main():
     parser.add_argument(
         "--append", action="store_true", help="add to the JSON lines of earlier runs (-k subsets)"
     )
-    parser.add_argument("--out", default=str(HERE / "results" / "trl_grpo_tests.json"))
+    parser.add_argument("--out", default=str(HERE / "results" / "trl_grpo_tests_cpu.json"))
     parser.add_argument(
         "--seed",
         help="an earlier result JSON: its outcomes fill in the tests not run into --work yet (no pytest run)",

@@ -3,7 +3,7 @@
 PEFT upcasts adapter weights to fp32 beside a bf16 model (``autocast_adapter_dtype=True``, its default), so
 every adapted linear layer casts its input to fp32 and runs two fp32 GEMMs, which get no bf16 tensor-core
 rate. In a capture of the whole Qwen3.6-27B with LoRA r=64 on every linear layer that is about a quarter of
-the GPU time (fp32 GEMMs and the casts around them; ``bench/results/profile_capture_qwen3.6-27b.json``).
+the GPU time (fp32 GEMMs and the casts around them; ``bench/results/profile_qwen3.6-27b_h200_P65536_capture.json``).
 
 Without autograd nothing reads the fp32 copies but the forward itself, so for the duration of a capture or
 a generation :func:`adapters_in_model_dtype` points each adapter parameter at a copy in its base layer's
@@ -29,7 +29,7 @@ In the passes that train, under autocast (TRL's default ``bf16=True``), PEFT's i
 GEMM. :func:`bind_autocast_lora_inputs` skips that cast exactly when it is one (autocast on, the input already in
 autocast's dtype, a vanilla adapter): bit for bit PEFT's forward and gradients, without two passes over each
 adapted layer's input a call. In the whole Qwen3.6-27B's full-mode prompt backward the casts were about 4,000
-copy kernels per recomputed segment (``bench/results/full_model_qwen3.6-27b_full_P128K_probe.json``).
+copy kernels per recomputed segment (``bench/results/full_model_qwen3.6-27b_h200_P131072_segment-profile.json``).
 
 One exception reaches the passes that train: LoRA on a MoE block's fused 3-D expert weights (PEFT's
 ``ParamWrapper``). PEFT forms every expert's adapted weight in each forward; :func:`bind_expert_adapters` (the

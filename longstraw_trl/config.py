@@ -212,7 +212,7 @@ class LongStrawGRPOConfig(GRPOConfig):
             Where Triton keeps the compiled GPU kernels and its autotuning choices (ours and fla's). A fresh process
             on an empty cache compiles and autotunes them during its first step: on the whole Qwen3.6-27B at 32K
             that step took 105 s against 6 s warm, and 8.5 s in a new process that found the cache again
-            (`bench/results/cold_start_qwen3.6-27b.json`). `"auto"`: `<output_dir>/_longstraw_kernel_cache`, so a job
+            (`bench/results/cold_start_qwen3.6-27b_h200_P32768.json`). `"auto"`: `<output_dir>/_longstraw_kernel_cache`, so a job
             restarted in a fresh container that keeps its output directory (e.g. to resume) skips that (the leading
             underscore keeps it out of `push_to_hub` uploads); a path: that directory; `None`: Triton's default
             (`~/.triton/cache`). A `TRITON_CACHE_DIR` set in the environment always wins.

@@ -112,7 +112,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
     ``torch.empty(..., pin_memory=True)`` takes its pages from PyTorch's caching host allocator, which rounds
     every block up to a power of two: the GLM-5 slice's 3.9 GB of offloaded state held 6.7 GB pinned at 1M
-    tokens (``bench/results/glm_slice_3L_P1M_v3.json``), and a 1.2 GB page segment of GLM-5 took 2 GiB. Here
+    tokens (H200, rev 2b535a7), and a 1.2 GB page segment of GLM-5 took 2 GiB. Here
     the bytes are allocated pageable (numpy, untouched) and registered with CUDA (``cudaHostRegister``,
     portable and mapped, so kernels can read them: :mod:`kernels.host_gather`); the registration is released
     with the tensor's storage. Falls back to the caching allocator if the registration fails."""

@@ -494,7 +494,7 @@ def test_cut_prompt_backward_estimate_recovers_a_whole_measured_one():
         sys.path.remove(str(BENCH))
     data = json.loads(
         (
-            BENCH / "results" / "full_model_qwen3.6-27b_full_P256K_h100_offload_chunk8k_session21.json"
+            BENCH / "results" / "full_model_qwen3.6-27b_h100_P262144_offload.json"
         ).read_text()
     )
     whole = data["longstraw"][1]

@@ -22,7 +22,7 @@ from longstraw_trl.state import StateGrads
 
 RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("engine_*.json"))
 COMPARE_RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("compare_stock_*.json"))
-CP_RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("cp[0-9]*_*.json"))
+CP_RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("cp_*_P*.json"))
 
 
 def _arg(command: str, flag: str, default=None):
@@ -224,9 +224,9 @@ def _plan_whole_model_run(data: dict, run: dict, **options):
     ("name", "replay_options"),
     [
         # measured one response at a time
-        ("full_model_qwen3.6-27b_P512K", dict(replay_batch_tokens=0)),
+        ("full_model_qwen3.6-27b_h200_P524288_replay-serial", dict(replay_batch_tokens=0)),
         # the 8 responses replayed together under TRL's gradient checkpointing (`longstraw plan` defaults)
-        ("full_model_qwen3.6-27b_P512K_v2batch", dict(checkpoint_layers=True, replay_batch_tokens=8192)),
+        ("full_model_qwen3.6-27b_h200_P524288_replay-batched", dict(checkpoint_layers=True, replay_batch_tokens=8192)),
     ],
 )
 def test_plan_reproduces_the_whole_model_peak(name, replay_options):
@@ -313,7 +313,7 @@ def test_planned_host_bytes_are_what_the_glm_slice_registered():
     """The GLM-5 slice on the H200 with host state (`bench/glm_slice.py`, 1M, rev 9d0b4f7) registered exactly
     its state's bytes of pinned host memory; the planner's host bytes for that slice are those bytes, and the
     capture peak it saves (state less the streamed-back table) is no more than the run saved."""
-    data = json.loads((RESULTS[0].parent / "glm_slice_3L_P1M_v4.json").read_text())
+    data = json.loads((RESULTS[0].parent / "glm_slice_glm-5-3L_h200_P1048576.json").read_text())
     gpu, host = data["results"]
     config = preset_config("glm-5", data["layers"])
     config.indexer_types = data["indexer_types"]
@@ -325,12 +325,12 @@ def test_planned_host_bytes_are_what_the_glm_slice_registered():
     assert 0 < saved_planned <= saved_measured, (saved_planned, saved_measured)
 
 
-@pytest.mark.parametrize("tag", ["512K", "1M"])
+@pytest.mark.parametrize("tag", ["524288", "1048576"])
 def test_plan_reproduces_the_full_gradient_run(tag):
     """`gradient_mode="full"` on the 27B slice (`bench/full_gradient.py`, one response at a time, no layer
     checkpointing, no optimizer): the dK/dV buffers and the kept GDN boundary states exactly as measured, and the
     replay peak within 10%, for both modes of the run."""
-    data = json.loads((RESULTS[0].parent / f"full_gradient_qwen3.6-27b_4L_{tag}.json").read_text())
+    data = json.loads((RESULTS[0].parent / f"full_gradient_qwen3.6-27b-4L_h200_P{tag}.json").read_text())
     config = preset_config(data["preset"], data["layers"])
     assert data["steps"]
     for step in data["steps"]:
@@ -363,10 +363,10 @@ def test_full_gradient_plan_refuses_an_unknown_mode():
 
 def test_plan_reproduces_the_whole_model_full_gradient_peak():
     """`gradient_mode="full"` through `train()` on the whole Qwen3.6-27B (LoRA r=64, P = 64K, TRL's checkpointing;
-    `bench/results/full_model_qwen3.6-27b_full_P64K.json`, session 10): the step's peak is the prompt backward's
+    `bench/results/full_model_qwen3.6-27b_h200_P65536.json`, session 10): the step's peak is the prompt backward's
     segment (every layer's checkpointed input over a 16K chunk, one layer's graph, the K/V handed back with their
     gradients), within 10%; the response-only step of the same run too."""
-    data = json.loads((RESULTS[0].parent / "full_model_qwen3.6-27b_full_P64K.json").read_text())
+    data = json.loads((RESULTS[0].parent / "full_model_qwen3.6-27b_h200_P65536.json").read_text())
     for run in data["longstraw"]:
         plan = _plan_whole_model_run(data, run, checkpoint_layers=True, gradient_mode=run["gradient_mode"])
         peak = plan.peak
@@ -476,13 +476,13 @@ def test_fsdp_with_ep_per_rank_bytes_equal_fully_shard_and_ep_storage():
 
 def test_plan_of_fsdp2_at_world_size_one_against_the_device():
     """The whole 27B's warm-up step (P = 48K, R = 32, LoRA r=64, TRL's checkpointing), unwrapped and under FSDP2 at
-    world size 1, in one device call (H100, session 17, `bench/results/fsdp1_vs_plain_65536_h100_session17.json`):
+    world size 1, in one device call (H100, session 17, `bench/results/fsdp_qwen3.6-27b_h100_P65536.json`):
     the unwrapped peak within 10% of its plan, FSDP2's plan at most 15% over its peak, and FSDP2's measured overhead (0.4 GiB, the capture's peak) no more than
     planned and within 1.5 GiB of it (two gathered layers, 1.5 GiB; the plan had counted the root's embedding and
     head there too: 6.2 GiB)."""
     results = RESULTS[0].parent
-    summary = json.loads((results / "fsdp1_vs_plain_65536_h100_session17.json").read_text())["warmup_48k_r32"]
-    data = json.loads((results / "full_model_qwen3.6-27b_plain65536_h100_session17.json").read_text())
+    summary = json.loads((results / "fsdp_qwen3.6-27b_h100_P65536.json").read_text())["warmup_48k_r32"]
+    data = json.loads((results / "full_model_qwen3.6-27b_h100_P65536.json").read_text())
     warm = data["longstraw_warmup"]
     plans = {
         fsdp: _plan_whole_model_run(
@@ -550,7 +550,7 @@ def test_glm5_capture_chunk_is_what_the_slice_measured(prompt):
     capture peak less its allocation at train begin (weights and adapters) and its state is the capture chunk's
     transient, 13.52 GiB at both P; the planner's capture chunk is within 2% of it (it planned 2.25 GiB before), and
     its state is the measured one exactly."""
-    name = f"full_model_glm-5_3L_train_{prompt}_h100_session19.json"
+    name = f"full_model_glm-5-3L_h100_P{prompt}.json"
     data = json.loads((RESULTS[0].parent / name).read_text())
     step = data["longstraw"][0]
     config = preset_config(
@@ -636,7 +636,7 @@ def test_lora_adapters_are_planned_in_fp32_as_peft_keeps_them():
     so their gradients and AdamW's two states take 4 bytes a parameter where the plan had counted 2 (0.47 B adapter
     parameters: 0.87 + 1.74 GiB). Planned in fp32 the step is covered, within 3%; the memory at train begin (weights
     and fp32 adapters) is the plan's weights within 0.2 GiB."""
-    name = "full_model_qwen3.6-27b_full_P256K_h100_offload_chunk8k_session21.json"
+    name = "full_model_qwen3.6-27b_h100_P262144_offload.json"
     data = json.loads((RESULTS[0].parent / name).read_text())
     step = data["longstraw"][0]
     assert step["gradient_mode"] == "response_only"
