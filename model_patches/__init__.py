@@ -21,19 +21,30 @@ from .nemotron_h import NemotronHPatch
 from .qwen3_5 import GatedDeltaNetHybridPatch, Qwen3_5Patch
 from .qwen3_next import Qwen3NextPatch
 
-_PATCHES: list[FamilyPatch] = [
-    GQAPatch(),
-    Qwen3_5Patch(),
-    Qwen3NextPatch(),
-    MistralPatch(),
-    Cohere2Patch(),
-    Gemma2Patch(),
-    Gemma3TextPatch(),
-    GptOssPatch(),
-    GlmMoeDsaPatch(),
-    DeepseekV32Patch(),
-    NemotronHPatch(),
+# The family patches, in lookup order, each with its ``apply_longstraw_to_<name>`` entry points (name: the models it
+# patches, for its docstring). GQA's is the generic one: like patch_model, it takes any supported model.
+_FAMILIES: list[tuple[FamilyPatch, dict[str, str]]] = [
+    (GQAPatch(), {"gqa": "a llama / qwen2 / qwen3 / qwen3_moe / glm4_moe model"}),
+    (
+        Qwen3_5Patch(),
+        {
+            "qwen3_5": "a Qwen3.5 / Qwen3.6 model (``qwen3_5``)",
+            "qwen3_5_moe": "a Qwen3.5-MoE model (``qwen3_5_moe``)",
+        },
+    ),
+    (Qwen3NextPatch(), {"qwen3_next": "a Qwen3-Next model (``qwen3_next``)"}),
+    (MistralPatch(), {"mistral": "a Mistral / Ministral model"}),
+    (Cohere2Patch(), {"cohere2": "a Cohere 2 model"}),
+    (Gemma2Patch(), {"gemma2": "a Gemma 2 model"}),
+    (Gemma3TextPatch(), {"gemma3": "a Gemma 3 text model (``Gemma3ForCausalLM``)"}),
+    (GptOssPatch(), {"gpt_oss": "a GPT-OSS model"}),
+    (GlmMoeDsaPatch(), {"glm_moe_dsa": "a GLM-5 model (``glm_moe_dsa``)"}),
+    (DeepseekV32Patch(), {"deepseek_v32": "a DeepSeek-V3.2 model (``deepseek_v32``)"}),
+    (NemotronHPatch(), {"nemotron_h": "a Nemotron-H model (``nemotron_h``)"}),
 ]
+_GENERIC_ENTRY_POINTS = ("gqa",)
+
+_PATCHES: list[FamilyPatch] = [patch for patch, _ in _FAMILIES]
 
 PATCH_ATTR = "_longstraw_patch"
 
@@ -123,65 +134,25 @@ def apply_family_patch(model: nn.Module, patch_type: type[FamilyPatch]) -> nn.Mo
     return patch_model(model)
 
 
-def apply_longstraw_to_gqa(model: nn.Module) -> nn.Module:
-    """Patch a llama / qwen2 / qwen3 / qwen3_moe / glm4_moe model in place (same as :func:`patch_model`)."""
-    return patch_model(model)
+def _entry_point(name: str, patch_type: type[FamilyPatch] | None, models: str):
+    """``apply_longstraw_to_<name>``: :func:`apply_family_patch` for ``patch_type`` (None: :func:`patch_model`)."""
+
+    def apply(model: nn.Module) -> nn.Module:
+        return patch_model(model) if patch_type is None else apply_family_patch(model, patch_type)
+
+    apply.__name__ = apply.__qualname__ = f"apply_longstraw_to_{name}"
+    apply.__doc__ = f"Patch {models} in place (same as :func:`patch_model`)."
+    return apply
 
 
-def apply_longstraw_to_qwen3_5(model: nn.Module) -> nn.Module:
-    """Patch a Qwen3.5 / Qwen3.6 model (``qwen3_5``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Qwen3_5Patch)
-
-
-def apply_longstraw_to_qwen3_5_moe(model: nn.Module) -> nn.Module:
-    """Patch a Qwen3.5-MoE model (``qwen3_5_moe``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Qwen3_5Patch)
-
-
-def apply_longstraw_to_qwen3_next(model: nn.Module) -> nn.Module:
-    """Patch a Qwen3-Next model (``qwen3_next``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Qwen3NextPatch)
-
-
-def apply_longstraw_to_mistral(model: nn.Module) -> nn.Module:
-    """Patch a Mistral / Ministral model in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, MistralPatch)
-
-
-def apply_longstraw_to_cohere2(model: nn.Module) -> nn.Module:
-    """Patch a Cohere 2 model in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Cohere2Patch)
-
-
-def apply_longstraw_to_gemma2(model: nn.Module) -> nn.Module:
-    """Patch a Gemma 2 model in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Gemma2Patch)
-
-
-def apply_longstraw_to_gemma3(model: nn.Module) -> nn.Module:
-    """Patch a Gemma 3 text model (``Gemma3ForCausalLM``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, Gemma3TextPatch)
-
-
-def apply_longstraw_to_gpt_oss(model: nn.Module) -> nn.Module:
-    """Patch a GPT-OSS model in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, GptOssPatch)
-
-
-def apply_longstraw_to_glm_moe_dsa(model: nn.Module) -> nn.Module:
-    """Patch a GLM-5 model (``glm_moe_dsa``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, GlmMoeDsaPatch)
-
-
-def apply_longstraw_to_deepseek_v32(model: nn.Module) -> nn.Module:
-    """Patch a DeepSeek-V3.2 model (``deepseek_v32``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, DeepseekV32Patch)
-
-
-def apply_longstraw_to_nemotron_h(model: nn.Module) -> nn.Module:
-    """Patch a Nemotron-H model (``nemotron_h``) in place (same as :func:`patch_model`)."""
-    return apply_family_patch(model, NemotronHPatch)
-
+_ENTRY_POINTS = {
+    f"apply_longstraw_to_{name}": _entry_point(
+        name, None if name in _GENERIC_ENTRY_POINTS else type(patch), models
+    )
+    for patch, names in _FAMILIES
+    for name, models in names.items()
+}
+globals().update(_ENTRY_POINTS)
 
 __all__ = [
     "Cohere2Patch",
@@ -201,22 +172,11 @@ __all__ = [
     "Qwen3_5Patch",
     "UnsupportedModelError",
     "apply_family_patch",
-    "apply_longstraw_to_cohere2",
-    "apply_longstraw_to_deepseek_v32",
-    "apply_longstraw_to_gemma2",
-    "apply_longstraw_to_gemma3",
-    "apply_longstraw_to_glm_moe_dsa",
-    "apply_longstraw_to_gpt_oss",
-    "apply_longstraw_to_gqa",
-    "apply_longstraw_to_mistral",
-    "apply_longstraw_to_nemotron_h",
-    "apply_longstraw_to_qwen3_5",
-    "apply_longstraw_to_qwen3_5_moe",
-    "apply_longstraw_to_qwen3_next",
     "find_patch",
     "patch_for_model_type",
     "patch_model",
     "register_family",
     "supported_model_types",
     "unwrap_model",
+    *sorted(_ENTRY_POINTS),
 ]
