@@ -158,7 +158,7 @@ def test_offloaded_capture_writes_do_not_wait_for_the_device():
     """A chunk's K/V written into an offloaded segment (a token range of ``[heads, capacity, dim]``: not contiguous,
     from a transposed projection: not contiguous either) is queued behind the running kernels, not waited for: torch's
     own copy_ took such a pair through pageable host memory, synchronously (82 s of a 154 s capture at 512K on an
-    H100, session 16). The values arrive intact."""
+    H100). The values arrive intact."""
     from longstraw_trl.state import KVPages, copy_across_devices
 
     dev = torch.device("cuda")

@@ -63,8 +63,8 @@ EVAL = dict(
 
 
 def test_evaluate_on_a_fresh_trainer():
-    """The crash of issue 15: `evaluate()` before `train()` read `current_gradient_accumulation_steps`, which only the
-    training loop sets (stock TRL reads it in train mode only)."""
+    """`evaluate()` before `train()` runs without `current_gradient_accumulation_steps`, which only the training loop
+    sets (stock TRL reads it in train mode only)."""
     trainer = make_tiny_longstraw_trainer(per_device_eval_batch_size=4, num_generations_eval=2)
     del trainer.current_gradient_accumulation_steps  # set by the helper, not by the constructor
     metrics = trainer.evaluate(eval_dataset=Dataset.from_dict({"prompt": PROMPTS}))

@@ -294,7 +294,7 @@ def test_fsdp2_dp2_cp2_ep2_glm5_step_equals_the_mean_of_two_single_process_steps
 
 @pytest.mark.slow
 def test_hsdp_dp2_cp2_ep2_step_equals_the_mean_of_two_single_process_steps(tmp_path):
-    """The whole mesh of issue 28, dp_replicate x dp_shard x cp x ep on 4 processes: FSDP2 as 2 replicas x 2 shards
+    """The whole mesh, dp_replicate x dp_shard x cp x ep on 4 processes: FSDP2 as 2 replicas x 2 shards
     (Accelerate's parallelism_config), two CP groups of 2, each an EP group; the dense parameters in halves on the 2-D
     mesh, averaged over both of its dimensions, the experts averaged over their replicas only."""
     sharded = _check_dp2_cp2_ep2(tmp_path, "--family", "qwen3_moe", hsdp=True)

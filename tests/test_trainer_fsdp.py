@@ -117,8 +117,8 @@ def test_fsdp2_data_parallel_step_equals_the_mean_of_two_single_process_steps(tm
 
 def test_fsdp2_wraps_only_the_layer_classes_the_model_has():
     """Accelerate's transformer-based wrap policy takes the model's ``_no_split_modules``; Qwen3.5's text model lists
-    the vision tower's block too, which Accelerate cannot find (the whole 27B under FSDP2 failed with it on the
-    device, session 15). The trainer names only the classes the model has; a user's own choice is kept."""
+    the vision tower's block too, which Accelerate cannot find (the whole 27B under FSDP2 failed with it on an
+    H100). The trainer names only the classes the model has; a user's own choice is kept."""
     from _models import build_hybrid
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -178,8 +178,8 @@ def test_fsdp2_data_parallel_step_on_the_hybrid_gdn_family(tmp_path):
 def test_a_second_trainer_on_an_fsdp2_sharded_model(tmp_path):
     """A fresh trainer on a model an earlier trainer sharded (bench/full_model.py's warm-up step, then the measured
     one; a notebook re-run): the layers are FSDP2's subclasses by then, which Accelerate's wrap policy did not find by
-    name ("Could not find the transformer layer class Qwen3DecoderLayer"; the 27B under FSDP2 failed on the device,
-    session 16). Its step equals the same two trainers' second step in one process without FSDP2."""
+    name ("Could not find the transformer layer class Qwen3DecoderLayer"; the 27B under FSDP2 failed on an H100). Its
+    step equals the same two trainers' second step in one process without FSDP2."""
     single, sharded = _world_one(tmp_path, "--lora", "--second-trainer")
     _assert_matches_single(single, sharded, "FSDP2 second trainer")
 
@@ -189,7 +189,7 @@ def test_fsdp2_step_on_a_bf16_model_with_fp32_lora_masters(tmp_path):
     passes cast adapters to the model's dtype, which on FSDP2's shards made FSDP2 take bf16 for the adapters' own
     dtype (it reads it at the first forward, the capture) and hand their fp32 masters a bf16 gradient ("attempting to
     assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'": the whole 27B at world size 1
-    on the device, session 17). The step equals the single-process one."""
+    on an H100). The step equals the single-process one."""
     single, sharded = _world_one(tmp_path, "--lora", "--model-bf16", "--bf16")
     assert sharded["loss"] == pytest.approx(single["loss"], abs=1e-6)
     _assert_matches_single(single, sharded, "FSDP2 bf16 model, fp32 adapters")
@@ -207,7 +207,7 @@ def test_fsdp2_step_whatever_the_generation_gather_budget(tmp_path, gib):
 def test_generation_keeps_fsdp2_units_gathered_within_the_budget(tmp_path, monkeypatch):
     """A decode step runs every layer for one token, and FSDP2 gathers each unit before its forward and frees it
     after: R tokens were R all-gathers of the whole model (at world size 1 a copy: the 27B's generation took 2.3x the
-    unwrapped model's on an H100, session 17). Kept gathered within a memory budget, each unit is gathered once per
+    unwrapped model's on an H100). Kept gathered within a memory budget, each unit is gathered once per
     generation, the tokens are the same, and every unit is sharded again afterwards; a budget of 0 keeps none."""
     import torch.distributed as dist
     from _models import build
