@@ -24,7 +24,7 @@ from common import GiB, Timer, peak_gib, print_table, reset_peak, write_result
 from engine_slice import slice_config
 from transformers import AutoModelForCausalLM
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, extend_state, generate_from_state, replay_logprobs
 from longstraw_trl.refresh import RefreshPolicy
 from longstraw_trl.state_cache import PromptStateCache
 
@@ -61,7 +61,7 @@ def main() -> None:
 
     def extend(state, more):
         prefills.append(("extend", more.numel()))
-        return state.extend(model, more)
+        return extend_state(state, model, more)
 
     cache = PromptStateCache(capture, extend, RefreshPolicy("recapture"), max_bytes=None)
     prompt = tokens(args.prompt).cpu()
@@ -71,7 +71,7 @@ def main() -> None:
         with Timer() as t:
             root = cache.get(prompt, step=0).entry
         with Timer() as t_gen:
-            first = root.state.generate(model, args.generations, args.response, generator=gen)
+            first = generate_from_state(root.state, model, args.generations, args.response, generator=gen)
         rows.append(
             {
                 "turn": 0,
@@ -96,9 +96,9 @@ def main() -> None:
                 assert lookup.action == "extend", lookup.action
                 extend_s += t.seconds
                 with Timer() as t:
-                    completions[g] = lookup.entry.state.generate(model, 1, args.response, generator=gen)[
-                        0
-                    ].cpu()
+                    completions[g] = generate_from_state(
+                        lookup.entry.state, model, 1, args.response, generator=gen
+                    )[0].cpu()
                 gen_s += t.seconds
                 whole[g] = torch.cat([whole[g], tool, completions[g]])
             new = [n for kind, n in prefills[before:]]
@@ -118,7 +118,7 @@ def main() -> None:
     replay_s = []
     for g in range(args.generations):
         with Timer() as t:
-            (-root.state.logprobs(model, whole[g][None].to(dev), grad=True).mean()).backward()
+            (-replay_logprobs(root.state, model, whole[g][None].to(dev), grad=True).mean()).backward()
         replay_s.append(t.seconds)
     replay = {"tokens": int(whole[0].numel()), "seconds": replay_s, "peak_gib": peak_gib()}
     captures = [n for kind, n in prefills if kind == "capture"]

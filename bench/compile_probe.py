@@ -19,7 +19,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import longstraw_trl.hooks as hooks
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, generate_from_state
 from longstraw_trl.context import CTX_KWARG, Mode
 from longstraw_trl.presets import preset_config
 
@@ -75,9 +75,9 @@ def main() -> None:
             _, first = timed(lambda: capture_prompt(model, prompt, chunk_size=args.chunk, progress=False))
             state, warm = timed(lambda: capture_prompt(model, prompt, chunk_size=args.chunk, progress=False))
             gen = torch.Generator(device="cuda").manual_seed(0)
-            state.generate(model, 8, 16, generator=gen)  # warm-up (graph capture, compile)
+            generate_from_state(state, model, 8, 16, generator=gen)  # warm-up (graph capture, compile)
             gen = torch.Generator(device="cuda").manual_seed(0)
-            ids, dec = timed(lambda s=state, g=gen: s.generate(model, 8, args.steps, generator=g))
+            ids, dec = timed(lambda s=state, g=gen: generate_from_state(s, model, 8, args.steps, generator=g))
         states[mode] = state
         results[mode] = {
             "first_capture_s": first,

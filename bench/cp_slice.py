@@ -38,7 +38,7 @@ from common import (
 from engine_slice import full_attention_layers, slice_config
 from transformers import AutoModelForCausalLM
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs
 from longstraw_trl.planner import plan_memory
 from longstraw_trl.presets import preset_config
 
@@ -128,9 +128,9 @@ def run(args: argparse.Namespace) -> None:
     comp = torch.randint(0, config.vocab_size, (2, 512), device=dev, generator=g)
     single = capture_prompt(model, small, chunk_size=8192, page_size=4096)
     sharded = capture_prompt(model, small, chunk_size=8192, page_size=4096, cp_group=group)
-    diff = (single.logprobs(model, comp) - sharded.logprobs(model, comp)).abs().max().item()
+    diff = (replay_logprobs(single, model, comp) - replay_logprobs(sharded, model, comp)).abs().max().item()
     model.zero_grad(set_to_none=True)
-    sharded.logprobs(model, comp[:1], grad=True).mean().backward()
+    replay_logprobs(sharded, model, comp[:1], grad=True).mean().backward()
     sums = grad_checksum(model)
     gathered = [torch.empty_like(sums) for _ in range(world)]
     dist.all_gather(gathered, sums)
@@ -172,16 +172,16 @@ def run(args: argparse.Namespace) -> None:
     # with the gradient buffers kept between cycles as an optimizer step would keep them
     reset_peak()
     with Timer() as t_gen:
-        ids = state.generate(model, args.generations, args.response, eos_token_id=None)
+        ids = generate_from_state(state, model, args.generations, args.response, eos_token_id=None)
     generation_peak = peak_gib()
     times, cycle_peaks = [], []
     for cycle in range(args.cycles):
         reset_peak()
         if cycle and args.generate_every_cycle:
-            ids = state.generate(model, args.generations, args.response, eos_token_id=None)
+            ids = generate_from_state(state, model, args.generations, args.response, eos_token_id=None)
         for i in range(args.generations):
             with Timer() as t:
-                (-state.logprobs(model, ids[i][None], grad=True).mean()).backward()
+                (-replay_logprobs(state, model, ids[i][None], grad=True).mean()).backward()
             times.append(t.seconds)
         model.zero_grad(set_to_none=False)
         cycle_peaks.append(peak_gib())

@@ -31,7 +31,7 @@ from common import (
 )
 from transformers import AutoModelForCausalLM
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs
 from longstraw_trl.presets import preset_config
 
 
@@ -61,7 +61,7 @@ def check_small(model, vocab: int, device: str) -> float:
     prompt = torch.randint(0, vocab, (4096,), device=device, generator=g)
     comp = torch.randint(0, vocab, (2, 256), device=device, generator=g)
     state = capture_prompt(model, prompt, chunk_size=1024, page_size=1536)
-    got = state.logprobs(model, comp)
+    got = replay_logprobs(state, model, comp)
     with torch.no_grad():
         full = torch.cat([prompt[None].expand(2, -1), comp], 1)
         logits = model(full).logits[:, 4095:-1].float()
@@ -108,7 +108,7 @@ def run_prompt(model, config, args, prompt_len: int, dev: str, rates: dict) -> d
     g_max, r = max(args.groups), args.response
     reset_peak()
     with Timer() as t_gen:
-        ids = state.generate(model, g_max, r, eos_token_id=None)
+        ids = generate_from_state(state, model, g_max, r, eos_token_id=None)
     assert ids.shape == (g_max, r), ids.shape
     gen_floor = r * (weight_bytes + state.nbytes()) / bandwidth
     generation = {
@@ -130,7 +130,7 @@ def run_prompt(model, config, args, prompt_len: int, dev: str, rates: dict) -> d
         times = []
         for i in range(g):
             with Timer() as t:
-                logp = state.logprobs(model, ids[i % g_max][None], grad=True)
+                logp = replay_logprobs(state, model, ids[i % g_max][None], grad=True)
                 (-logp.mean()).backward()
             times.append(t.seconds)
         per = mean_after_first(times)

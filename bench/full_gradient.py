@@ -40,7 +40,7 @@ from common import (
 from engine_slice import slice_config
 from transformers import AutoModelForCausalLM
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, replay_logprobs
 from longstraw_trl.engine import StateGrads, prompt_backward, replay_blocks_backward
 
 
@@ -65,7 +65,7 @@ def check_full_gradient(model, vocab: int, dev: str, prompt_len: int, r: int, ch
         state = capture_prompt(model, prompt, chunk_size=chunk, page_size=chunk, keep_boundaries=True)
         grads = StateGrads(state) if mode == "full" else None
         for i in range(2):
-            (-state.logprobs(model, comps[i][None], grad=True, grads=grads).mean()).backward()
+            (-replay_logprobs(state, model, comps[i][None], grad=True, grads=grads).mean()).backward()
         if grads is not None:
             prompt_backward(state, model, grads)
         got = _flat_grads(model)
@@ -104,7 +104,7 @@ def step(model, config, args, prompt_len: int, dev: str, mode: str) -> dict:
     times = []
     for i in range(args.groups):
         with Timer() as t:
-            logp = state.logprobs(model, comps[i][None], grad=True, grads=grads)
+            logp = replay_logprobs(state, model, comps[i][None], grad=True, grads=grads)
             (-logp.mean()).backward()
         times.append(t.seconds)
         del logp
@@ -145,7 +145,7 @@ def long_response(model, config, args, dev: str) -> list[dict]:
         try:
             with Timer() as t:
                 if how == "whole":
-                    (-state.logprobs(model, comp[None], grad=True).mean()).backward()
+                    (-replay_logprobs(state, model, comp[None], grad=True).mean()).backward()
                 else:
                     replay_blocks_backward(state, model, comp, args.block, lambda lp, h: -lp.mean())
             row.update(seconds=t.seconds, peak_gib=peak_gib(), ok=True)
@@ -211,7 +211,9 @@ def main() -> None:
         warm = torch.randint(0, config.vocab_size, (2 * args.chunk,), device=dev)
         state = capture_prompt(model, warm, chunk_size=args.chunk, page_size=args.page, keep_boundaries=True)
         grads = StateGrads(state)
-        state.logprobs(model, warm[None, : min(args.response, 512)], grad=True, grads=grads).mean().backward()
+        replay_logprobs(
+            state, model, warm[None, : min(args.response, 512)], grad=True, grads=grads
+        ).mean().backward()
         prompt_backward(state, model, grads, progress=False)
         del state, grads
         model.zero_grad(set_to_none=True)

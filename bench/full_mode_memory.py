@@ -23,7 +23,7 @@ from engine_slice import slice_config
 from full_model import build_model
 from peft import LoraConfig, get_peft_model
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, replay_logprobs
 from longstraw_trl.engine import StateGrads, prompt_backward
 
 
@@ -113,8 +113,8 @@ def main() -> None:
         for i in range(args.generations):
             phase = f"replay {i} forward"
             with Timer() as t:
-                logps = state.logprobs(
-                    model, ids[i : i + 1], grad=True, checkpoint_layers=checkpoint_layers, grads=grads
+                logps = replay_logprobs(
+                    state, model, ids[i : i + 1], grad=True, checkpoint_layers=checkpoint_layers, grads=grads
                 )
             record(phase, t.seconds)
             phase = f"replay {i} backward"

@@ -55,12 +55,12 @@ from common import (
 from transformers import AutoModelForCausalLM
 
 import longstraw_trl.kernels.sparse_attention as sparse
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs
 from longstraw_trl.generation import decode_graphs_by_default
+from longstraw_trl.host_memory import registered_host_bytes, streamed_bytes
 from longstraw_trl.kernels.indexer_scores import index_scores, index_scores_kernel_ok
 from longstraw_trl.kernels.sparse_attention import TOPK_BUFFER_ELEMENTS, indexer_topk
 from longstraw_trl.presets import preset_config
-from longstraw_trl.state import registered_host_bytes, streamed_bytes
 
 
 def pinned_host_bytes() -> int | None:
@@ -134,7 +134,7 @@ def check_small(model, config, dev: str) -> dict[str, float]:
         for m, k in zip(indexers, kept, strict=True):
             m.index_topk = k if topk is None else topk
         state = capture_prompt(model, prompt, chunk_size=n // 4, page_size=n // 4 + 64)
-        got = state.logprobs(model, comp)
+        got = replay_logprobs(state, model, comp)
         with torch.no_grad():
             full = torch.cat([prompt[None].expand(2, -1), comp], 1)
             logits = model(full, use_cache=False).logits[:, n - 1 : -1].float()
@@ -332,9 +332,9 @@ def run_case(
     # without what every call pays once (CUDA-graph capture, the first token's prefill of the last prompt token)
     half = gen_tokens // 2
     with Timer() as t_half:
-        state.generate(model, args.groups, half, eos_token_id=None)
+        generate_from_state(state, model, args.groups, half, eos_token_id=None)
     with Timer() as t_gen:
-        ids = state.generate(model, args.groups, gen_tokens, eos_token_id=None)
+        ids = generate_from_state(state, model, args.groups, gen_tokens, eos_token_id=None)
     assert ids.shape == (args.groups, gen_tokens), ids.shape
     gen_peak = peak_gib()
     gen_streamed, streamed = streamed_bytes() - streamed, streamed_bytes()
@@ -364,7 +364,7 @@ def run_case(
     times = []
     for i in range(replays or args.groups):
         with Timer() as t:
-            logp = state.logprobs(model, replay_ids[i][None], grad=True)
+            logp = replay_logprobs(state, model, replay_ids[i][None], grad=True)
             (-logp.mean()).backward()
         times.append(t.seconds)
     per = mean_after_first(times)

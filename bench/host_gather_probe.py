@@ -19,7 +19,7 @@ import torch
 from common import best_of, write_result
 
 import longstraw_trl.kernels.host_gather as hg
-from longstraw_trl.state import pinned_empty
+from longstraw_trl.host_memory import pinned_empty
 
 DIM = 576
 

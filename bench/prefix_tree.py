@@ -32,7 +32,7 @@ from common import GiB, Timer, peak_gib, print_table, reset_peak, write_result
 from engine_slice import slice_config
 from transformers import AutoModelForCausalLM
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, extend_state, replay_logprobs
 from longstraw_trl.refresh import RefreshPolicy
 from longstraw_trl.state_cache import PromptStateCache, branch_prefixes, prompt_key
 
@@ -54,7 +54,7 @@ class Recorder:
 
     def extend(self, state, more: torch.Tensor):
         with Timer() as t:
-            new = state.extend(self.model, more)
+            new = extend_state(state, self.model, more)
         self.calls.append(("extend", more.numel(), t.seconds))
         return new
 
@@ -153,9 +153,9 @@ def main() -> None:  # noqa: C901 - one benchmark, three modes
             state = recorder.capture(prompts[k])
             _, n, s = recorder.calls[-1]
             rows.append({"mode": "whole", "point": k, "prefilled": n, "seconds": round(s, 3)})
-            ref = state.logprobs(model, response).float()
+            ref = replay_logprobs(state, model, response).float()
             for mode in ("batch", "steps"):
-                got = states[(mode, k)].logprobs(model, response).float()
+                got = replay_logprobs(states[(mode, k)], model, response).float()
                 max_diff = max(max_diff, (got - ref).abs().max().item())
             del state
 

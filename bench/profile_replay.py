@@ -1,7 +1,7 @@
 """Where a replay + backward (or a capture) spends its time: the whole model (or a slice), LoRA, profiled.
 
 Builds the preset with random bf16 weights on the GPU, LoRA on every linear layer, HF gradient
-checkpointing on (TRL's default), captures a random prompt, then times ``state.logprobs(grad=True)`` +
+checkpointing on (TRL's default), captures a random prompt, then times ``replay_logprobs(state, ..., grad=True)`` +
 ``backward`` of one random response (warm) and prints the CUDA ops that take the most time. With
 ``--phase capture`` it profiles the capture itself instead (warm: a first capture runs before), and
 reports its GPU-busy time beside its wall time.
@@ -30,7 +30,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from longstraw_trl import capture_prompt, fused_elementwise_forwards
+from longstraw_trl import capture_prompt, fused_elementwise_forwards, generate_from_state, replay_logprobs
 from longstraw_trl.adapters import adapters_in_model_dtype
 from longstraw_trl.presets import preset_config
 
@@ -110,21 +110,23 @@ def main() -> None:
             return
         if phase == "decode":
             with graph_free():
-                state.generate(model, args.generations, args.decode_steps, do_sample=True, eos_token_id=None)
+                generate_from_state(
+                    state, model, args.generations, args.decode_steps, do_sample=True, eos_token_id=None
+                )
             return
         with autocast():
-            (-state.logprobs(model, completion, grad=True).mean()).backward()
+            (-replay_logprobs(state, model, completion, grad=True).mean()).backward()
 
     def replay_batches(batches: dict) -> dict:
         """Seconds per response of a replay + backward of ``k`` responses together (warm, best of 3)."""
         per_response = {}
         for k, ids in batches.items():
             with autocast():
-                (-state.logprobs(model, ids, grad=True).mean()).backward()  # warm this shape
+                (-replay_logprobs(state, model, ids, grad=True).mean()).backward()  # warm this shape
             best = float("inf")
             for _ in range(3):
                 with Timer() as t, autocast():
-                    (-state.logprobs(model, ids, grad=True).mean()).backward()
+                    (-replay_logprobs(state, model, ids, grad=True).mean()).backward()
                 best = min(best, t.seconds)
             per_response[k] = best / k
             print(f"replay + backward of {k} responses together: {best:.3f} s, {best / k:.3f} s per response")
@@ -165,8 +167,8 @@ def main() -> None:
             # steady state: a call's first step runs eagerly and captures the graph, so per step is the
             # difference between a call of 2N steps and one of N
             with Timer() as t2:
-                state.generate(
-                    model, args.generations, 2 * args.decode_steps, do_sample=True, eos_token_id=None
+                generate_from_state(
+                    state, model, args.generations, 2 * args.decode_steps, do_sample=True, eos_token_id=None
                 )
             results[phase]["ms_per_step"] = 1e3 * (t2.seconds - min(times)) / args.decode_steps
             results[phase]["generations"] = args.generations

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 from grpo_lockers import FILLER, FIRST_NAMES, digit_score, question, token_ids  # noqa: E402
 
-from longstraw_trl import capture_prompt  # noqa: E402
+from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs  # noqa: E402
 from longstraw_trl.engine import StateGrads, prompt_backward  # noqa: E402
 from longstraw_trl.pretrained import load_pretrained  # noqa: E402
 
@@ -84,8 +84,8 @@ def main(argv=None):
             state = capture_prompt(
                 model, prompt, chunk_size=args.chunk, page_size=args.chunk, keep_boundaries=True
             )
-            ids = state.generate(
-                model, args.generations, args.completion_tokens, temperature=1.0, do_sample=True
+            ids = generate_from_state(
+                state, model, args.generations, args.completion_tokens, temperature=1.0, do_sample=True
             )
         texts = [tokenizer.decode(r, skip_special_tokens=True) for r in ids]
         rewards = torch.tensor([digit_score(t, table[name]) for t in texts])
@@ -101,7 +101,9 @@ def main(argv=None):
             model.zero_grad()
             sg = StateGrads(state) if mode == "full" else None
             for i in range(ids.shape[0]):
-                lp = state.logprobs(model, ids[i : i + 1], grad=True, **({"grads": sg} if sg else {}))[0]
+                lp = replay_logprobs(
+                    state, model, ids[i : i + 1], grad=True, **({"grads": sg} if sg else {})
+                )[0]
                 (lp.sum() * adv[i] / n_tokens).backward()
             if mode == "full":
                 prompt_backward(state, model, sg)

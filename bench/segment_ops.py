@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, replay_logprobs
 from longstraw_trl.adapters import bind_autocast_lora_inputs
 from longstraw_trl.engine import StateGrads, prompt_backward
 
@@ -213,7 +213,9 @@ def run(args, dtype: str) -> dict:
     state = capture_prompt(model, prompt, chunk_size=args.chunk, page_size=args.page, keep_boundaries=True)
     grads = StateGrads(state)
     with autocast:
-        logp = state.logprobs(model, comps, grad=True, grads=grads, checkpoint_layers=args.checkpoint_layers)
+        logp = replay_logprobs(
+            state, model, comps, grad=True, grads=grads, checkpoint_layers=args.checkpoint_layers
+        )
         logp.sum().backward()
         acts = [ProfilerActivity.CPU]
         with profile(activities=acts, record_shapes=True, with_stack=True) as prof:

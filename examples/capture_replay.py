@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs
 
 
 def main() -> None:
@@ -45,8 +45,10 @@ def main() -> None:
     print(f"captured {state.num_tokens} tokens in {time.perf_counter() - t0:.2f} s: {state}")
     print(f"state bytes by kind {state.nbytes_by_kind()}, page slack {state.slack_bytes()} B")
 
-    completions = state.generate(model, args.num_generations, args.response_tokens, temperature=1.0)
-    logps = state.logprobs(model, completions)
+    completions = generate_from_state(
+        state, model, args.num_generations, args.response_tokens, temperature=1.0
+    )
+    logps = replay_logprobs(state, model, completions)
     with torch.no_grad():
         full = torch.cat([prompt[None].expand(len(completions), -1), completions], 1)
         logits = model(full).logits[:, args.prompt_tokens - 1 : -1].float()
@@ -56,7 +58,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     for i in range(len(completions)):  # one response's graph at a time
-        loss = -state.logprobs(model, completions[i : i + 1], grad=True).mean()
+        loss = -replay_logprobs(state, model, completions[i : i + 1], grad=True).mean()
         loss.backward()
     print(f"replayed {len(completions)} responses with backward in {time.perf_counter() - t0:.2f} s")
 

@@ -41,7 +41,13 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, capture_prompt
+from longstraw_trl import (
+    LongStrawGRPOConfig,
+    LongStrawGRPOTrainer,
+    capture_prompt,
+    extend_state,
+    generate_from_state,
+)
 from longstraw_trl.pretrained import load_pretrained
 
 FIRST_NAMES = (
@@ -173,8 +179,13 @@ def greedy_eval(model, tokenizer, rows: list[dict], completion_tokens: int, desc
             state, doc_id = capture_prompt(model, doc_ids), row["doc_id"]
             captured += doc_ids.numel()
         q_ids = token_ids(tokenizer, row["question"])
-        out = state.extend(model, q_ids).generate(
-            model, 1, completion_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        out = generate_from_state(
+            extend_state(state, model, q_ids),
+            model,
+            1,
+            completion_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
         )
         text = tokenizer.decode(out[0], skip_special_tokens=True)
         exact.append(float(answer_of(text) == row["answer"]))

@@ -38,7 +38,13 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging as hf_logging
 
-from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, capture_prompt, supported_model_types
+from longstraw_trl import (
+    LongStrawGRPOConfig,
+    LongStrawGRPOTrainer,
+    capture_prompt,
+    generate_from_state,
+    supported_model_types,
+)
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -235,7 +241,8 @@ def greedy_eval(model, tokenizer, dataset: Dataset, completion_tokens: int) -> d
     for row in dataset:
         ids = torch.tensor(tokenizer(row["prompt"])["input_ids"], device=device)
         state = capture_prompt(model, ids)
-        out = state.generate(
+        out = generate_from_state(
+            state,
             model,
             1,
             completion_tokens,

@@ -1,30 +1,19 @@
 """LongStraw-TRL: GRPO post-training on million-token prompts for Hugging Face TRL.
 
-Capture the long prompt once (no autograd) into a model-native :class:`PromptState`, then generate,
-score and replay every response on top of that read-only state.
+Capture the long prompt once (no autograd) into a model-native :class:`PromptState`, then generate
+(:func:`generate_from_state`), score and replay (:func:`replay_logprobs`) every response on top of that read-only
+state, or extend it with more prompt tokens (:func:`extend_state`).
 """
 
 from .engine import capture_prompt, extend_state, prompt_backward, replay_blocks_backward, replay_logprobs
 from .errors import LongStrawError, PromptTooLongError, UnsupportedModelError
 from .generation import generate_from_state
+from .layer_state import ConvRecurrentState, KVPages, LayerState, WindowKV
 from .model_patches import patch_model, supported_model_types
 from .model_patches.nemotron_h import Mamba2State
 from .model_patches.qwen3_5 import GDNState
-from .state import (
-    ConvRecurrentState,
-    KVGrad,
-    KVPages,
-    LayerState,
-    PromptState,
-    StateGrads,
-    StateOperations,
-    WindowKV,
-    provide_operations,
-)
-
-# The state layer is data; its methods `.extend`, `.logprobs` and `.generate` are the runtime's (docs/design.md,
-# "Architecture").
-provide_operations(StateOperations(extend_state, replay_logprobs, generate_from_state))
+from .prompt_state import PromptState
+from .state_grads import KVGrad, StateGrads
 
 __version__ = "0.1.0"
 
@@ -42,10 +31,13 @@ __all__ = [
     "UnsupportedModelError",
     "WindowKV",
     "capture_prompt",
+    "extend_state",
     "fused_elementwise_forwards",
+    "generate_from_state",
     "patch_model",
     "prompt_backward",
     "replay_blocks_backward",
+    "replay_logprobs",
     "supported_model_types",
 ]
 

@@ -20,15 +20,10 @@ from longstraw_trl.kernels.attention import pages_attention, prompt_response_att
 
 from .distributed import communicator
 from .errors import LongStrawError
-from .state import (
-    ConvRecurrentState,
-    KVPages,
-    LayerState,
-    PromptState,
-    StateGrads,
-    WindowKV,
-    storage_device,
-)
+from .host_memory import storage_device
+from .layer_state import ConvRecurrentState, KVPages, LayerState, WindowKV
+from .prompt_state import PromptState
+from .state_grads import StateGrads
 
 CTX_KWARG = "longstraw"
 

@@ -28,7 +28,9 @@ from .context import CTX_KWARG, Mode, ReplayContext, ResponseKV
 from .distributed import is_fsdp2
 from .errors import LongStrawError, PromptTooLongError
 from .hooks import head_request, install_head, skip_head, zero_hidden
-from .state import PromptState, StateGrads, storage_device
+from .host_memory import storage_device
+from .prompt_state import PromptState
+from .state_grads import StateGrads
 
 # re-exported: the runtime's public names a user of the engine reaches for
 __all__ = [

@@ -42,7 +42,8 @@ from longstraw_trl.kernels.switches import switch
 from .context import Mode, ReplayContext
 from .engine import check_positions, forward_model, vocab_size
 from .errors import LongStrawError
-from .state import PromptState, count_streamed_bytes, streamed_bytes
+from .host_memory import count_streamed_bytes, streamed_bytes
+from .prompt_state import PromptState
 
 # Decoding checks whether every row has finished (a host synchronisation) once per this many steps; the
 # output is trimmed to what stopping at once would have given.

@@ -22,11 +22,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .engine import DEFAULT_CHUNK_SIZE, capture_prompt
+from .engine import DEFAULT_CHUNK_SIZE, capture_prompt, extend_state, replay_logprobs
 from .errors import LongStrawError
+from .prompt_state import PromptState
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
 from .router_aux import RouterLoadBalancing, RouterStats
-from .state import PromptState
 from .state_cache import CAPTURE, EXTEND, CachedPrompt, PromptStateCache, branch_prefixes, prompt_key
 
 __all__ = ["CaptureOptions", "PromptStates", "StepHost", "peak_memory_gib"]
@@ -189,7 +189,7 @@ class PromptStates:
         """A fork of ``state`` with ``more_ids`` appended (the prompt-state cache's prefix reuse)."""
         start = time.perf_counter()
         with self.host.graph_free(self.model, cast_adapters=True):
-            new = state.extend(self.model, more_ids)
+            new = extend_state(state, self.model, more_ids)
         metrics = self.host.phase_metrics()
         metrics["longstraw/extend_seconds"].append(time.perf_counter() - start)
         metrics["longstraw/extend_tokens"].append(float(more_ids.numel()))
@@ -292,8 +292,8 @@ class PromptStates:
             return
         ids, mask = ids[None, :n], mask[None, :n]
         with self.host.graph_free(self.model):
-            old = stale.logprobs(self.model, ids, mask, temperature)
-            new = entry.state.logprobs(self.model, ids, mask, temperature)
+            old = replay_logprobs(stale, self.model, ids, mask, temperature)
+            new = replay_logprobs(entry.state, self.model, ids, mask, temperature)
         drift = (old - new).abs().mean().item()
         interval = self.refresh_policy.record_drift(drift)
         self.host.phase_metrics()["longstraw/refresh/drift"].append(drift)
@@ -324,7 +324,7 @@ class PromptStates:
             entry = self.cache[key]
             state = self.capture(model, entry.prompt_ids, role="reference") if reference else entry.state
             with self.host.graph_free(model):
-                logps = state.logprobs(model, ids[rows, :length], mask[rows, :length], temperature)
+                logps = replay_logprobs(state, model, ids[rows, :length], mask[rows, :length], temperature)
             out[rows, :length] = logps.to(out.device) * mask[rows, :length]
             del state, logps
         self.host.phase_metrics()["longstraw/logprob_replay_seconds"].append(time.perf_counter() - start)

@@ -11,9 +11,9 @@ from collections.abc import Iterable
 import torch
 
 from .distributed import fsdp2_units_kept_gathered
-from .generation import SamplingParams
+from .generation import SamplingParams, generate_from_state
+from .prompt_state import PromptState
 from .prompt_states import PromptStates, StepHost
-from .state import PromptState
 from .state_cache import prompt_key
 
 __all__ = ["Rollout", "padded_prompt_length", "truncate_after_eos"]
@@ -84,8 +84,13 @@ class Rollout:
             # FSDP2 units gathered and freed around every forward: no CUDA graph of the step
             if still_gathering:
                 kwargs["cuda_graphs"] = False
-            return state.generate(
-                model, num_generations, self.sampling.max_new_tokens, input_length=input_length, **kwargs
+            return generate_from_state(
+                state,
+                model,
+                num_generations,
+                self.sampling.max_new_tokens,
+                input_length=input_length,
+                **kwargs,
             )
 
     def generate_groups(self, prompt_ids: list, num_generations: int) -> list[list[int]]:

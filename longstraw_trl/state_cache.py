@@ -32,8 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from .prompt_state import PromptState
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
-from .state import PromptState
 
 logger = logging.getLogger(__name__)
 

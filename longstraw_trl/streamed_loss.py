@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .engine import checkpointing_off, prompt_backward, replay_blocks_backward
+from .engine import checkpointing_off, prompt_backward, replay_blocks_backward, replay_logprobs
 from .errors import LongStrawError, NonFiniteLossError
 from .fused_forwards import replay_forwards
 from .loss import (
@@ -43,10 +43,11 @@ from .loss import (
     loss_lengths,
     response_loss,
 )
+from .prompt_state import PromptState
 from .prompt_states import PromptStates, StepHost, peak_memory_gib
 from .router_aux import RouterLoadBalancing, prepare_micro_batch, replay_inputs
-from .state import PromptState, StateGrads
 from .state_cache import CachedPrompt
+from .state_grads import StateGrads
 
 __all__ = [
     "Collectives",
@@ -341,7 +342,8 @@ class StreamedLoss:
             options.segment_checkpoint_layers if grads is not None else options.replay_checkpoint_layers
         )
         with context:
-            logps, entropy = state.logprobs(
+            logps, entropy = replay_logprobs(
+                state,
                 model,
                 ids,
                 mask,
@@ -392,7 +394,8 @@ class StreamedLoss:
                 continue
             entry = self._loss_entry(entries, inputs, g, rows, lengths, loss_mask)
             with self.host.graph_free(policy):
-                _, h = entry.state.logprobs(
+                _, h = replay_logprobs(
+                    entry.state,
                     policy,
                     completion_ids[rows, :length],
                     completion_mask[rows, :length],

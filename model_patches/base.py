@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from longstraw_trl.errors import UnsupportedModelError
-from longstraw_trl.state import KVPages, LayerState, WindowKV
+from longstraw_trl.layer_state import KVPages, LayerState, WindowKV
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 # RoPE variants whose frequencies depend on the largest position *in the call*: a chunked capture would

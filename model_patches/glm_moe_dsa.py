@@ -40,6 +40,7 @@ from torch import nn
 
 from longstraw_trl.context import CTX_KWARG
 from longstraw_trl.errors import LongStrawError
+from longstraw_trl.host_memory import host_rows_to_device
 from longstraw_trl.kernels.attention import merge_partials
 from longstraw_trl.kernels.host_gather import gather_rows_kernel_ok
 from longstraw_trl.kernels.sparse_attention import (
@@ -48,7 +49,7 @@ from longstraw_trl.kernels.sparse_attention import (
     selected_attention,
     topk_merge,
 )
-from longstraw_trl.state import KVPages, LayerState, host_rows_to_device
+from longstraw_trl.layer_state import KVPages, LayerState
 
 from .base import FamilyPatch
 

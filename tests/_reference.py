@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, replay_logprobs
 from longstraw_trl.engine import StateGrads, prompt_backward, replay_blocks_backward
 
 VOCAB = 97
@@ -92,7 +92,7 @@ def param_grads(model) -> dict[str, torch.Tensor]:
 
 def engine_grads(model, state, completion, weights, **kwargs):
     model.zero_grad()
-    logp = state.logprobs(model, completion[None], grad=True, **kwargs)[0]
+    logp = replay_logprobs(state, model, completion[None], grad=True, **kwargs)[0]
     (logp * weights).sum().backward()
     return param_grads(model)
 
@@ -103,7 +103,7 @@ def weighted_replay_grads(model, state, ids, mask) -> torch.Tensor:
     for i in range(ids.shape[0]):
         n = int(mask[i].sum())
         w = torch.linspace(-1, 1, n)
-        (state.logprobs(model, ids[i : i + 1, :n], grad=True)[0] * w).sum().backward()
+        (replay_logprobs(state, model, ids[i : i + 1, :n], grad=True)[0] * w).sum().backward()
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
@@ -156,7 +156,7 @@ def check_logprobs_against_stock(model, prompt_len: int, chunk: int, page: int):
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
     comps, mask = padded_completions([9, 4, 1], gen)
     state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
-    got = state.logprobs(model, comps, mask)
+    got = replay_logprobs(state, model, comps, mask)
     for i, n in enumerate(mask.sum(1).tolist()):
         ref = stock_logprobs(model, prompt, comps[i : i + 1, :n])
         assert (got[i : i + 1, :n] - ref).abs().max().item() <= 1e-4
@@ -183,7 +183,7 @@ def engine_full_grads(model, prompt, comps, weights, block_size=None, chunk_size
     grads = StateGrads(state)
     for i in range(comps.shape[0]):
         if block_size is None:
-            logp = state.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0]
+            logp = replay_logprobs(state, model, comps[i : i + 1], grad=True, grads=grads)[0]
             (logp * weights[i]).sum().backward()
         else:
             replay_blocks_backward(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_trl import KVPages, WindowKV, capture_prompt
+from longstraw_trl import KVPages, WindowKV, capture_prompt, generate_from_state
 
 
 def state_tensors(state) -> list[torch.Tensor]:
@@ -43,7 +43,7 @@ def assert_generate_matches_stock(
     state = capture_prompt(model, prompt, chunk_size=chunk_size, page_size=page_size)
     snap = snapshot(state)
     torch.manual_seed(5)
-    ids = state.generate(model, 3, new_tokens, eos_token_id=7, pad_token_id=96, **sampling)
+    ids = generate_from_state(state, model, 3, new_tokens, eos_token_id=7, pad_token_id=96, **sampling)
     inp = prompt[None].expand(3, -1)
     torch.manual_seed(5)
     ref = model.generate(

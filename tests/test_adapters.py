@@ -8,7 +8,7 @@ from _models import build
 from _reference import VOCAB
 from peft import LoraConfig, get_peft_model
 
-from longstraw_trl import LongStrawError, capture_prompt
+from longstraw_trl import LongStrawError, capture_prompt, replay_logprobs
 from longstraw_trl.adapters import adapters_in_model_dtype
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -106,7 +106,7 @@ def test_trainer_casts_in_capture_and_generation_only(enabled, monkeypatch):
     monkeypatch.setattr(state, "generate", spy("generate", state.generate))
     monkeypatch.setattr(state, "logprobs", spy("logprobs", state.logprobs))
     completions = trainer.rollout.sample_group(state, 2)
-    state.logprobs(trainer.model, completions)
+    replay_logprobs(state, trainer.model, completions)
     cast = torch.bfloat16 if enabled else torch.float32
     assert seen == {"capture": {cast}, "generate": {cast}, "logprobs": {torch.float32}}
     assert all(p.dtype == torch.float32 for p in params)

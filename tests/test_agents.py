@@ -31,6 +31,8 @@ from _reference import param_grads
 from _trl_helpers import patch_response_only_logps
 from test_trainer_parity import assert_grads_close
 
+from longstraw_trl import generate_from_state
+
 ROWS = [{"prompt": MESSAGES}] * 4
 
 
@@ -318,7 +320,7 @@ def test_tool_turns_sample_from_the_extended_state(family):
         cut = int(torch.nonzero(tool[:n] == 0).max()) + 1  # end of the tool suffix
         with torch.no_grad():
             state = capture_prompt(ours.model, torch.cat([prompt, ids[:cut]]))
-            fresh = state.generate(ours.model, 1, max_new, **kwargs)[0]
+            fresh = generate_from_state(state, ours.model, 1, max_new, **kwargs)[0]
         assert n > cut and torch.equal(ids[cut:n], fresh[: n - cut]), i
         assert prompt.numel() + cut in sampled_from
 

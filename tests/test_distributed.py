@@ -16,7 +16,7 @@ from _models import build
 from _reference import weighted_replay_grads
 from _spawn import exit_worker, run_processes
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs
 from longstraw_trl.distributed import merge_gathered
 from longstraw_trl.kernels.attention import attention_lse, merge_partials
 
@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, init_file: str, family: str) -> None:
         assert int(total) == single.nbytes()
 
         # log-probs
-        diff = (single.logprobs(model, ids, mask) - sharded.logprobs(model, ids, mask)) * mask
+        diff = (replay_logprobs(single, model, ids, mask) - replay_logprobs(sharded, model, ids, mask)) * mask
         assert diff.abs().max() <= 1e-5, diff.abs().max()
 
         # gradients: equal to one process, and identical on every rank
@@ -54,8 +54,8 @@ def _worker(rank: int, world: int, init_file: str, family: str) -> None:
         assert all(torch.equal(gathered[0], g) for g in gathered)
 
         # generation reads the sharded pages too
-        a = single.generate(model, 2, 6, do_sample=False)
-        b = sharded.generate(model, 2, 6, do_sample=False)
+        a = generate_from_state(single, model, 2, 6, do_sample=False)
+        b = generate_from_state(sharded, model, 2, 6, do_sample=False)
         assert torch.equal(a, b)
         dist.barrier()
     except BaseException:
@@ -90,7 +90,7 @@ def _bf16_worker(rank: int, world: int, init_file: str) -> None:
             sharded = capture_prompt(model, prompt, cp_group=dist.group.WORLD, **kw)
             assert (sharded.nbytes() > 0) == (rank == 0), sharded.nbytes()  # (qwen3: K/V pages only)
             lp = {
-                n: st.logprobs(model, ids, mask) * mask
+                n: replay_logprobs(st, model, ids, mask) * mask
                 for n, st in [("1", single), ("a", alone), ("s", sharded)]
             }
             grads = {
@@ -98,7 +98,8 @@ def _bf16_worker(rank: int, world: int, init_file: str) -> None:
                 for n, st in [("1", single), ("a", alone), ("s", sharded)]
             }
             tokens = {
-                n: st.generate(model, 2, 6, do_sample=False) for n, st in [("a", alone), ("s", sharded)]
+                n: generate_from_state(st, model, 2, 6, do_sample=False)
+                for n, st in [("a", alone), ("s", sharded)]
             }
         # the empty rank's partial weighs exactly 0: equal to one rank with the same fp32 merge, bit for bit
         assert torch.equal(lp["s"], lp["a"])

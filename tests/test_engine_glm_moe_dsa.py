@@ -32,8 +32,16 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as ds
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
 import longstraw_trl.model_patches.glm_moe_dsa as glm
-from longstraw_trl import LongStrawError, UnsupportedModelError, capture_prompt, patch_model
+from longstraw_trl import (
+    LongStrawError,
+    UnsupportedModelError,
+    capture_prompt,
+    generate_from_state,
+    patch_model,
+    replay_logprobs,
+)
 from longstraw_trl.engine import ReplayContext, forward_model
+from longstraw_trl.host_memory import streamed_bytes
 from longstraw_trl.model_patches import (
     DeepseekV32Patch,
     GlmMoeDsaPatch,
@@ -43,7 +51,6 @@ from longstraw_trl.model_patches import (
 )
 from longstraw_trl.model_patches.glm_moe_dsa import DSAPages
 from longstraw_trl.planner import state_bytes
-from longstraw_trl.state import streamed_bytes
 
 LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj"]
 SMALL_TOPK = 6
@@ -176,7 +183,7 @@ def test_small_topk_selects_the_stock_keys_and_matches_stock(prompt_len, chunk, 
     ref = torch.log_softmax(logits[:, prompt_len - 1 : -1], -1).gather(-1, comp[None, :, None])[0, :, 0]
     state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
     with engine_choices() as sel:
-        got = state.logprobs(model, comp[None])[0]
+        got = replay_logprobs(state, model, comp[None])[0]
     assert sorted(sel) == sorted(ref_sel) == ([0, 2] if family == "glm_moe_dsa" else [0, 1, 2, 3])
     resident = state.resident_tokens
     for layer, choice in sel.items():
@@ -287,7 +294,9 @@ def test_offloaded_state_of_three_pages_equals_resident(monkeypatch):
     layer = offloaded.layers[0]
     assert layer.offloaded and len(list(layer.stream(torch.device("cpu")))) == 3
     assert offloaded.nbytes_by_kind() == resident.nbytes_by_kind()
-    assert torch.equal(resident.logprobs(model, ids, mask), offloaded.logprobs(model, ids, mask))
+    assert torch.equal(
+        replay_logprobs(resident, model, ids, mask), replay_logprobs(offloaded, model, ids, mask)
+    )
     g = [engine_grads(model, s, ids[0], torch.linspace(-1, 1, 7)) for s in (resident, offloaded)]
     assert_grads_close(g[1], g[0], tol=1e-6)
     # decoding reads only the chosen latent rows of an offloaded layer (2 x top-6 < 24 stored tokens)
@@ -319,9 +328,9 @@ def test_offloaded_state_of_three_pages_equals_resident(monkeypatch):
     full = glm._indexer_types(model.config).count(glm.FULL_INDEXER)
     assert len(gathers) == 4 * layers and len({id(r) for r in gathers}) == 4 * full < len(gathers)
     torch.manual_seed(0)
-    a = resident.generate(model, 2, 5, do_sample=True, pad_token_id=0)
+    a = generate_from_state(resident, model, 2, 5, do_sample=True, pad_token_id=0)
     torch.manual_seed(0)
-    assert torch.equal(offloaded.generate(model, 2, 5, do_sample=True, pad_token_id=0), a)
+    assert torch.equal(generate_from_state(offloaded, model, 2, 5, do_sample=True, pad_token_id=0), a)
 
 
 def test_offloaded_decode_gathers_on_the_device_without_a_host_sync(monkeypatch):
@@ -331,7 +340,7 @@ def test_offloaded_decode_gathers_on_the_device_without_a_host_sync(monkeypatch)
     (``decode_streams`` False). Without the kernel it streams (eager)."""
     pytest.importorskip("triton")
     import longstraw_trl.kernels.host_gather as hg
-    from longstraw_trl import state as state_mod
+    from longstraw_trl import host_memory
 
     model = build_glm_dsa(index_topk=SMALL_TOPK)
     gen = torch.Generator().manual_seed(7)
@@ -345,10 +354,10 @@ def test_offloaded_decode_gathers_on_the_device_without_a_host_sync(monkeypatch)
     hg._kernel.cache_clear()
     faked = lambda table, rows, device: table.dim() == 2  # noqa: E731
     monkeypatch.setattr(glm, "gather_rows_kernel_ok", faked)
-    monkeypatch.setattr(state_mod, "gather_rows_kernel_ok", faked)
+    monkeypatch.setattr(host_memory, "gather_rows_kernel_ok", faked)
     kernel_calls, host_rows = [], []
-    kernel = state_mod.gather_rows_kernel
-    monkeypatch.setattr(state_mod, "gather_rows_kernel", lambda *a: kernel_calls.append(1) or kernel(*a))
+    kernel = host_memory.gather_rows_kernel
+    monkeypatch.setattr(host_memory, "gather_rows_kernel", lambda *a: kernel_calls.append(1) or kernel(*a))
     index = glm.DSASelection.gather_index
 
     def gather_index(self, host, device):
@@ -366,10 +375,12 @@ def test_offloaded_decode_gathers_on_the_device_without_a_host_sync(monkeypatch)
         assert not any(layer.decode_streams(cpu) for layer in offloaded.layers.values())
         for g in (2, 5):
             torch.manual_seed(0)
-            a = resident.generate(model, g, 5, do_sample=True, pad_token_id=0)
+            a = generate_from_state(resident, model, g, 5, do_sample=True, pad_token_id=0)
             pages.clear()
             torch.manual_seed(0)
-            assert torch.equal(offloaded.generate(model, g, 5, do_sample=True, pad_token_id=0), a), g
+            assert torch.equal(
+                generate_from_state(offloaded, model, g, 5, do_sample=True, pad_token_id=0), a
+            ), g
             assert 0 not in pages and pages, (
                 g,
                 pages,
@@ -431,15 +442,15 @@ def _cp_worker(rank: int, world: int, init_file: str) -> None:
         assert int(total) == single.nbytes() and sharded.nbytes() < single.nbytes()
         if rank == 0:  # the planner's per-rank state is the first rank's (it holds the most pages)
             assert sharded.nbytes_by_kind() == state_bytes(model.config, 30, 2, 4, dtype_bytes=4)
-        diff = (single.logprobs(model, ids, mask) - sharded.logprobs(model, ids, mask)) * mask
+        diff = (replay_logprobs(single, model, ids, mask) - replay_logprobs(sharded, model, ids, mask)) * mask
         assert diff.abs().max() <= 1e-5, diff.abs().max()
         w = torch.linspace(-1, 1, 7)
         g1, g2 = (engine_grads(model, s, ids[0], w) for s in (single, sharded))
         assert_grads_close(g2, g1, tol=1e-5)
         torch.manual_seed(3)
-        a = single.generate(model, 2, 5, do_sample=False, pad_token_id=0)
+        a = generate_from_state(single, model, 2, 5, do_sample=False, pad_token_id=0)
         torch.manual_seed(3)
-        b = sharded.generate(model, 2, 5, do_sample=False, pad_token_id=0)
+        b = generate_from_state(sharded, model, 2, 5, do_sample=False, pad_token_id=0)
         assert torch.equal(a, b)
     finally:
         dist.destroy_process_group()
@@ -479,7 +490,7 @@ def test_state_of_another_model_is_rejected():
     other = build_glm_dsa(indexer_types=["full", "full", "full", "shared"])
     state = capture_prompt(model, torch.randint(0, VOCAB, (9,)), chunk_size=8, page_size=4)
     with pytest.raises(LongStrawError, match="indexer"):
-        state.logprobs(other, torch.randint(0, VOCAB, (1, 3)))
+        replay_logprobs(state, other, torch.randint(0, VOCAB, (1, 3)))
 
 
 @pytest.mark.parametrize(
@@ -520,8 +531,8 @@ def test_capture_compacts_the_chosen_rows_and_nothing_else_does(monkeypatch):
     assert calls and all(s[-1] <= SMALL_TOPK for s in calls)
     assert any(s[-1] < SMALL_TOPK for s in calls)  # the self rows of a chunk past the first: trimmed
     calls.clear()
-    state.logprobs(model, torch.randint(0, VOCAB, (1, 5)), grad=True).sum().backward()
-    state.generate(model, 2, 3, do_sample=False)
+    replay_logprobs(state, model, torch.randint(0, VOCAB, (1, 5)), grad=True).sum().backward()
+    generate_from_state(state, model, 2, 3, do_sample=False)
     assert calls == []
 
 

@@ -17,9 +17,11 @@ from longstraw_trl import (
     PromptTooLongError,
     UnsupportedModelError,
     capture_prompt,
+    extend_state,
     patch_model,
+    replay_logprobs,
 )
-from longstraw_trl.state import streamed_bytes
+from longstraw_trl.host_memory import streamed_bytes
 
 FAMILIES = list(GQA_CONFIGS)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -55,7 +57,7 @@ def test_nbytes_follows_the_formula():
     assert all(len(layer.segments) == 1 for layer in state.layers.values())
     # the seconds of each of its prefill chunks: 36 resident tokens in chunks of 16
     assert len(state.chunk_seconds) == 3 and all(x > 0 for x in state.chunk_seconds)
-    assert len(state.extend(model, torch.randint(0, VOCAB, (5,))).chunk_seconds) == 1
+    assert len(extend_state(state, model, torch.randint(0, VOCAB, (5,))).chunk_seconds) == 1
 
 
 def test_offload_cpu_streams_pages_and_gives_same_logprobs():
@@ -74,7 +76,7 @@ def test_offload_cpu_streams_pages_and_gives_same_logprobs():
     assert [k.shape[1] for k, _ in resident] == [18] * n  # one segment a layer: one kernel call
     assert [k.shape[1] for k, _ in streamed] == [8, 8, 2] * n  # pages of 8 of the 18 resident tokens
     before = streamed_bytes()
-    assert (a.logprobs(model, comps) - b.logprobs(model, comps)).abs().max() <= 1e-5
+    assert (replay_logprobs(a, model, comps) - replay_logprobs(b, model, comps)).abs().max() <= 1e-5
     assert (
         streamed_bytes() - before == b.nbytes()
     )  # one pass over every offloaded page, counted; none resident
@@ -93,12 +95,12 @@ def test_offload_on_cuda_keeps_pages_on_the_host():
     for layer in b.layers.values():
         for k, v, _ in layer.segments:
             assert k.device.type == "cpu" and k.is_pinned() and v.is_pinned()
-    assert (a.logprobs(model, comps) - b.logprobs(model, comps)).abs().max() <= 1e-4
+    assert (replay_logprobs(a, model, comps) - replay_logprobs(b, model, comps)).abs().max() <= 1e-4
     # under autograd the backward streams the pages again (prefetched on the side stream)
     grads = []
     for state in (a, b):
         model.zero_grad()
-        state.logprobs(model, comps, grad=True).sum().backward()
+        replay_logprobs(state, model, comps, grad=True).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert ((grads[0] - grads[1]).norm() / grads[0].norm()).item() <= 1e-5
 
@@ -108,7 +110,7 @@ def test_offload_on_cuda_keeps_pages_on_the_host():
 def test_prefetch_to_device_overlaps_and_keeps_values():
     """Blocks arrive intact while the compute stream reads the previous one (a slow matmul each time);
     the next block's copy is issued before the current block is handed out."""
-    from longstraw_trl.state import prefetch_to_device
+    from longstraw_trl.host_memory import prefetch_to_device
 
     dev = torch.device("cuda")
     # token ranges of a pinned [heads, capacity, dim] segment, as offloaded K/V pages are (not contiguous)
@@ -135,7 +137,7 @@ def test_prefetch_to_device_overlaps_and_keeps_values():
 def test_offloaded_pages_stream_after_their_own_writes():
     """Pages written to pinned host memory on the compute stream (asynchronously, behind slow kernels) and streamed
     back at once on the side stream come back as written: the side stream waits for the writes."""
-    from longstraw_trl.state import KVPages
+    from longstraw_trl.layer_state import KVPages
 
     dev = torch.device("cuda")
     weight = torch.randn(2048, 2048, device=dev) / 45
@@ -159,7 +161,8 @@ def test_offloaded_capture_writes_do_not_wait_for_the_device():
     from a transposed projection: not contiguous either) is queued behind the running kernels, not waited for: torch's
     own copy_ took such a pair through pageable host memory, synchronously (82 s of a 154 s capture at 512K on an
     H100). The values arrive intact."""
-    from longstraw_trl.state import KVPages, copy_across_devices
+    from longstraw_trl.host_memory import copy_across_devices
+    from longstraw_trl.layer_state import KVPages
 
     dev = torch.device("cuda")
     pages = KVPages(4, 64, 64, 256, torch.bfloat16, torch.device("cpu"), offloaded=True)
@@ -191,7 +194,7 @@ def test_offloaded_capture_writes_do_not_wait_for_the_device():
 def test_offloaded_streams_wait_for_the_writes_of_their_segments(monkeypatch):
     """The event of the last device-to-host write travels with the segments (forks, prefix views) and every stream of
     them hands it to the side stream (CPU: the event is a stand-in; the GPU test above checks the ordering itself)."""
-    import longstraw_trl.state as st
+    import longstraw_trl.layer_state as st
 
     seen = []
     monkeypatch.setattr(
@@ -221,9 +224,9 @@ def test_bad_inputs_raise_clear_errors():
         capture_prompt(model, torch.zeros(3))
     state = capture_prompt(model, torch.zeros(500, dtype=torch.long), chunk_size=128, page_size=128)
     with pytest.raises(PromptTooLongError):
-        state.logprobs(model, torch.zeros(1, 20, dtype=torch.long))
+        replay_logprobs(state, model, torch.zeros(1, 20, dtype=torch.long))
     with pytest.raises(LongStrawError, match="right-padded"):
-        state.logprobs(model, torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0, 1, 1]]))
+        replay_logprobs(state, model, torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0, 1, 1]]))
 
 
 def test_unsupported_model_names_supported_types():

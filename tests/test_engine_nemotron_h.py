@@ -40,7 +40,10 @@ from longstraw_trl import (
     Mamba2State,
     UnsupportedModelError,
     capture_prompt,
+    extend_state,
+    generate_from_state,
     patch_model,
+    replay_logprobs,
 )
 from longstraw_trl.engine import ReplayContext, forward_model
 from longstraw_trl.model_patches import NemotronHPatch, apply_longstraw_to_nemotron_h, find_patch
@@ -86,13 +89,13 @@ def test_the_prompt_state_decides_the_logprobs():
     comps = torch.randint(0, VOCAB, (2, 8), generator=gen)
     state = capture_prompt(model, prompt, chunk_size=24, page_size=16)
     ref = stock_logprobs(model, prompt, comps)
-    assert (state.logprobs(model, comps) - ref).abs().max() <= 1e-4
+    assert (replay_logprobs(state, model, comps) - ref).abs().max() <= 1e-4
     for part in ("conv", "recurrent"):
         broken = state.fork()
         for i in MAMBA_LAYERS:
             layer = broken.layers[i]
             setattr(layer, part, torch.zeros_like(getattr(layer, part)))
-        assert (broken.logprobs(model, comps) - ref).abs().max() > 1e-3, part
+        assert (replay_logprobs(broken, model, comps) - ref).abs().max() > 1e-3, part
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -128,7 +131,7 @@ def test_full_gradient_matches_the_stock_full_forward(block_size):
     model.zero_grad()
     state = capture_prompt(model, prompt, chunk_size=7, page_size=6)
     for i in range(comps.shape[0]):
-        (state.logprobs(model, comps[i : i + 1], grad=True)[0] * weights[i]).sum().backward()
+        (replay_logprobs(state, model, comps[i : i + 1], grad=True)[0] * weights[i]).sum().backward()
     name = "model.layers.0.mixer.in_proj.weight"
     assert _rel(param_grads(model)[name], ref[name]) > 1e-2
 
@@ -144,10 +147,10 @@ def test_extend_equals_capturing_the_whole():
     comps, mask = padded_completions([9, 4], gen)
     state_a = capture_prompt(model, a, chunk_size=40, page_size=16)
     snap = snapshot(state_a)
-    extended = state_a.extend(model, b)
+    extended = extend_state(state_a, model, b)
     whole = capture_prompt(model, torch.cat([a, b]), chunk_size=40, page_size=16)
     assert extended.num_tokens == whole.num_tokens == 204
-    diff = (extended.logprobs(model, comps, mask) - whole.logprobs(model, comps, mask)) * mask
+    diff = (replay_logprobs(extended, model, comps, mask) - replay_logprobs(whole, model, comps, mask)) * mask
     assert diff.abs().max() <= 1e-5
     for i in MAMBA_LAYERS:
         ext, full = extended.layers[i], whole.layers[i]
@@ -156,7 +159,7 @@ def test_extend_equals_capturing_the_whole():
         assert torch.allclose(ext.conv, full.conv, atol=1e-6)
     assert unchanged(snap)
     ref = stock_logprobs(model, torch.cat([a, b]), comps[:1, :9])
-    assert (extended.logprobs(model, comps[:1, :9]) - ref).abs().max() <= 1e-4
+    assert (replay_logprobs(extended, model, comps[:1, :9]) - ref).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("prompt_len", [5, 301])
@@ -192,9 +195,12 @@ def test_offloaded_state_keeps_mamba2_on_the_device_and_scores_the_same():
     resident = capture_prompt(model, prompt, chunk_size=30, page_size=16)
     offloaded = capture_prompt(model, prompt, chunk_size=30, page_size=16, offload="cpu")
     assert not Mamba2State.offloadable
-    assert (offloaded.logprobs(model, comps) - resident.logprobs(model, comps)).abs().max() <= 1e-6
+    assert (
+        replay_logprobs(offloaded, model, comps) - replay_logprobs(resident, model, comps)
+    ).abs().max() <= 1e-6
     assert torch.equal(
-        offloaded.generate(model, 2, 5, do_sample=False), resident.generate(model, 2, 5, do_sample=False)
+        generate_from_state(offloaded, model, 2, 5, do_sample=False),
+        generate_from_state(resident, model, 2, 5, do_sample=False),
     )
 
 
@@ -264,7 +270,7 @@ def _cp_worker(rank: int, world: int, init_file: str) -> None:
         # every rank holds the whole state (layer 3 reads the attention's merged partials: equal up to rounding)
         assert torch.equal(sharded.layers[0].recurrent, single.layers[0].recurrent)
         assert torch.allclose(sharded.layers[3].recurrent, single.layers[3].recurrent, atol=1e-5)
-        diff = (single.logprobs(model, ids, mask) - sharded.logprobs(model, ids, mask)) * mask
+        diff = (replay_logprobs(single, model, ids, mask) - replay_logprobs(sharded, model, ids, mask)) * mask
         assert diff.abs().max() <= 1e-5, diff.abs().max()
         g_single = weighted_replay_grads(model, single, ids, mask)
         g_cp = weighted_replay_grads(model, sharded, ids, mask)
@@ -273,7 +279,8 @@ def _cp_worker(rank: int, world: int, init_file: str) -> None:
         dist.all_gather(gathered, g_cp)
         assert all(torch.equal(gathered[0], g) for g in gathered)
         assert torch.equal(
-            single.generate(model, 2, 6, do_sample=False), sharded.generate(model, 2, 6, do_sample=False)
+            generate_from_state(single, model, 2, 6, do_sample=False),
+            generate_from_state(sharded, model, 2, 6, do_sample=False),
         )
         # the full gradient under CP: every rank's equals the stock full one
         prompt, comps, weights = _data(prompt_len=45)
@@ -343,11 +350,11 @@ def test_state_of_another_model_is_rejected():
     swapped = state.fork()
     swapped.layers[0], swapped.layers[1] = swapped.layers[1], swapped.layers[0]
     with pytest.raises(LongStrawError, match="another model"):
-        swapped.logprobs(model, torch.randint(0, VOCAB, (1, 4)))
+        replay_logprobs(swapped, model, torch.randint(0, VOCAB, (1, 4)))
     missing = state.fork()
     del missing.layers[3]
     with pytest.raises(LongStrawError, match="layer 3 has no captured Mamba2State"):
-        missing.logprobs(model, torch.randint(0, VOCAB, (1, 4)))
+        replay_logprobs(missing, model, torch.randint(0, VOCAB, (1, 4)))
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from longstraw_trl import (
     UnsupportedModelError,
     capture_prompt,
     patch_model,
+    replay_logprobs,
 )
 from longstraw_trl.engine import ReplayContext, forward_model
 from longstraw_trl.model_patches import (
@@ -215,11 +216,11 @@ def test_state_of_another_model_is_rejected():
     swapped = state.fork()
     swapped.layers[0], swapped.layers[1] = swapped.layers[1], swapped.layers[0]
     with pytest.raises(LongStrawError, match="another model"):
-        swapped.logprobs(other, torch.randint(0, VOCAB, (1, 4)))
+        replay_logprobs(swapped, other, torch.randint(0, VOCAB, (1, 4)))
     empty_gdn = state.fork()
     del empty_gdn.layers[2]
     with pytest.raises(LongStrawError, match="layer 2 has no captured GDNState"):
-        empty_gdn.logprobs(hybrid, torch.randint(0, VOCAB, (1, 4)))
+        replay_logprobs(empty_gdn, hybrid, torch.randint(0, VOCAB, (1, 4)))
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,15 @@ from _reference import (
 from _spawn import exit_worker, run_processes
 from _state import assert_generate_matches_stock
 
-from longstraw_trl import KVPages, UnsupportedModelError, WindowKV, capture_prompt, patch_model
+from longstraw_trl import (
+    KVPages,
+    UnsupportedModelError,
+    WindowKV,
+    capture_prompt,
+    generate_from_state,
+    patch_model,
+    replay_logprobs,
+)
 from longstraw_trl.engine import ReplayContext, forward_model
 from longstraw_trl.planner import plan_memory, state_bytes
 
@@ -45,7 +53,7 @@ def _check_against_stock(model, prompt_len: int, chunk: int, page: int, lengths=
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
     comps, mask = padded_completions(list(lengths), gen)
     state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
-    got = state.logprobs(model, comps, mask)
+    got = replay_logprobs(state, model, comps, mask)
     for i, n in enumerate(mask.sum(1).tolist()):
         ref = stock_logprobs(model, prompt, comps[i : i + 1, :n])
         assert (got[i : i + 1, :n] - ref).abs().max().item() <= 1e-4
@@ -157,7 +165,7 @@ def test_offload_equals_resident(family):
     comps = torch.randint(0, VOCAB, (2, 12))
     a = capture_prompt(model, prompt, chunk_size=8, page_size=8)
     b = capture_prompt(model, prompt, chunk_size=8, page_size=8, offload="cpu")
-    assert (a.logprobs(model, comps) - b.logprobs(model, comps)).abs().max() <= 1e-5
+    assert (replay_logprobs(a, model, comps) - replay_logprobs(b, model, comps)).abs().max() <= 1e-5
     streamed = {
         i: [k.shape[1] for k, _ in layer.stream(torch.device("cpu"))] for i, layer in b.layers.items()
     }
@@ -194,7 +202,7 @@ def _cp_worker(rank: int, world: int, init_file: str, family: str) -> None:
         kv = torch.tensor([sharded.nbytes_by_kind()["kv"]])
         dist.all_reduce(kv)
         assert int(kv) == single.nbytes_by_kind()["kv"]
-        diff = (single.logprobs(model, ids, mask) - sharded.logprobs(model, ids, mask)) * mask
+        diff = (replay_logprobs(single, model, ids, mask) - replay_logprobs(sharded, model, ids, mask)) * mask
         assert diff.abs().max() <= 1e-5, diff.abs().max()
         g_single, g_cp = (
             weighted_replay_grads(model, single, ids, mask),
@@ -204,8 +212,8 @@ def _cp_worker(rank: int, world: int, init_file: str, family: str) -> None:
         gathered = [torch.empty_like(g_cp) for _ in range(world)]
         dist.all_gather(gathered, g_cp)
         assert all(torch.equal(gathered[0], g) for g in gathered)
-        a = single.generate(model, 2, 12, do_sample=False)
-        b = sharded.generate(model, 2, 12, do_sample=False)
+        a = generate_from_state(single, model, 2, 12, do_sample=False)
+        b = generate_from_state(sharded, model, 2, 12, do_sample=False)
         assert torch.equal(a, b)
         dist.barrier()
     except BaseException:
@@ -313,7 +321,7 @@ def test_entropies_see_the_post_processed_logits(family):
     prompt = torch.randint(0, VOCAB, (30,), generator=gen)
     comps = torch.randint(0, VOCAB, (2, 10), generator=gen)
     state = capture_prompt(model, prompt, chunk_size=8)
-    logp, entropy = state.logprobs(model, comps, temperature=0.7, return_entropy=True)
+    logp, entropy = replay_logprobs(state, model, comps, temperature=0.7, return_entropy=True)
     with torch.no_grad():
         logits = model(torch.cat([prompt[None].expand(2, -1), comps], 1)).logits[:, 29:-1].float() / 0.7
     ref = torch.log_softmax(logits, -1)
@@ -329,10 +337,10 @@ def test_cpu_bf16_autocast(family):
     gen = torch.Generator().manual_seed(9)
     prompt = torch.randint(0, VOCAB, (40,), generator=gen)
     comps = torch.randint(0, VOCAB, (2, 12), generator=gen)
-    ref = capture_prompt(model, prompt, chunk_size=8).logprobs(model, comps)
+    ref = replay_logprobs(capture_prompt(model, prompt, chunk_size=8), model, comps)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         state = capture_prompt(model, prompt, chunk_size=8)
-        got = state.logprobs(model, comps, grad=True)
+        got = replay_logprobs(state, model, comps, grad=True)
         got.sum().backward()
     assert (got - ref).abs().max() <= 5e-2
     assert all(

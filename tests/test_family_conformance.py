@@ -18,7 +18,10 @@ from longstraw_trl import (
     ConvRecurrentState,
     KVPages,
     capture_prompt,
+    extend_state,
+    generate_from_state,
     patch_model,
+    replay_logprobs,
     supported_model_types,
 )
 
@@ -64,9 +67,9 @@ def test_state_is_read_only_under_replays_backward_and_generation(name):
     comps, mask = padded_completions([7, 5, 3, 6], gen)
     for i in range(comps.shape[0]):
         n = int(mask[i].sum())
-        state.logprobs(model, comps[i : i + 1, :n], grad=True).sum().backward()
-    state.logprobs(model, comps, mask)  # and a graph-free batch
-    state.generate(model, 2, 4, do_sample=False, pad_token_id=0)
+        replay_logprobs(state, model, comps[i : i + 1, :n], grad=True).sum().backward()
+    replay_logprobs(state, model, comps, mask)  # and a graph-free batch
+    generate_from_state(state, model, 2, 4, do_sample=False, pad_token_id=0)
     assert unchanged(snap)
     assert state.num_tokens == 23
     assert all(not t.requires_grad for t in snap[1])
@@ -81,15 +84,15 @@ def test_extend_equals_capturing_the_concatenation(name):
     comps, mask = padded_completions([10, 4], gen)
     state_a = capture_prompt(model, a, chunk_size=8, page_size=8)
     snap = snapshot(state_a)
-    extended = state_a.extend(model, b)
+    extended = extend_state(state_a, model, b)
     whole = capture_prompt(model, torch.cat([a, b]), chunk_size=8, page_size=8)
     assert extended.num_tokens == whole.num_tokens == 34
-    diff = (extended.logprobs(model, comps, mask) - whole.logprobs(model, comps, mask)) * mask
+    diff = (replay_logprobs(extended, model, comps, mask) - replay_logprobs(whole, model, comps, mask)) * mask
     assert diff.abs().max() <= 1e-5
     # the original state still scores its own prompt, unchanged
     assert unchanged(snap)
     ref = stock_logprobs(model, a, comps[:1, :10])
-    assert (state_a.logprobs(model, comps[:1, :10]) - ref).abs().max() <= 1e-4
+    assert (replay_logprobs(state_a, model, comps[:1, :10]) - ref).abs().max() <= 1e-4
     for i, layer in state_a.layers.items():
         if isinstance(layer, KVPages):  # the K/V is shared, not copied: the extension adds its own segment
             old, new = layer.segments, extended.layers[i].segments

@@ -37,9 +37,9 @@ from _trl_helpers import (
     train_stock_and_full,
 )
 
-from longstraw_trl import LongStrawError, capture_prompt, engine
+from longstraw_trl import LongStrawError, capture_prompt, engine, extend_state, replay_logprobs
 from longstraw_trl.engine import StateGrads, prompt_backward, replay_blocks_backward
-from longstraw_trl.state import WindowKV
+from longstraw_trl.layer_state import WindowKV
 from longstraw_trl.state_cache import prompt_key
 
 FAMILIES = ["qwen3", "qwen3_5"]  # GQA; hybrid (GDN + gated full attention)
@@ -80,7 +80,7 @@ def test_the_prompt_path_matters_here():
     state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
     model.zero_grad()
     for i in range(3):
-        (state.logprobs(model, comps[i : i + 1], grad=True)[0] * weights[i]).sum().backward()
+        (replay_logprobs(state, model, comps[i : i + 1], grad=True)[0] * weights[i]).sum().backward()
     rel = max(((g - ref[n]).norm() / ref[n].norm()).item() for n, g in param_grads(model).items())
     assert rel > 1e-2
 
@@ -92,7 +92,7 @@ def test_prompt_gradient_buffers_and_leaves_are_what_the_design_says():
     state = capture_prompt(model, prompt, chunk_size=8, page_size=6, keep_boundaries=True)
     assert sorted(state.boundaries) == [8, 16, 24]  # 28 resident tokens in chunks of 8
     grads = StateGrads(state)
-    state.logprobs(model, comps[:1], grad=True, grads=grads)[0].sum().backward()
+    replay_logprobs(state, model, comps[:1], grad=True, grads=grads)[0].sum().backward()
     kv = state.layers[1]
     fp32_factor = 4 // kv.dtype.itemsize  # fp32 buffers: the K/V's size here (fp32), twice it for bf16 K/V
     assert grads.kv(1).nbytes() == kv.stored_tokens() * kv.token_bytes() * fp32_factor
@@ -133,11 +133,13 @@ def test_prompt_backward_through_an_extended_state(family):
     ref = stock_full_grads(model, prompt, comps, weights)
     model.zero_grad()
     prefix = capture_prompt(model, prompt[:13], chunk_size=8, page_size=6, keep_boundaries=True)
-    state = prefix.extend(model, prompt[13:])
+    state = extend_state(prefix, model, prompt[13:])
     assert sorted(state.boundaries) == [8, 12, 20]  # the prefix's chunk, then the extension's from token 12
     grads = StateGrads(state)
     for i in range(3):
-        (state.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]).sum().backward()
+        (
+            replay_logprobs(state, model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]
+        ).sum().backward()
     prompt_backward(state, model, grads)
     assert_grads_close(param_grads(model), ref)
 
@@ -158,9 +160,9 @@ def test_reverse_block_replay_equals_a_plain_replay(family):
 
     model.zero_grad()
     for i in range(3):
-        loss(state.logprobs(model, comps[i : i + 1], grad=True)[0], None, weights[i]).backward()
+        loss(replay_logprobs(state, model, comps[i : i + 1], grad=True)[0], None, weights[i]).backward()
     ref = param_grads(model)
-    plain = state.logprobs(model, comps)
+    plain = replay_logprobs(state, model, comps)
     for block in (3, 4, 11, 16):
         model.zero_grad()
         for i in range(3):
@@ -212,7 +214,7 @@ def test_layer_kinds_without_a_full_gradient_are_refused():
     state = capture_prompt(model, torch.arange(20) % VOCAB, chunk_size=8, keep_boundaries=True)
     state.layers[0] = WindowWithoutGradient(state.layers[0].window, state.layers[0].k, state.layers[0].v)
     with pytest.raises(LongStrawError, match="WindowWithoutGradient, which has no full gradient"):
-        state.logprobs(model, torch.arange(5)[None], grad=True, grads=StateGrads(state))
+        replay_logprobs(state, model, torch.arange(5)[None], grad=True, grads=StateGrads(state))
     with pytest.raises(LongStrawError, match="no full gradient"):
         replay_blocks_backward(state, model, torch.arange(5), 2, lambda lp, h: lp.sum())
 
@@ -491,8 +493,8 @@ def _replayed_for_prompt_backward(family: str):
         model, torch.randint(0, VOCAB, (25,), generator=gen), chunk_size=8, keep_boundaries=True
     )
     grads = StateGrads(state)
-    state.logprobs(
-        model, torch.randint(0, VOCAB, (1, 6), generator=gen), grad=True, grads=grads
+    replay_logprobs(
+        state, model, torch.randint(0, VOCAB, (1, 6), generator=gen), grad=True, grads=grads
     ).sum().backward()
     return model, state, grads
 

@@ -39,11 +39,11 @@ from _trl_helpers import (
     train_stock_and_full,
 )
 
-from longstraw_trl import LongStrawError, capture_prompt
+from longstraw_trl import LongStrawError, capture_prompt, replay_logprobs
 from longstraw_trl.engine import StateGrads
+from longstraw_trl.layer_state import KVPages, WindowKV
 from longstraw_trl.model_patches.glm_moe_dsa import DSAPages
 from longstraw_trl.planner import full_gradient_bytes
-from longstraw_trl.state import KVPages, WindowKV
 from longstraw_trl.state_cache import prompt_key
 
 SMALL_TOPK = 6  # GLM-5's index_topk: every query past position 6 drops keys
@@ -61,7 +61,7 @@ def _response_only_grads(model, prompt, comps, weights):
     model.zero_grad()
     state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
     for i in range(comps.shape[0]):
-        (state.logprobs(model, comps[i : i + 1], grad=True)[0] * weights[i]).sum().backward()
+        (replay_logprobs(state, model, comps[i : i + 1], grad=True)[0] * weights[i]).sum().backward()
     return param_grads(model)
 
 
@@ -116,7 +116,7 @@ def test_glm_selection_drops_prompt_keys_and_the_latent_gets_their_gradient_only
     prompt, comps, _ = _data(prompt_len=29)
     state = capture_prompt(model, prompt, chunk_size=8, page_size=6, keep_boundaries=True)
     grads = StateGrads(state)
-    state.logprobs(model, comps[:1, :2], grad=True, grads=grads).sum().backward()
+    replay_logprobs(state, model, comps[:1, :2], grad=True, grads=grads).sum().backward()
     for idx in (0, 2):  # the "full" indexer layers
         layer = state.layers[idx]
         assert isinstance(layer, DSAPages) and layer.num_tokens == 28
@@ -138,7 +138,7 @@ def test_planned_full_gradient_bytes_are_what_the_state_holds(family):
     prompt, comps, _ = _data(prompt_len=29)
     state = capture_prompt(model, prompt, chunk_size=8, page_size=6, keep_boundaries=True)
     grads = StateGrads(state)
-    state.logprobs(model, comps[:1], grad=True, grads=grads).sum().backward()
+    replay_logprobs(state, model, comps[:1], grad=True, grads=grads).sum().backward()
     buffers, kept, workspace, _, _ = full_gradient_bytes(
         model.config, prompt.numel(), page_size=6, dtype_bytes=4, chunk_size=8
     )

@@ -9,11 +9,11 @@ import torch
 from _models import build_hybrid
 from _reference import VOCAB
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, replay_logprobs
 from longstraw_trl.engine import StateGrads
+from longstraw_trl.host_memory import storage_device
 from longstraw_trl.planner import format_plan, full_gradient_bytes, plan_memory
 from longstraw_trl.presets import preset_config
-from longstraw_trl.state import storage_device
 
 PROMPT, CHUNK, PAGE = 29, 8, 6
 
@@ -28,7 +28,7 @@ def _measured(model, offload):
     )
     grads = StateGrads(state)
     completion = torch.randint(0, VOCAB, (1, 5), generator=gen)
-    state.logprobs(model, completion, grad=True, grads=grads)[0].sum().backward()
+    replay_logprobs(state, model, completion, grad=True, grads=grads)[0].sum().backward()
     kv_layers = [i for i, layer in state.layers.items() if layer.kind == "kv"]
     buffers = sum(grads.kv(i).nbytes() for i in kv_layers)
     kept = [t for layers in state.boundaries.values() for s in layers.values() for t in s.grad_tensors()]
@@ -106,7 +106,9 @@ def test_offloaded_page_gradients_are_added_without_waiting_for_the_device():
     returns while the GPU is still busy (``dk.to("cpu")`` then a CPU add waited for it, every earlier page of every
     segment), and :meth:`KVGrad.take` gives exactly the host fp32 sum of what was handed in, in order. The first
     round is not timed: it allocates the pinned staging buffers, and a pinned allocation waits for the device."""
-    from longstraw_trl.state import HOST_ADDS, KVGrad, KVPages
+    from longstraw_trl.host_memory import HOST_ADDS
+    from longstraw_trl.layer_state import KVPages
+    from longstraw_trl.state_grads import KVGrad
 
     dev = torch.device("cuda")
     pages = KVPages(4, 64, 64, 256, torch.bfloat16, torch.device("cpu"), offloaded=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from _models import build
 
-from longstraw_trl import LongStrawError, capture_prompt
+from longstraw_trl import LongStrawError, capture_prompt, generate_from_state
 
 SAMPLING = {
     "greedy": dict(do_sample=False),
@@ -24,7 +24,7 @@ def test_generate_matches_stock_generate(family, mode):
     state = capture_prompt(model, prompt, chunk_size=8, page_size=5)
     kw = SAMPLING[mode]
     torch.manual_seed(5)
-    ids = state.generate(model, 3, 12, eos_token_id=7, pad_token_id=96, **kw)
+    ids = generate_from_state(state, model, 3, 12, eos_token_id=7, pad_token_id=96, **kw)
     inp = prompt[None].expand(3, -1)
     torch.manual_seed(5)
     ref = model.generate(
@@ -40,7 +40,7 @@ def test_eos_pads_and_stops_early():
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(1))
     state = capture_prompt(model, prompt)
     steps = 24
-    a, b = state.generate(model, 2, steps, generator=torch.Generator().manual_seed(0)).tolist()
+    a, b = generate_from_state(state, model, 2, steps, generator=torch.Generator().manual_seed(0)).tolist()
     # EOS ids: row 0's token at step i and row 1's at step j (i + 2 <= j < steps / 2), each drawn by neither row
     # before, so row 0 gets >= 2 pads and decoding could run on well past step j
     i, j = next(
@@ -53,7 +53,8 @@ def test_eos_pads_and_stops_early():
     decode_steps = []  # decoder passes: shows whether decoding stopped (the output width alone is trimmed)
     hook = model.model.layers[0].register_forward_hook(lambda *_: decode_steps.append(1))
     try:
-        ids = state.generate(
+        ids = generate_from_state(
+            state,
             model,
             2,
             steps,
@@ -74,9 +75,9 @@ def test_generate_rejects_bad_arguments():
     model = build("qwen3")
     state = capture_prompt(model, torch.tensor([1, 2, 3]))
     with pytest.raises(LongStrawError, match="temperature"):
-        state.generate(model, 2, 4, temperature=0.0)
+        generate_from_state(state, model, 2, 4, temperature=0.0)
     with pytest.raises(LongStrawError, match=">= 1"):
-        state.generate(model, 0, 4)
+        generate_from_state(state, model, 0, 4)
 
 
 def test_decode_past_announced_capacity_grows_the_buffer():
@@ -111,10 +112,10 @@ def test_cuda_graph_decode_equals_eager(family):
     model = model.cuda().to(torch.bfloat16)
     prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(0)).cuda()
     state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
-    eager = state.generate(model, 4, 24, do_sample=False, cuda_graphs=False)
+    eager = generate_from_state(state, model, 4, 24, do_sample=False, cuda_graphs=False)
     calls = []
     hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
-    graphed = state.generate(model, 4, 24, do_sample=False, cuda_graphs=True)
+    graphed = generate_from_state(state, model, 4, 24, do_sample=False, cuda_graphs=True)
     hook.remove()
     assert torch.equal(eager, graphed)
     assert len(calls) == 2  # the eager first step and the capture; the other 22 steps are graph replays
@@ -196,16 +197,16 @@ def test_generate_with_processors_matches_stock_generate(mode):
     # an EOS id past the vocabulary (as tokenizers larger than the head have) is ignored by the masks, as in HF
     kw = dict(SAMPLING[mode], **_options(prompt), eos_token_id=[7, 500], pad_token_id=96)
     torch.manual_seed(5)
-    ids = state.generate(model, 3, 12, prompt_ids=prompt, **kw)
+    ids = generate_from_state(state, model, 3, 12, prompt_ids=prompt, **kw)
     inp = prompt[None].expand(3, -1)
     torch.manual_seed(5)
     ref = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=12, **kw)[:, 33:]
     assert torch.equal(ids, ref)
     # the repetition penalty reads the prompt: without prompt_ids it is refused, not applied to half the input
     with pytest.raises(LongStrawError, match="prompt_ids"):
-        state.generate(model, 3, 4, repetition_penalty=1.3)
+        generate_from_state(state, model, 3, 4, repetition_penalty=1.3)
     with pytest.raises(LongStrawError, match="33 tokens"):
-        state.generate(model, 3, 4, repetition_penalty=1.3, prompt_ids=prompt[1:])
+        generate_from_state(state, model, 3, 4, repetition_penalty=1.3, prompt_ids=prompt[1:])
 
 
 @pytest.mark.gpu
@@ -216,6 +217,6 @@ def test_processors_with_cuda_graph_decode_equal_eager():
     prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(0)).cuda()
     state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
     kw = dict(do_sample=False, eos_token_id=7, prompt_ids=prompt, **_options(prompt.cpu()))
-    eager = state.generate(model, 4, 24, cuda_graphs=False, **kw)
-    graphed = state.generate(model, 4, 24, cuda_graphs=True, **kw)
+    eager = generate_from_state(state, model, 4, 24, cuda_graphs=False, **kw)
+    graphed = generate_from_state(state, model, 4, 24, cuda_graphs=True, **kw)
     assert torch.equal(eager, graphed)

@@ -28,7 +28,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 )
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
-from longstraw_trl import capture_prompt, fused_elementwise_forwards
+from longstraw_trl import capture_prompt, fused_elementwise_forwards, generate_from_state
 from longstraw_trl import fused_forwards as ff
 from longstraw_trl.kernels import elementwise as ew
 
@@ -683,7 +683,7 @@ def test_qwen3_5_capture_and_generate_on_cuda(dtype):
 
     def run():
         state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
-        tokens = state.generate(model, 4, 16, do_sample=False, cuda_graphs=True)
+        tokens = generate_from_state(state, model, 4, 16, do_sample=False, cuda_graphs=True)
         blocks = [b for layer in state.layers.values() for b in layer.stream(prompt.device)]
         return [t.float() for block in blocks for t in block if t is not None], tokens
 

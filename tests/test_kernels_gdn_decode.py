@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, generate_from_state
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule import gated_delta_step
 
@@ -342,11 +342,11 @@ def test_gpu_generate_fused_equals_torch_path(monkeypatch, family, cuda_graphs):
     prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(0)).cuda()
     state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
     monkeypatch.setenv(gdn_decode.GDN_DECODE_ENV, "0")
-    ref = state.generate(model, 4, 24, do_sample=False, cuda_graphs=cuda_graphs)
+    ref = generate_from_state(state, model, 4, 24, do_sample=False, cuda_graphs=cuda_graphs)
     monkeypatch.delenv(gdn_decode.GDN_DECODE_ENV)
     calls = []
     real = qwen3_5_patch.gdn_decode_step
     monkeypatch.setattr(qwen3_5_patch, "gdn_decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    ids = state.generate(model, 4, 24, do_sample=False, cuda_graphs=cuda_graphs)
+    ids = generate_from_state(state, model, 4, 24, do_sample=False, cuda_graphs=cuda_graphs)
     assert calls, "the fused decode step was not used"
     assert torch.equal(ids, ref)

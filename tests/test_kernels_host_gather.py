@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import longstraw_trl.kernels.host_gather as hg
-from longstraw_trl import state as state_mod
+from longstraw_trl import host_memory
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -80,9 +80,9 @@ def test_gpu_kernel_reads_a_pinned_host_table(monkeypatch):
     for tile in hg.TILES:
         assert torch.equal(hg.gather_rows_kernel(table, rows, tile=tile), out), tile
     # host_rows_to_device takes it, and counts the bytes it brought over
-    before = state_mod.streamed_bytes()
-    via = state_mod.host_rows_to_device(table, rows, rows.device)
-    assert torch.equal(via, out) and state_mod.streamed_bytes() - before == out.numel() * out.element_size()
+    before = host_memory.streamed_bytes()
+    via = host_memory.host_rows_to_device(table, rows, rows.device)
+    assert torch.equal(via, out) and host_memory.streamed_bytes() - before == out.numel() * out.element_size()
     # and it can be captured in a CUDA graph (what the offloaded decode step needs): a replay reads the table anew
     static = torch.empty_like(out)
     graph = torch.cuda.CUDAGraph()
@@ -95,7 +95,7 @@ def test_gpu_kernel_reads_a_pinned_host_table(monkeypatch):
     assert torch.equal(static.cpu(), indexed(table, rows))
     monkeypatch.setenv(hg.KERNEL_ENV, "0")
     assert not hg.gather_rows_kernel_ok(table, rows, rows.device)
-    assert torch.equal(state_mod.host_rows_to_device(table, rows, rows.device), out * 2)
+    assert torch.equal(host_memory.host_rows_to_device(table, rows, rows.device), out * 2)
 
 
 class FakeCudart:
@@ -118,12 +118,12 @@ def test_pinned_empty_registers_its_exact_bytes_until_the_last_view_is_freed(mon
 
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    before = state_mod.registered_host_bytes()
-    t = state_mod.pinned_empty((3, 1000, 7), torch.bfloat16)
+    before = host_memory.registered_host_bytes()
+    t = host_memory.pinned_empty((3, 1000, 7), torch.bfloat16)
     assert t.shape == (3, 1000, 7) and t.dtype == torch.bfloat16
     ((ptr, size, flags),) = fake.registered
     assert ptr == t.data_ptr() and size == 3 * 1000 * 7 * 2 and flags == 3  # exact bytes; portable, mapped
-    assert state_mod.registered_host_bytes() - before == size
+    assert host_memory.registered_host_bytes() - before == size
     view = t[1, 10:20]
     view.fill_(1.5)
     del t
@@ -131,12 +131,12 @@ def test_pinned_empty_registers_its_exact_bytes_until_the_last_view_is_freed(mon
     assert fake.unregistered == [] and (view == 1.5).all()  # a view keeps the pages registered
     del view
     gc.collect()
-    assert fake.unregistered == [ptr] and state_mod.registered_host_bytes() == before
+    assert fake.unregistered == [ptr] and host_memory.registered_host_bytes() == before
     failing = FakeCudart(status=1)  # a refused registration: the caching allocator's pinned memory instead
     monkeypatch.setattr(torch.cuda, "cudart", lambda: failing)
     monkeypatch.setattr(torch, "empty", lambda *a, **k: ("caching allocator", k.get("pin_memory")))
-    assert state_mod.pinned_empty((4, 4), torch.float32) == ("caching allocator", True)
-    assert state_mod.registered_host_bytes() == before
+    assert host_memory.pinned_empty((4, 4), torch.float32) == ("caching allocator", True)
+    assert host_memory.registered_host_bytes() == before
 
 
 @pytest.mark.gpu
@@ -144,13 +144,13 @@ def test_pinned_empty_registers_its_exact_bytes_until_the_last_view_is_freed(mon
 def test_gpu_pinned_empty_is_page_locked_mapped_and_released():
     import gc
 
-    before = state_mod.registered_host_bytes()
-    table = state_mod.pinned_empty((100_000, 576), torch.bfloat16)
-    assert table.is_pinned() and state_mod.registered_host_bytes() - before == 100_000 * 576 * 2
+    before = host_memory.registered_host_bytes()
+    table = host_memory.pinned_empty((100_000, 576), torch.bfloat16)
+    assert table.is_pinned() and host_memory.registered_host_bytes() - before == 100_000 * 576 * 2
     table.copy_(torch.randn(100_000, 576).to(torch.bfloat16))
     rows = torch.randint(0, 100_000, (8 * 2048,), device="cuda")
     assert torch.equal(hg.gather_rows_kernel(table, rows).cpu(), indexed(table, rows))  # read in a kernel
     assert torch.equal(table[5:9].to("cuda", non_blocking=True).cpu(), table[5:9])  # and copied
     del table
     gc.collect()
-    assert state_mod.registered_host_bytes() == before
+    assert host_memory.registered_host_bytes() == before

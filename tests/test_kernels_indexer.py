@@ -14,6 +14,7 @@ import torch
 
 import longstraw_trl.kernels.indexer_scores as ix
 import longstraw_trl.kernels.sparse_attention as sparse
+from longstraw_trl import generate_from_state, replay_logprobs
 from longstraw_trl.kernels.indexer_scores import index_scores, index_scores_kernel, index_scores_reference
 from longstraw_trl.kernels.sparse_attention import indexer_topk, topk_merge
 
@@ -300,36 +301,38 @@ def test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode(monkeypatch
 
     from longstraw_trl import capture_prompt
     from longstraw_trl.generation import DecodeStep
-    from longstraw_trl.state import streamed_bytes
+    from longstraw_trl.host_memory import streamed_bytes
 
     model = build_glm_dsa(index_topk=6).cuda().to(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 97, (300,), generator=gen).cuda()
     ids = torch.randint(0, 97, (2, 24), generator=gen).cuda()
     state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
-    kernel_lp = state.logprobs(model, ids)
+    kernel_lp = replay_logprobs(state, model, ids)
     with monkeypatch.context() as m:
         m.setenv(ix.KERNEL_ENV, "0")
-        torch_lp = capture_prompt(model, prompt, chunk_size=128, page_size=64).logprobs(model, ids)
+        torch_lp = replay_logprobs(capture_prompt(model, prompt, chunk_size=128, page_size=64), model, ids)
     assert (kernel_lp - torch_lp).abs().max() <= 2e-2, (kernel_lp - torch_lp).abs().max()
 
     offloaded = capture_prompt(model, prompt, chunk_size=128, page_size=64, offload="cpu")
     assert offloaded.layers[0].segments[0][0].is_pinned()
-    assert torch.equal(offloaded.logprobs(model, ids), kernel_lp)
+    assert torch.equal(replay_logprobs(offloaded, model, ids), kernel_lp)
     grads = []
     for s in (state, offloaded):
         model.zero_grad(set_to_none=True)
-        s.logprobs(model, ids[:1], grad=True).float().mean().backward()
+        replay_logprobs(s, model, ids[:1], grad=True).float().mean().backward()
         grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0] and all(torch.isfinite(g).all() for g in grads[0].values())
     for name, g in grads[0].items():  # (the response part's gather backward adds with atomics: not bitwise)
         assert (g - grads[1][name]).norm() <= 2e-2 * g.norm() + 1e-6, name
 
-    eager = state.generate(model, 4, 16, do_sample=False, cuda_graphs=False)
-    graphed = state.generate(model, 4, 16, do_sample=False, cuda_graphs=True)
+    eager = generate_from_state(state, model, 4, 16, do_sample=False, cuda_graphs=False)
+    graphed = generate_from_state(state, model, 4, 16, do_sample=False, cuda_graphs=True)
     assert torch.equal(eager, graphed)
-    assert torch.equal(offloaded.generate(model, 4, 16, do_sample=False), eager)
-    assert torch.equal(offloaded.generate(model, 4, 16, do_sample=False, cuda_graphs=False), eager)
+    assert torch.equal(generate_from_state(offloaded, model, 4, 16, do_sample=False), eager)
+    assert torch.equal(
+        generate_from_state(offloaded, model, 4, 16, do_sample=False, cuda_graphs=False), eager
+    )
     step = DecodeStep(model, state, 4, 8, cuda_graphs=True)
     step(state.last_token.view(1, 1).expand(4, 1))
     assert step.graph is not None, "the decode step's CUDA graph capture failed (eager fallback)"

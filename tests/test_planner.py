@@ -13,12 +13,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from longstraw_trl import engine
+from longstraw_trl import engine, replay_logprobs
 from longstraw_trl.engine import capture_prompt, prompt_backward
 from longstraw_trl.errors import LongStrawError
 from longstraw_trl.planner import GiB, largest_prompt, plan_memory, state_bytes
 from longstraw_trl.presets import preset_config
-from longstraw_trl.state import StateGrads
+from longstraw_trl.state_grads import StateGrads
 
 RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("engine_*.json"))
 COMPARE_RESULTS = sorted((Path(__file__).parent.parent / "bench" / "results").glob("compare_stock_*.json"))
@@ -51,7 +51,7 @@ def test_planned_state_equals_a_captured_state(family, cp_size, cp_rank):
     planned = state_bytes(model.config.get_text_config(), p, 1, page, dtype_bytes=4)
     assert planned == state.nbytes_by_kind()
     if cp_size > 1:  # a rank of a CP group holds only its pages: rank 0 the most, as planned
-        from longstraw_trl.state import KVPages
+        from longstraw_trl.layer_state import KVPages
 
         kv = next(layer for layer in state.layers.values() if isinstance(layer, KVPages))
         part = KVPages(
@@ -606,7 +606,7 @@ def test_glm5_prompt_backward_segment_is_what_it_allocates():
     prompt = torch.randint(0, 500, (prompt_tokens,))
     state = capture_prompt(model, prompt, chunk_size=segment, page_size=1 << 14, keep_boundaries=True)
     grads = StateGrads(state)
-    state.logprobs(model, torch.randint(0, 500, (1, 8)), grad=True, grads=grads).sum().backward()
+    replay_logprobs(state, model, torch.randint(0, 500, (1, 8)), grad=True, grads=grads).sum().backward()
     stock, peaks = engine.backward_segment, []
 
     def measured(*args, **kwargs):  # the last segment's: the most resident tokens

@@ -19,7 +19,7 @@ from datasets import Dataset
 from test_full_gradient import stock_full_grads
 from test_streamed_loss import Host
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, extend_state, replay_logprobs
 from longstraw_trl.engine import StateGrads, prompt_backward
 from longstraw_trl.planner import plan_memory, shared_prefix_boundary_bytes
 from longstraw_trl.prompt_states import CaptureOptions, PromptStates
@@ -58,9 +58,9 @@ def _acquire(states, prompts):
 
 def _assert_matches_stock(model, entry, seed=0):
     comps, mask = padded_completions([5, 3], torch.Generator().manual_seed(seed))
-    got = entry.state.logprobs(model, comps, mask)
-    fresh = capture_prompt(model, entry.prompt_ids, chunk_size=CHUNK, page_size=4).logprobs(
-        model, comps, mask
+    got = replay_logprobs(entry.state, model, comps, mask)
+    fresh = replay_logprobs(
+        capture_prompt(model, entry.prompt_ids, chunk_size=CHUNK, page_size=4), model, comps, mask
     )
     stock = stock_logprobs(model, entry.prompt_ids, comps)
     torch.testing.assert_close(got * mask, stock * mask, atol=1e-4, rtol=0)
@@ -269,13 +269,15 @@ def test_full_gradient_of_a_branch_reaches_the_shared_prefix(family):
     source = capture_prompt(model, first, chunk_size=CHUNK, page_size=4, keep_boundaries=True)
     tokens = source.branch_point(37 - 1)
     assert tokens == (36 if family == "qwen3" else 32)
-    branch = source.prefix_state(tokens, second[tokens]).extend(model, second[tokens + 1 :])
+    branch = extend_state(source.prefix_state(tokens, second[tokens]), model, second[tokens + 1 :])
     gen = torch.Generator().manual_seed(5)
     comps, weights = torch.randint(0, VOCAB, (2, 6), generator=gen), torch.randn(2, 6, generator=gen)
     model.zero_grad()
     grads = StateGrads(branch)
     for i in range(comps.shape[0]):
-        (branch.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]).sum().backward()
+        (
+            replay_logprobs(branch, model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]
+        ).sum().backward()
     prompt_backward(branch, model, grads)
     got = param_grads(model)
     assert_grads_close(got, stock_full_grads(model, second, comps, weights))

@@ -21,7 +21,7 @@ import torch
 from _reference import assert_grads_close, response_only_reference
 from _trl_helpers import assert_micro_batch_matches_stock
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, replay_logprobs
 from longstraw_trl.pretrained import MODELS, _package_dir, load_pretrained
 
 TEXT = (
@@ -85,7 +85,7 @@ def check_logprobs(model, tokenizer, prompt_len: int, chunk: int, page: int):
     completions[1, :3] = real_prompt(tokenizer, 3)  # one row of likely tokens too
     with torch.no_grad():
         state = capture_prompt(model, prompt, chunk_size=chunk, page_size=page)
-        got = state.logprobs(model, completions)
+        got = replay_logprobs(state, model, completions)
     for i in range(completions.shape[0]):
         ref = stock_logprobs_tail(model, prompt, completions[i])
         err = (got[i] - ref).abs().max().item()
@@ -140,7 +140,7 @@ def _response_only_check(model, tokenizer, prompt_len: int, chunk: int, trainabl
         with torch.no_grad():
             state = capture_prompt(model, prompt, chunk_size=chunk, page_size=chunk)
         model.zero_grad()
-        (state.logprobs(model, completion[None], grad=True)[0] * weights).sum().backward()
+        (replay_logprobs(state, model, completion[None], grad=True)[0] * weights).sum().backward()
         got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         ref = response_only_reference(model, prompt, completion, weights)
         assert_grads_close(got, ref)
@@ -180,7 +180,9 @@ def test_smollm2_full_gradient_matches_stock_full_forward(smollm2):
     state = capture_prompt(model, prompt, chunk_size=64, page_size=64, keep_boundaries=True)
     grads = StateGrads(state)
     for i in range(comps.shape[0]):
-        (state.logprobs(model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]).sum().backward()
+        (
+            replay_logprobs(state, model, comps[i : i + 1], grad=True, grads=grads)[0] * weights[i]
+        ).sum().backward()
     prompt_backward(state, model, grads)
     assert_grads_close(param_grads(model), ref)
 

@@ -8,7 +8,7 @@ import torch
 from _models import build
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from longstraw_trl import UnsupportedModelError
+from longstraw_trl import UnsupportedModelError, replay_logprobs
 from longstraw_trl.router_aux import MicroBatchRouterAux, RouterLoadBalancing
 
 
@@ -115,7 +115,7 @@ def _engine_aux(model, prompt, comps, mask):
     for i in range(comps.shape[0]):
         ids, router_mask, _ = replay_inputs(comps[i], mask[i], int(mask[i].sum()))
         with lb.stash() as logits:
-            state.logprobs(model, ids[None], grad=True)
+            replay_logprobs(state, model, ids[None], grad=True)
         term = aux.term(logits, router_mask)
         term.backward()
         total = total + term.detach()

@@ -11,7 +11,7 @@ from _reference import VOCAB, padded_completions, stock_logprobs
 from _trl_helpers import make_tiny_longstraw_trainer
 from datasets import Dataset
 
-from longstraw_trl import capture_prompt
+from longstraw_trl import capture_prompt, extend_state, replay_logprobs
 from longstraw_trl.refresh import RefreshPolicy
 from longstraw_trl.state_cache import PromptStateCache
 
@@ -30,7 +30,7 @@ class Counting:
 
     def extend(self, state, more):
         self.extended.append(more.numel())
-        return state.extend(self.model, more)
+        return extend_state(state, self.model, more)
 
 
 def _cache(model, policy="reuse", interval=1, max_bytes=None, share_branches=True):
@@ -57,13 +57,13 @@ def test_grown_history_costs_only_its_new_tokens(family):
     assert grown.action == "extend" and calls.captured == [41] and calls.extended == [29]
     assert cache.pop_stats() == {"tokens_captured": 29, "tokens_reused": 41}
     comps, mask = padded_completions([6, 4], torch.Generator().manual_seed(1))
-    got = grown.entry.state.logprobs(model, comps, mask)
-    fresh = capture_prompt(model, history, chunk_size=8, page_size=4).logprobs(model, comps, mask)
+    got = replay_logprobs(grown.entry.state, model, comps, mask)
+    fresh = replay_logprobs(capture_prompt(model, history, chunk_size=8, page_size=4), model, comps, mask)
     stock = stock_logprobs(model, history, comps)
     assert torch.allclose(got * mask, fresh * mask, atol=1e-4, rtol=0)
     assert torch.allclose(got * mask, stock * mask, atol=1e-4, rtol=0)
     # the prefix's state is unchanged by the fork that extended it
-    short = first.entry.state.logprobs(model, comps, mask)
+    short = replay_logprobs(first.entry.state, model, comps, mask)
     assert torch.allclose(short * mask, stock_logprobs(model, history[:41], comps) * mask, atol=1e-4, rtol=0)
 
 

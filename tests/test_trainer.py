@@ -20,7 +20,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3ForCausalLM
 from trl import GRPOConfig
 
-from longstraw_trl import LongStrawError, LongStrawGRPOConfig, UnsupportedModelError, capture_prompt
+from longstraw_trl import (
+    LongStrawError,
+    LongStrawGRPOConfig,
+    UnsupportedModelError,
+    capture_prompt,
+    generate_from_state,
+)
 from longstraw_trl.config import check_train_groups
 from longstraw_trl.refresh import RefreshPolicy
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -72,7 +78,8 @@ def test_completions_equal_state_generate_and_stock_trl():
     assert torch.equal(captured, prompt)
     state = capture_prompt(ours.model, prompt)
     torch.manual_seed(3)
-    raw = state.generate(
+    raw = generate_from_state(
+        state,
         ours.model,
         4,
         SAMPLING["max_completion_length"],

@@ -27,7 +27,7 @@ import torch
 from _cp_step import main as run_step
 from _spawn import launch_step, relative_l2
 
-from longstraw_trl import LongStrawError, LongStrawGRPOConfig
+from longstraw_trl import LongStrawError, LongStrawGRPOConfig, generate_from_state
 
 STEP = Path(__file__).parent / "_cp_step.py"
 FSDP2_CONFIG = Path(__file__).parent.parent / "examples" / "accelerate" / "fsdp2.yaml"
@@ -242,7 +242,7 @@ def test_generation_keeps_fsdp2_units_gathered_within_the_budget(tmp_path, monke
         for budget in (0, None):
             gathers.clear()
             with torch.no_grad(), fsdp2_units_kept_gathered(model, budget) as still_gathering:
-                tokens[budget] = state.generate(model, 2, 6, do_sample=False)
+                tokens[budget] = generate_from_state(state, model, 2, 6, do_sample=False)
             counts[budget] = (still_gathering, len(gathers))
             # the layers are sharded again (the root stays gathered after its forward: FSDP2's own choice)
             assert all(isinstance(p, DTensor) for p in model.model.layers.parameters()), (
