@@ -18,7 +18,7 @@ import argparse
 import torch
 from common import best_of, print_table, write_result
 
-from kernels import attention as attn
+import longstraw_trl.kernels.attention.prompt_response as attn
 
 
 def case(name: str, heads: int, rows: int, keys: int, causal: bool, d: int) -> list[dict]:

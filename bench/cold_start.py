@@ -39,8 +39,8 @@ from pathlib import Path
 from common import print_table, write_result
 
 HERE = Path(__file__).parent
-PINS_DIR = HERE.parent / "kernels" / "autotune_pins"
-MANIFEST_DIR = HERE.parent / "kernels" / "compile_manifest"
+PINS_DIR = HERE.parent / "kernels" / "runtime" / "autotune_pins"
+MANIFEST_DIR = HERE.parent / "kernels" / "runtime" / "compile_manifest"
 STATS_PREFIX = "COLD_START_STATS "
 
 
@@ -207,7 +207,7 @@ def child(argv: list[str], dump_pins: str | None) -> None:
     recorder = None
     if dump_pins:  # the pinned process: also the specialisations it compiled (kernels/compile_ahead.py)
         try:
-            from longstraw_trl.kernels.compile_ahead import record_compilations
+            from longstraw_trl.kernels.runtime.compile_ahead import record_compilations
 
             recorder = record_compilations()
         except ImportError:  # no Triton: nothing compiles
@@ -224,7 +224,7 @@ def child(argv: list[str], dump_pins: str | None) -> None:
             sampler.stop()
             stats["first_step_extra_by_stack"] = sampler.first_over_second()
         try:
-            from longstraw_trl.kernels.compile_ahead import active_compile_ahead
+            from longstraw_trl.kernels.runtime.compile_ahead import active_compile_ahead
 
             ahead = active_compile_ahead()
             if ahead is not None:
@@ -233,7 +233,7 @@ def child(argv: list[str], dump_pins: str | None) -> None:
         except ImportError:
             pass
         if dump_pins:
-            from longstraw_trl.kernels.autotune import dump_autotune_choices
+            from longstraw_trl.kernels.runtime.autotune import dump_autotune_choices
 
             stats["pins_written"] = dump_autotune_choices(dump_pins)
             if recorder is not None:

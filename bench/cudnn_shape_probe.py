@@ -15,7 +15,7 @@ import argparse
 import torch
 from common import Timer, write_result
 
-from longstraw_trl.kernels.attention import _cudnn_lse
+from longstraw_trl.kernels.attention.prompt_response import _cudnn_lse
 
 
 def main() -> None:

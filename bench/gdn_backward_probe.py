@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from common import best_of, peak_gib, print_table, reset_peak, write_result
 
-from longstraw_trl.kernels.gated_delta_rule import fla_chunk_backward_ready, gated_delta_rule
-from longstraw_trl.kernels.gdn_chunk_backward import chunk_bwd_dqkwg_torch
+from longstraw_trl.kernels.gated_delta_rule.chunk import fla_chunk_backward_ready, gated_delta_rule
+from longstraw_trl.kernels.gated_delta_rule.chunk_backward import chunk_bwd_dqkwg_torch
 
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 

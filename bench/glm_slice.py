@@ -54,12 +54,12 @@ from common import (
 )
 from transformers import AutoModelForCausalLM
 
-import longstraw_trl.kernels.sparse_attention as sparse
+import longstraw_trl.kernels.sparse_attention.dsa as sparse
 from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs
 from longstraw_trl.generation import decode_graphs_by_default
 from longstraw_trl.host_memory import registered_host_bytes, streamed_bytes
-from longstraw_trl.kernels.indexer_scores import index_scores, index_scores_kernel_ok
-from longstraw_trl.kernels.sparse_attention import TOPK_BUFFER_ELEMENTS, indexer_topk
+from longstraw_trl.kernels.sparse_attention.indexer import index_scores, index_scores_kernel_ok
+from longstraw_trl.kernels.sparse_attention.dsa import TOPK_BUFFER_ELEMENTS, indexer_topk
 from longstraw_trl.presets import preset_config
 
 

@@ -18,7 +18,7 @@ import functools
 import torch
 from common import best_of, write_result
 
-import longstraw_trl.kernels.host_gather as hg
+import longstraw_trl.kernels.host_gather.gather as hg
 from longstraw_trl.host_memory import pinned_empty
 
 DIM = 576

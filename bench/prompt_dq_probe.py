@@ -12,8 +12,8 @@ import functools
 import torch
 from common import best_of, write_result
 
-from longstraw_trl.kernels.attention import _flash_grads
-from longstraw_trl.kernels.prompt_dq import prompt_dq
+from longstraw_trl.kernels.attention.prompt_response import _flash_grads
+from longstraw_trl.kernels.attention.prompt_dq import prompt_dq
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import os
 import torch
 from common import best_of, write_result
 
-import longstraw_trl.kernels.selected_keys_attention as ska
+import longstraw_trl.kernels.sparse_attention.selected_keys as ska
 from longstraw_trl.kernels.sparse_attention import selected_attention
 
 HEADS, DIM, VALUE_DIM = 64, 576, 512

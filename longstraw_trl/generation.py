@@ -37,7 +37,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from longstraw_trl.kernels.switches import switch
+from longstraw_trl.kernels.runtime.switches import switch
 
 from .context import Mode, ReplayContext
 from .engine import check_positions, forward_model, vocab_size

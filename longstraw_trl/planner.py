@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from longstraw_trl.errors import LongStrawError, UnsupportedModelError
-from longstraw_trl.kernels.logprob import LOGITS_CHUNK_ELEMENTS
-from longstraw_trl.kernels.sparse_attention import ATTENTION_QUERY_ROWS
+from longstraw_trl.kernels.logprob.chunked import LOGITS_CHUNK_ELEMENTS
+from longstraw_trl.kernels.sparse_attention.dsa import ATTENTION_QUERY_ROWS
 from longstraw_trl.layer_state import owned_tokens
 from longstraw_trl.model_patches import patch_for_model_type, supported_model_types
 

@@ -115,8 +115,8 @@ from .errors import (
 )
 from .fused_forwards import fused_elementwise_forwards, replay_forwards
 from .generation import SamplingParams
-from .kernels.autotune import use_kernel_cache
-from .kernels.compile_ahead import start_compile_ahead_here
+from .kernels.runtime.autotune import use_kernel_cache
+from .kernels.runtime.compile_ahead import start_compile_ahead_here
 from .loss import GRPOLossSpec, adaptive_entropy_coef, applied_entropy_coef
 from .model_patches import patch_model, unwrap_model
 from .prompt_states import CaptureOptions, PromptStates, peak_memory_gib

@@ -24,7 +24,7 @@ from torch import nn
 from longstraw_trl.context import CTX_KWARG
 from longstraw_trl.errors import LongStrawError
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
-from longstraw_trl.kernels.mamba2_scan import mamba2_scan
+from longstraw_trl.kernels.mamba2 import mamba2_scan
 from longstraw_trl.layer_state import ConvRecurrentState, KVPages, LayerState
 
 from .base import FamilyPatch

@@ -38,7 +38,7 @@ from longstraw_trl.context import CTX_KWARG
 from longstraw_trl.errors import LongStrawError
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule
-from longstraw_trl.kernels.gdn_decode import gdn_decode_ok, gdn_decode_step
+from longstraw_trl.kernels.gated_delta_rule import gdn_decode_ok, gdn_decode_step
 from longstraw_trl.layer_state import ConvRecurrentState, KVPages, LayerState
 
 from .base import FamilyPatch

@@ -59,8 +59,9 @@ LAYERS = {
 def _modules() -> dict[str, Path]:
     mods = {}
     for folder, package in PACKAGE_DIRS.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            mods[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((ROOT / folder).rglob("*.py")):  # subpackages too (kernels/<op>/)
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            mods[".".join((package, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
     return mods
 
 

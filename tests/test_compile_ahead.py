@@ -19,7 +19,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from longstraw_trl.kernels import compile_ahead  # noqa: E402
+from longstraw_trl.kernels.runtime import compile_ahead  # noqa: E402
 
 
 def _manifest(tmp_path, gpu="TEST_GPU", triton_version=None, fla=None, entries=None):
@@ -35,7 +35,7 @@ def _entry(module, qualname, spec="{}"):
 
 
 def test_load_manifest_keeps_only_what_applies(tmp_path, monkeypatch):
-    ours = _entry("longstraw_trl.kernels.prompt_dq", "_kernel.<locals>.dq_kernel", '{"a": 1}')
+    ours = _entry("longstraw_trl.kernels.attention.prompt_dq", "_kernel.<locals>.dq_kernel", '{"a": 1}')
     fla = _entry("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", '{"b": 2}')
     directory = _manifest(tmp_path, fla="0.6.0", entries=[ours, fla])
     monkeypatch.setattr(compile_ahead, "_versions", lambda: {"triton": triton.__version__, "fla": "0.6.0"})
@@ -58,13 +58,13 @@ def test_find_jit_function_module_level_and_inside_builders():
     the builder returns, one inside a tuple, and a name that does not exist."""
     code = textwrap.dedent(
         """
-        from longstraw_trl.kernels.compile_ahead import find_jit_function as find
+        from longstraw_trl.kernels.runtime.compile_ahead import find_jit_function as find
         for module, name in [
-            ("longstraw_trl.kernels.prompt_dq", "_kernel.<locals>.dq_kernel"),
-            ("longstraw_trl.kernels.elementwise", "_kernels.<locals>.rms_norm_kernel"),
-            ("longstraw_trl.kernels.gdn_decode", "_kernels.<locals>.delta_kernel"),
-            ("longstraw_trl.kernels.prompt_dq", "_kernel.<locals>.no_such_kernel"),
-            ("longstraw_trl.kernels.prompt_dq", "no_such_builder"),
+            ("longstraw_trl.kernels.attention.prompt_dq", "_kernel.<locals>.dq_kernel"),
+            ("longstraw_trl.kernels.elementwise.fused", "_kernels.<locals>.rms_norm_kernel"),
+            ("longstraw_trl.kernels.gated_delta_rule.decode", "_kernels.<locals>.delta_kernel"),
+            ("longstraw_trl.kernels.attention.prompt_dq", "_kernel.<locals>.no_such_kernel"),
+            ("longstraw_trl.kernels.attention.prompt_dq", "no_such_builder"),
         ]:
             jit = find(module, name)
             print(None if jit is None else jit.fn.__qualname__)
@@ -99,9 +99,9 @@ def test_workers_report_every_entry_and_nothing_waits(monkeypatch):
     knobs.runtime.jit_cache_hook = earlier_hook
     try:
         entries = [
-            _entry("longstraw_trl.kernels.prompt_dq", "_kernel.<locals>.dq_kernel", '{"x": 1}'),
-            _entry("longstraw_trl.kernels.prompt_dq", "_kernel.<locals>.missing", '{"x": 2}'),
-            _entry("longstraw_trl.kernels.elementwise", "_kernels.<locals>.rms_norm_kernel", '{"x": 3}'),
+            _entry("longstraw_trl.kernels.attention.prompt_dq", "_kernel.<locals>.dq_kernel", '{"x": 1}'),
+            _entry("longstraw_trl.kernels.attention.prompt_dq", "_kernel.<locals>.missing", '{"x": 2}'),
+            _entry("longstraw_trl.kernels.elementwise.fused", "_kernels.<locals>.rms_norm_kernel", '{"x": 3}'),
         ]
         ahead = compile_ahead.CompileAhead(entries, workers=2, wait_s=60)
         assert ahead.wait(120), ahead.stats()
@@ -132,8 +132,8 @@ def test_compiled_ahead_kernel_is_a_cache_hit(tmp_path):
     record = textwrap.dedent(
         """
         import json, sys, torch
-        from longstraw_trl.kernels.compile_ahead import record_compilations
-        from longstraw_trl.kernels import elementwise
+        from longstraw_trl.kernels.runtime.compile_ahead import record_compilations
+        from longstraw_trl.kernels.elementwise import fused as elementwise
         rec = record_compilations()
         x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
@@ -147,7 +147,8 @@ def test_compiled_ahead_kernel_is_a_cache_hit(tmp_path):
         import json, sys, torch, triton.runtime.build
         from pathlib import Path
         from triton import knobs
-        from longstraw_trl.kernels import compile_ahead, elementwise
+        from longstraw_trl.kernels.elementwise import fused as elementwise
+        from longstraw_trl.kernels.runtime import compile_ahead
         entries = json.loads(Path(sys.argv[1]).read_text())["entries"]
         ahead = compile_ahead.CompileAhead(entries, workers=1)
         assert ahead.wait(300), ahead.stats()

@@ -196,7 +196,7 @@ def test_small_topk_selects_the_stock_keys_and_matches_stock(prompt_len, chunk, 
 def test_tiled_indexer_and_attention_equal_stock(monkeypatch):
     """The score tiles, the top-k buffers and the attention query blocks at a few elements each (at real sizes
     they hold 2^28 and 2^27 scores and 256 query rows): the same choices and log-probs as the stock forward."""
-    import longstraw_trl.kernels.sparse_attention as sparse
+    import longstraw_trl.kernels.sparse_attention.dsa as sparse
 
     monkeypatch.setattr(sparse, "SCORE_TILE_ELEMENTS", 16 * 3 * 5)  # 3 keys per tile at 5 queries of 16 heads
     monkeypatch.setattr(sparse, "TOPK_BUFFER_ELEMENTS", 5 * 7)  # 7 keys per top-k merge at 5 queries
@@ -339,7 +339,7 @@ def test_offloaded_decode_gathers_on_the_device_without_a_host_sync(monkeypatch)
     state's tokens, also with more chosen slots (5 x top-6) than stored tokens (24), and is graphable
     (``decode_streams`` False). Without the kernel it streams (eager)."""
     pytest.importorskip("triton")
-    import longstraw_trl.kernels.host_gather as hg
+    import longstraw_trl.kernels.host_gather.gather as hg
     from longstraw_trl import host_memory
 
     model = build_glm_dsa(index_topk=SMALL_TOPK)

@@ -460,7 +460,7 @@ def test_train_full_gradient_with_autograd_fused_kernels_matches_stock(fused, mo
             "the Triton interpreter is off (CUDA present, or Triton imported before tests/conftest.py)"
         )
     from longstraw_trl import fused_forwards
-    from longstraw_trl.kernels import elementwise
+    from longstraw_trl.kernels.elementwise import fused as elementwise
 
     monkeypatch.setattr(elementwise, "_KERNEL_DEVICE", "cpu")  # the kernels take CPU tensors (interpreter)
     calls = {"rms_norm_fn": [], "silu_mul_fn": []}
@@ -529,7 +529,7 @@ def test_checkpointed_prompt_backward_attends_to_the_pages_once(family, monkeypa
     the recompute, and with offload a second stream of every page from the host): one page pass an attention layer
     a segment, not two. The gradient stays the stock one (the tests above run checkpointed segments too)."""
     import longstraw_trl.context as context
-    import longstraw_trl.kernels.attention as attention
+    import longstraw_trl.kernels.attention.prompt_response as attention
 
     calls = []
     real = attention.pages_attention

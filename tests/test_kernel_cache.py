@@ -38,7 +38,8 @@ def test_our_autotuned_kernels_cache_their_choice(monkeypatch):
     triton = pytest.importorskip("triton")
     if "cache_results" not in inspect.signature(triton.autotune).parameters:
         pytest.skip(f"Triton {triton.__version__} has no autotune cache_results")
-    from longstraw_trl.kernels import indexer_scores, prompt_dq
+    from longstraw_trl.kernels.attention import prompt_dq
+    from longstraw_trl.kernels.sparse_attention import indexer as indexer_scores
 
     calls = []
     autotune = triton.autotune
@@ -72,7 +73,7 @@ def test_pinned_choices_reach_a_fresh_autotuner(monkeypatch, tmp_path):
     triton = pytest.importorskip("triton")
     import triton.language as tl
 
-    from longstraw_trl.kernels import autotune as at
+    from longstraw_trl.kernels.runtime import autotune as at
 
     monkeypatch.setattr(at, "gpu_name", lambda: "TEST_GPU")
     monkeypatch.setattr(at, "PINS_DIR", tmp_path)

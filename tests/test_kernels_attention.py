@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import longstraw_trl.kernels.attention as attn
+import longstraw_trl.kernels.attention.prompt_response as attn
 from longstraw_trl.kernels.attention import attention_lse, merge_partials, prompt_response_attention
-from longstraw_trl.kernels.logprob import token_logprobs, token_logprobs_reference
+from longstraw_trl.kernels.logprob.chunked import token_logprobs, token_logprobs_reference
 
 
 def full_softmax_reference(q, kp, vp, k, v, scale):
@@ -64,7 +64,7 @@ def test_merge_is_exact_and_order_free():
 
 
 def test_chunked_logprobs_match_full_logits(monkeypatch):
-    import longstraw_trl.kernels.logprob as lp
+    import longstraw_trl.kernels.logprob.chunked as lp
 
     monkeypatch.setattr(lp, "LOGITS_CHUNK_ELEMENTS", 50 * 7)  # force several chunks
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +85,7 @@ def test_chunked_logprobs_match_full_logits(monkeypatch):
 def test_chunked_entropies_match_plain_torch(monkeypatch, entropy_grad):
     """Entropies from the chunked (checkpointed) head against `torch.distributions.Categorical(...).entropy()` on
     the full logits: values, and with `entropy_grad` the gradient of a loss mixing log-probs and entropies."""
-    import longstraw_trl.kernels.logprob as lp
+    import longstraw_trl.kernels.logprob.chunked as lp
 
     monkeypatch.setattr(lp, "LOGITS_CHUNK_ELEMENTS", 50 * 7)  # force several chunks
     gen = torch.Generator().manual_seed(1)
@@ -421,7 +421,7 @@ def test_window_attention_graph_keeps_no_scores(monkeypatch):
 def test_prompt_dq_kernel_is_the_softmax_gradient(rows, keys, d):
     """The query-parallel dQ kernel (key splits for few rows, strided pages, ragged tiles) against autograd
     through a dense fp32 softmax over [the page | other keys], given the merged out/lse as the replay has them."""
-    from longstraw_trl.kernels.prompt_dq import prompt_dq, prompt_dq_ok, prompt_dq_reference
+    from longstraw_trl.kernels.attention.prompt_dq import prompt_dq, prompt_dq_ok, prompt_dq_reference
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     h, other, scale = 2, 37, d**-0.5
@@ -454,7 +454,7 @@ def test_prompt_dq_kernel_is_the_softmax_gradient(rows, keys, d):
 
 def test_prompt_dq_reference_is_the_softmax_gradient():
     """The torch reference of the dQ kernel against autograd through a dense softmax (CPU, fp32)."""
-    from longstraw_trl.kernels.prompt_dq import prompt_dq_reference
+    from longstraw_trl.kernels.attention.prompt_dq import prompt_dq_reference
 
     gen = torch.Generator().manual_seed(1)
     h, rows, keys, other, d = 2, 7, 19, 5, 8
@@ -475,7 +475,7 @@ def test_prompt_dq_reference_is_the_softmax_gradient():
 def test_prompt_dq_autotunes_on_a_key_slice_once_per_row_bucket(monkeypatch):
     """A new (device, head dim, row bucket) first launches on the first TUNE_KEYS keys only (the autotuner times
     every config on the call it sees), then on all keys; a second call of that bucket launches once."""
-    import longstraw_trl.kernels.prompt_dq as pdq
+    import longstraw_trl.kernels.attention.prompt_dq as pdq
 
     calls = []
     monkeypatch.setattr(
@@ -501,7 +501,7 @@ def test_prompt_dq_autotunes_on_a_key_slice_once_per_row_bucket(monkeypatch):
 def test_kernel_switches_read_one_way(monkeypatch):
     """Every kernel switch reads its variable the same way (kernels/switches.py): off-words turn a default-on fast
     path off, on-words an opt-in one on, anything else keeps the default."""
-    from longstraw_trl.kernels.switches import switch
+    from longstraw_trl.kernels.runtime.switches import switch
 
     for value, on_by_default, opt_in in [
         (None, True, False),

@@ -30,7 +30,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormG
 
 from longstraw_trl import capture_prompt, fused_elementwise_forwards, generate_from_state
 from longstraw_trl import fused_forwards as ff
-from longstraw_trl.kernels import elementwise as ew
+from longstraw_trl.kernels.elementwise import fused as ew
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

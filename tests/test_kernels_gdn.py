@@ -11,17 +11,17 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35
 
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
-from longstraw_trl.kernels.gated_delta_rule import (
+from longstraw_trl.kernels.gated_delta_rule.chunk import (
     chunk_gated_delta_rule_torch,
     fla_available,
     fla_backward_allowed,
     gated_delta_rule,
     gated_delta_step,
 )
-from longstraw_trl.kernels.gated_delta_rule_naive import recurrent_gated_delta_rule_ref
+from longstraw_trl.kernels.gated_delta_rule.naive import recurrent_gated_delta_rule_ref
 
 # the package re-exports the function gated_delta_rule, which shadows the module attribute of that name
-gdr_mod = importlib.import_module("longstraw_trl.kernels.gated_delta_rule")
+gdr_mod = importlib.import_module("longstraw_trl.kernels.gated_delta_rule.chunk")
 
 # HF wraps these with a hub-kernel / fla dispatcher; unwrap to the torch implementations
 hf_chunk = inspect.unwrap(hf_qwen35.torch_chunk_gated_delta_rule)
@@ -381,7 +381,7 @@ def _fla_conv_semantics(x, weight, bias, initial_state=None, output_final_state=
 def test_conv_fla_adapter_keeps_the_torch_paths_contract(monkeypatch, T, state_width):
     """The fla fast path's layout and state conversions (a transposed view in, fla's kernel-width state around
     ours), with fla's contract written in torch, equal the torch path (CPU; the GPU test runs fla itself)."""
-    import longstraw_trl.kernels.causal_conv1d as conv
+    import longstraw_trl.kernels.causal_conv1d.conv as conv
 
     x, w, b = _conv_inputs(T=T)
     x = x.transpose(1, 2).contiguous().transpose(1, 2)  # [B, C, T] view of a [B, T, C] projection
@@ -439,7 +439,7 @@ def test_gpu_fla_conv_equals_torch_conv(monkeypatch, T, state_width):
     """The graph-free capture path (fla's Triton conv, reading the [B, T, C] projection in place) against the
     torch path on the same bf16 inputs: outputs within bf16 rounding (fla applies the SiLU before its one
     rounding, torch after), the returned state exactly the last inputs."""
-    import longstraw_trl.kernels.causal_conv1d as conv
+    import longstraw_trl.kernels.causal_conv1d.conv as conv
 
     if conv._fla_conv_fn() is None:
         pytest.skip("fla not importable")

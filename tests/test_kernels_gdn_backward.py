@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longstraw_trl.kernels.gated_delta_rule import (
+from longstraw_trl.kernels.gated_delta_rule.chunk import (
     fla_available,
     fla_chunk_backward_ready,
     gated_delta_rule,
 )
-from longstraw_trl.kernels.gdn_chunk_backward import chunk_bwd_dqkwg_reference, chunk_bwd_dqkwg_torch
+from longstraw_trl.kernels.gated_delta_rule.chunk_backward import chunk_bwd_dqkwg_reference, chunk_bwd_dqkwg_torch
 
-gdr_mod = importlib.import_module("longstraw_trl.kernels.gated_delta_rule")
+gdr_mod = importlib.import_module("longstraw_trl.kernels.gated_delta_rule.chunk")
 FLA_IMPORTS = importlib.util.find_spec("fla") is not None and fla_available()
 needs_fla = pytest.mark.skipif(not FLA_IMPORTS, reason="flash-linear-attention (fla) not importable")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -22,7 +22,7 @@ from longstraw_trl import capture_prompt, generate_from_state
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule import gated_delta_step
 
-gdn_decode = importlib.import_module("longstraw_trl.kernels.gdn_decode")
+gdn_decode = importlib.import_module("longstraw_trl.kernels.gated_delta_rule.decode")
 qwen3_5_patch = importlib.import_module("longstraw_trl.model_patches.qwen3_5")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import longstraw_trl.kernels.host_gather as hg
+import longstraw_trl.kernels.host_gather.gather as hg
 from longstraw_trl import host_memory
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import longstraw_trl.kernels.indexer_scores as ix
-import longstraw_trl.kernels.sparse_attention as sparse
+import longstraw_trl.kernels.sparse_attention.indexer as ix
+import longstraw_trl.kernels.sparse_attention.dsa as sparse
 from longstraw_trl import generate_from_state, replay_logprobs
-from longstraw_trl.kernels.indexer_scores import index_scores, index_scores_kernel, index_scores_reference
-from longstraw_trl.kernels.sparse_attention import indexer_topk, topk_merge
+from longstraw_trl.kernels.sparse_attention.indexer import index_scores, index_scores_kernel, index_scores_reference
+from longstraw_trl.kernels.sparse_attention.dsa import indexer_topk, topk_merge
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

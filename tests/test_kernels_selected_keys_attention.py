@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_kernels_sparse_attention import reference
 
-import longstraw_trl.kernels.selected_keys_attention as ska
-import longstraw_trl.kernels.sparse_attention as sparse
+import longstraw_trl.kernels.sparse_attention.selected_keys as ska
+import longstraw_trl.kernels.sparse_attention.dsa as sparse
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import longstraw_trl.kernels.sparse_attention as sparse
+import longstraw_trl.kernels.sparse_attention.dsa as sparse
 
 SCALE = 0.3
 VALUE_DIM = 5

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .autotune import pin_autotune_choices
-from .gated_delta_rule_naive import l2norm
-from .gdn_chunk_backward import chunk_bwd_dqkwg_torch
-from .switches import switch
+from ..runtime.autotune import pin_autotune_choices
+from ..runtime.switches import switch
+from .chunk_backward import chunk_bwd_dqkwg_torch
+from .naive import l2norm
 
 __all__ = [
     "chunk_gated_delta_rule_torch",

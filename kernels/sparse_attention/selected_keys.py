@@ -6,7 +6,7 @@ with ``K[r] = table[(b,) r, :]`` and ``V[r] = table[(b,) r, :value_dim]`` (MLA i
 ``[c_kv | k_rot]``, value ``c_kv``), and ``lse[b, h, t]`` (``-inf``, with ``out = 0``, for a query with no key).
 The torch reference is :func:`kernels.sparse_attention.selected_attention_block`, which gathers every query's
 rows into memory (``[rows, k, D]``) before two batched GEMMs and an fp32 softmax: on the H200 that gather, its
-copies and the masking were most of a GLM-5 slice's capture (``bench/results/profile_capture_glm-5_slice_P64K.txt``).
+copies and the masking were most of a GLM-5 slice's capture (``bench/results/profile_glm-5-3L_h200_P65536_capture.txt``).
 
 The kernel runs one program per (query, block of heads): the heads are the GEMM rows (MLA has one key head,
 so every head of a query reads the same rows), the chosen rows are loaded through their indices a block at a
@@ -28,14 +28,14 @@ import os
 
 import torch
 
-from .switches import kernel_builds, switch
+from ..runtime.switches import kernel_builds, switch
 
 KERNEL_ENV = "LONGSTRAW_SELECTED_ATTENTION_KERNEL"
 # (heads a program holds at most, chosen rows loaded an iteration, warps, stages). The program's fp32 output,
 # heads x value dim, sits in registers. The first is the default: on the H200 at GLM-5's sizes (1M keys,
-# top-2,048; `bench/selected_attention_probe.py --tiles`, bench/results/selected_attention_probe_tiles.json) it
+# top-2,048; a sweep of these tiles at rev 9303606) it
 # took 1.9-2.3x less time than the default before it, (32, 32, 8, 2), and least of all six: all 64 heads of a
-# query in one program, so its rows are read once and the dots have M = 64 for wgmma. The others are what the probe compares.
+# query in one program, so its rows are read once and the dots have M = 64 for wgmma. The others are those the sweep compared.
 TILES = ((64, 64, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 16, 2), (32, 64, 8, 3), (16, 64, 4, 2))
 # Under Triton's CPU interpreter (which cannot loop to a run-time bound under NumPy 2.4) the loop over a query's
 # chosen rows runs to the row count rounded up to this, a compile-time bound; compiled, it runs to the row

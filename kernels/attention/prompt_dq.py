@@ -21,8 +21,8 @@ import functools
 
 import torch
 
-from .autotune import autotune
-from .switches import kernel_builds
+from ..runtime.autotune import autotune
+from ..runtime.switches import kernel_builds
 
 
 def prompt_dq_reference(

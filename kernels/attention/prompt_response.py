@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..runtime.switches import switch
 from .prompt_dq import prompt_dq, prompt_dq_ok
-from .switches import switch
 
 # The plain-math path processes keys in blocks so that one fp32 score tile stays under this many
 # elements (1 GiB), whatever the number of query rows.

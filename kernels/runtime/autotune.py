@@ -1,7 +1,7 @@
 """Triton autotuning that neither a new process nor a fresh machine repeats.
 
 A cold first step of the whole Qwen3.6-27B spent 88 of its 105 s in Triton's autotuner (108 configurations of 8
-kernels, 7 of them fla's GDN forward, timed; ``bench/results/cold_start_qwen3.6-27b.json``). Two remedies:
+kernels, 7 of them fla's GDN forward, timed; ``bench/results/cold_start_qwen3.6-27b_h200_P32768.json``). Two remedies:
 
 * ``cache_results`` (Triton >= 3.4; fla sets it too): each choice is kept in Triton's cache directory beside the
   compiled kernels, so a process that finds that directory again skips both. The trainer points the directory at

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from .switches import kernel_builds, switch
+from ..runtime.switches import kernel_builds, switch
 
 KERNEL_ENV = "LONGSTRAW_HOST_GATHER_KERNEL"
 # a row's columns a program copies at once (GLM-5's latent row, 576 wide, is one block of 1,024, masked)

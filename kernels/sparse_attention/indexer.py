@@ -22,8 +22,8 @@ import os
 
 import torch
 
-from .autotune import autotune
-from .switches import kernel_builds, switch
+from ..runtime.autotune import autotune
+from ..runtime.switches import kernel_builds, switch
 
 KERNEL_ENV = "LONGSTRAW_INDEXER_KERNEL"
 

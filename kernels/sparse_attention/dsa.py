@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .indexer_scores import index_scores, index_scores_kernel_ok, matmul_fp32
-from .selected_keys_attention import selected_attention_kernel, selected_attention_kernel_ok
+from .indexer import index_scores, index_scores_kernel_ok, matmul_fp32
+from .selected_keys import selected_attention_kernel, selected_attention_kernel_ok
 
 # One fp32 score tile (queries x heads x keys) stays under this many elements (1 GiB).
 SCORE_TILE_ELEMENTS = 1 << 28

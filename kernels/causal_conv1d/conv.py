@@ -18,8 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .autotune import pin_autotune_choices
-from .switches import switch
+from ..runtime.autotune import pin_autotune_choices
+from ..runtime.switches import switch
 
 __all__ = ["causal_conv1d_with_state"]
 

@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from .switches import switch
+from ..runtime.switches import switch
 
 try:  # Triton's interpreter (the CPU tests) finds triton.language among the kernel's module globals
     import triton.language as tl
