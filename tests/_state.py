@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from longstraw_trl import KVPages, WindowKV, capture_prompt, generate_from_state
@@ -25,14 +27,26 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
-def snapshot(state):
-    live = state_tensors(state)
-    return [_bits(t).clone() for t in live], live
+class Snapshot(NamedTuple):
+    """The bytes of every tensor a state held at :func:`snapshot`, those tensors, and the state itself."""
+
+    bits: list[torch.Tensor]
+    tensors: list[torch.Tensor]
+    state: object
 
 
-def unchanged(snap) -> bool:
-    before, live = snap
-    return all(torch.equal(a, _bits(b)) for a, b in zip(before, live, strict=True))
+def snapshot(state) -> Snapshot:
+    tensors = state_tensors(state)
+    return Snapshot([_bits(t).clone() for t in tensors], tensors, state)
+
+
+def unchanged(snap: Snapshot) -> bool:
+    """Whether the state holds the bytes it held at :func:`snapshot`, read through the state object now: a layer whose
+    tensors were rebound to new ones (as GDN / Mamba updates do) is compared by what it holds, not by the old tensors."""
+    now = state_tensors(snap.state)
+    return len(now) == len(snap.bits) and all(
+        torch.equal(a, _bits(b)) for a, b in zip(snap.bits, now, strict=True)
+    )
 
 
 def assert_generate_matches_stock(
