@@ -1,4 +1,4 @@
-"""What a cold first step pays (issue 29): the whole Qwen3.6-27B's ``train()`` step in fresh processes.
+"""What a cold first step pays: the whole Qwen3.6-27B's ``train()`` step in fresh processes.
 
 Runs ``full_model.py`` (LoRA, ``LongStrawGRPOTrainer.train()``, no warm-up step) twice as new processes, each doing
 the same step twice (``--prompts P P``):
@@ -385,7 +385,7 @@ def main() -> None:
             )
             # the pinned process's choices: the pins it was given plus whatever it still had to tune (keys the tune
             # run never met, e.g. the measured step's response length); kept as the pins, so the next fresh machine
-            # tunes none of them (session 12's 512K step still timed 33 configurations of 3 kernels)
+            # tunes none of them (a 512K step without them timed 33 configurations of 3 kernels)
             if after.exists() and json.loads(after.read_text()).get("gpu"):
                 gpu = json.loads(after.read_text())["gpu"]
                 (PINS_DIR / f"{gpu}.json").write_text(after.read_text())

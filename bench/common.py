@@ -134,7 +134,7 @@ def write_result(name: str, payload: dict) -> Path:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_revision": git_revision(),
         "torch": torch.__version__,
-        # engine v2: the state holds the first P - 1 prompt tokens (results before it lack this key)
+        # the state holds the first P - 1 prompt tokens (older results lack this key)
         "state_holds_last_prompt_token": False,
         **payload,
     }
@@ -153,7 +153,7 @@ def process_group(backend: str, **init_kwargs) -> Iterator[None]:
     a peer is still inside a collective makes the peer fail with "Connection closed by peer"). An exception
     destroys the group without the barrier (a failed peer never reaches it) before it propagates, so no rank
     reaches interpreter shutdown with the group and gloo's threads alive; such an exit is the usual source of
-    gloo's "terminate called without an active exception" (issue 29 item 9).
+    gloo's "terminate called without an active exception".
     """
     dist.init_process_group(backend, **init_kwargs)
     try:

@@ -1,4 +1,4 @@
-"""The full-sequence gradient and reverse block replay on a real-dimension slice (issue 14).
+"""The full-sequence gradient and reverse block replay on a real-dimension slice.
 
 A ``qwen3.6-27b`` slice (``--layers 4``: 3 GDN + 1 gated full attention; random bf16 weights, full fine-tuning):
 

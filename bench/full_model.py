@@ -259,8 +259,7 @@ MLP_PROJECTIONS = {"gate_proj", "up_proj", "down_proj"}
 def lora_targets(model) -> str | list[str]:
     """LoRA's target modules: every linear layer of a dense model; of a MoE model every linear layer but the MLP
     projections, whose names (and "all-linear") PEFT also maps onto the fused routed experts: split experts take no
-    adapter (ExpertParallel refuses one), and the planner counts adapters on the non-expert linears only. (Session
-    19's glm-train runs, before this, had PEFT's 0.96 B fp32 expert adapters too.)"""
+    adapter (ExpertParallel refuses one), and the planner counts adapters on the non-expert linears only."""
     if not num_routed_experts(model.config):
         return "all-linear"
     head = model.get_output_embeddings()

@@ -583,7 +583,7 @@ def main() -> None:
     references = []
     for (
         f
-    ) in args.gpu_reference:  # (a reference left by an earlier command on a machine since given back: none)
+    ) in args.gpu_reference:  # (a reference file that is not there: none)
         if Path(f).is_file():
             references += json.loads(Path(f).read_text())["results"]
         else:

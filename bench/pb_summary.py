@@ -4,7 +4,7 @@ timeout cut during its prompt backward (its entry still "running") gets an estim
 the segments it timed, plus the rest from a line fitted to them (a segment's seconds grow linearly with the pages
 before it: the page attention), labelled as such.
 
-    python bench/pb_summary.py "bench/results/full_model_*session20*.json"
+    python bench/pb_summary.py "bench/results/full_model_*_offload*.json"
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ def test_full_model_dry_run_full_mode_segments_and_kernel_rate_floor(tmp_path):
 
 
 def test_full_model_dry_run_under_fsdp2_at_world_size_one(tmp_path):
-    """`bash bench/run_device.sh fsdp1`'s path (examples/accelerate/fsdp2.yaml on one process): the warm-up trainer
+    """`python3 bench/run.py fsdp --mode world1`'s path (examples/accelerate/fsdp2.yaml on one process): the warm-up trainer
     shards the model, the measured step's fresh trainer runs on it, and the plan is FSDP2's (its gathered layers and
     unsharded gradients on top of the unwrapped plan's)."""
     config = BENCH.parent / "examples" / "accelerate" / "fsdp2.yaml"
@@ -173,7 +174,7 @@ def test_full_model_dry_run_under_fsdp2_at_world_size_one(tmp_path):
 
 
 def test_full_model_dry_run_fully_fine_tuned_under_fsdp2_x_cp2(tmp_path):
-    """`bash bench/run_device.sh fsdp2-cp8`'s path on two CPU processes: the whole model trained (--lora-rank 0, no
+    """`python3 bench/run.py fsdp --mode fsdp2-cp8`'s path on two CPU processes: the whole model trained (--lora-rank 0, no
     adapters) under fsdp2.yaml with cp_size=2, its floors counting every decoder parameter as trained, its plan
     FSDP2's over both ranks."""
     config = BENCH.parent / "examples" / "accelerate" / "fsdp2.yaml"
@@ -192,7 +193,7 @@ def test_full_model_dry_run_fully_fine_tuned_under_fsdp2_x_cp2(tmp_path):
 
 
 def test_full_model_dry_run_glm5_slice_under_ep2_x_cp2(tmp_path):
-    """`bash bench/run_device.sh glm-ep8-cp8`'s path on two CPU processes: a GLM-5 slice (layer 0 dense, two MoE
+    """`python3 bench/run.py glm --train --ranks 8`'s path on two CPU processes: a GLM-5 slice (layer 0 dense, two MoE
     layers of 8 experts) through train() with its experts split over the CP group (EP2 x CP2 under cp2.yaml's bf16
     autocast), LoRA kept off the experts, in both gradient modes; every rank reports its own peak and state, and holds
     half the experts."""
@@ -263,18 +264,6 @@ def test_full_gradient_smoke(tmp_path):
     assert full["step_s"] == full["capture_s"] + full["replay_s_total"] + full["prompt_backward_s"]
     assert [r["replay"] for r in data["long_response"]] == ["blocks", "whole"]
     assert all(r["ok"] for r in data["long_response"])
-
-
-@pytest.mark.slow  # a subprocess that mostly imports (time budget); run before a device run
-def test_gdn_backward_probe_smoke(tmp_path):
-    _run(tmp_path, "gdn_backward_probe.py", "--smoke")
-    data = json.loads((tmp_path / "gdn_backward_probe_smoke.json").read_text())
-    (row,) = data["rows"]
-    assert data["new_path"] is False and "fla_ours_s" not in row  # fla's path needs CUDA
-    assert row["torch_rule_s"] > 0 and row["dqkwg_step_s"] > 0
-    errors = row["torch_rule_bf16_errors_vs_fp32"]
-    assert set(errors) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
-    assert 0 < errors["o"]["rel_l2"] < 1e-2  # bf16 rounding of the output, nothing more
 
 
 def test_glm_slice_smoke(tmp_path):
@@ -492,11 +481,7 @@ def test_cut_prompt_backward_estimate_recovers_a_whole_measured_one():
         from pb_summary import estimate_cut_prompt_backward
     finally:
         sys.path.remove(str(BENCH))
-    data = json.loads(
-        (
-            BENCH / "results" / "full_model_qwen3.6-27b_h100_P262144_offload.json"
-        ).read_text()
-    )
+    data = json.loads((BENCH / "results" / "full_model_qwen3.6-27b_h100_P262144_offload.json").read_text())
     whole = data["longstraw"][1]
     assert whole["gradient_mode"] == "full" and len(whole["segment_s"]) == 32
     starts = list(range(0, whole["prompt_tokens"] - 1, data["capture_chunk_size"]))[::-1]
@@ -511,3 +496,74 @@ def test_cut_prompt_backward_estimate_recovers_a_whole_measured_one():
     pb = whole["phases"]["prompt_backward"]
     assert estimate["floor_s"] == pytest.approx(pb["floor_s"], rel=1e-9)
     assert estimate["floor_at_kernel_rates_s"] == pytest.approx(pb["floor_at_kernel_rates_s"], rel=1e-9)
+
+
+def _load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_full_model_suite_runs_the_reference_step(monkeypatch, capsys):
+    """`bench/run.py full-model` with the host-state options runs full_model.py with the options of the committed
+    262K reference step (both gradient modes, state on the host, 8K chunks, R = 32): equal once parsed, but for the
+    JSON's name, which the suite derives from the GPU, P and the offload."""
+    run = _load_bench("run")
+    monkeypatch.setattr(run, "gpu_token", lambda: "h100")
+    extra = ["--offload", "cpu", "--chunk", "8192", "--response", "32", "--budget-s", "540"]
+    assert run.main(["full-model", "--dry-run", *extra]) == 0
+    ours = shlex.split(capsys.readouterr().out.splitlines()[0].split(" full_model.py ", 1)[1].rstrip(")"))
+    reference = BENCH / "results" / "full_model_qwen3.6-27b_h100_P262144_offload.json"
+    theirs = json.loads(reference.read_text())["command"].split(" full_model.py ", 1)[1].split()
+    monkeypatch.syspath_prepend(str(BENCH))
+    import full_model
+
+    def parsed(args):
+        monkeypatch.setattr(sys, "argv", ["full_model.py", *args])
+        return vars(full_model.parse_args())
+
+    got, want = parsed(ours), parsed(theirs)
+    assert got.pop("tag") == "_h100_P262144_offload" and want.pop("tag")
+    assert got == want
+    assert (
+        got["prompts"] == [262144]
+        and got["gradient_modes"] == ["response_only", "full"]
+        and got["offload"] == "cpu"
+    )
+
+
+def test_every_suite_builds_its_commands(capsys):
+    """Each suite names what it measures and builds commands of scripts that exist."""
+    run = _load_bench("run")
+    assert 1 < len(run.SUITES) <= 11
+    for name, suite in run.SUITES.items():
+        assert suite.help and run.main([name, "--dry-run"]) == 0
+        for line in capsys.readouterr().out.splitlines():
+            script = next((w for w in shlex.split(line.split(" timeout ", 1)[1]) if w.endswith(".py")), None)
+            assert script is None or (BENCH / script).is_file() or (BENCH.parent / script).is_file(), (
+                name,
+                line,
+            )
+
+
+def test_results_index_is_current(tmp_path, monkeypatch):
+    """bench/results/README.md is what bench/index.py writes from the result files; the check fails on a stale one."""
+    index = _load_bench("index")
+    assert index.main(["--check"]) == 0
+    stale = tmp_path / "README.md"
+    stale.write_text(index.INDEX.read_text().replace("| full_model |", "| full-model |", 1))
+    monkeypatch.setattr(index, "INDEX", stale)
+    assert index.main(["--check"]) == 1
+
+
+def test_result_file_names_carry_suite_model_gpu_and_prompt():
+    """Every result file is named <suite>_<model>_<gpu>_P<prompt>[_variant] (a CPU run or a plot may leave out P)."""
+    index = _load_bench("index")
+    for path in (BENCH / "results").iterdir():
+        if path.name == "README.md":
+            continue
+        f = index.parse_name(path.name)
+        assert f["suite"] and f["gpu"], path.name
+        assert f["P"] or f["gpu"] == "cpu" or path.suffix == ".png" or f["variant"] == "gloo-check", path.name
