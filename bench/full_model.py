@@ -80,7 +80,8 @@ from transformers.trainer_callback import PrinterCallback
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, PromptState
 from longstraw_trl import engine as longstraw_engine
-from longstraw_trl.distributed import EP_IMPLEMENTATIONS, is_fsdp2, num_routed_experts
+from longstraw_trl.constants import EP_IMPLEMENTATIONS
+from longstraw_trl.expert_parallel import num_routed_experts
 from longstraw_trl.planner import GPU_MEMORY_GIB, plan_memory
 from longstraw_trl.planner import state_bytes as planned_state_bytes
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -672,7 +673,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
     phases["optimizer_and_other"] = {"seconds": t.seconds - sum(seconds.values()) - logprob_s}
     step_floor = sum(floor.values()) if floor else None
     # FSDP2 (docs/fsdp.md): over every process, or at world size 1 its gathered copies as overhead
-    fsdp_size = trainer.accelerator.num_processes if is_fsdp2(trainer.model_wrapped) else 0
+    fsdp_size = trainer.parallel_dims.dp_shard if trainer.parallel_dims.fsdp else 0
     plan = plan_memory(
         floors.config,
         p,

@@ -18,7 +18,7 @@ from torch import nn
 
 from longstraw_trl.kernels.attention import pages_attention, prompt_response_attention, window_attention
 
-from .distributed import communicator
+from .context_parallel import communicator
 from .errors import LongStrawError
 from .host_memory import storage_device
 from .layer_state import ConvRecurrentState, KVPages, LayerState, WindowKV

@@ -25,8 +25,8 @@ from longstraw_trl.kernels.logprob import token_logprobs
 from longstraw_trl.model_patches import find_patch, patch_model, unwrap_model
 
 from .context import CTX_KWARG, Mode, ReplayContext, ResponseKV
-from .distributed import is_fsdp2
 from .errors import LongStrawError, PromptTooLongError
+from .fsdp import is_fsdp2
 from .hooks import head_request, install_head, skip_head, zero_hidden
 from .host_memory import storage_device
 from .prompt_state import PromptState

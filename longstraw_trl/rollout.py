@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .distributed import fsdp2_units_kept_gathered
+from .fsdp import fsdp2_units_kept_gathered
 from .generation import SamplingParams, generate_from_state
 from .prompt_state import PromptState
 from .prompt_states import PromptStates, StepHost
@@ -50,7 +50,7 @@ class Rollout:
         pad_to_multiple_of: TRL's left padding of a generation call's prompts.
         temperature: TRL's sampling temperature.
         fsdp_gather_bytes: under FSDP2, the memory a generation may spend keeping units gathered across decode steps
-            (:func:`~longstraw_trl.distributed.fsdp2_units_kept_gathered`; ``None``: what the GPU can still give).
+            (:func:`~longstraw_trl.fsdp.fsdp2_units_kept_gathered`; ``None``: what the GPU can still give).
     """
 
     def __init__(

@@ -97,14 +97,7 @@ from trl.trainer.utils import is_async_callable
 from .adapters import adapters_in_model_dtype, bind_autocast_lora_inputs, bind_expert_adapters
 from .agents import grouped_rollout_func
 from .config import LongStrawGRPOConfig, check_whole_groups
-from .distributed import (
-    ExpertParallel,
-    check_expert_parallel,
-    fit_fsdp_wrap_classes,
-    is_fsdp2,
-    new_cp_groups,
-    stage_on_host_for_fsdp2,
-)
+from .context_parallel import new_cp_groups
 from .engine import checkpointing_off
 from .errors import (
     LongStrawError,
@@ -113,12 +106,15 @@ from .errors import (
     RewardFunctionError,
     UnsupportedModelError,
 )
+from .expert_parallel import ExpertParallel, check_expert_parallel
+from .fsdp import fit_fsdp_wrap_classes, is_fsdp2, stage_on_host_for_fsdp2
 from .fused_forwards import fused_elementwise_forwards, replay_forwards
 from .generation import SamplingParams
 from .kernels.runtime.autotune import use_kernel_cache
 from .kernels.runtime.compile_ahead import start_compile_ahead_here
 from .loss import GRPOLossSpec, adaptive_entropy_coef, applied_entropy_coef
 from .model_patches import patch_model, unwrap_model
+from .parallel_dims import ParallelDims
 from .prompt_states import CaptureOptions, PromptStates, peak_memory_gib
 from .refresh import RefreshPolicy
 from .rollout import Rollout
@@ -439,13 +435,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self.router_aux = (
             RouterLoadBalancing(self.model) if self.loss_spec.router_aux_loss_coef != 0.0 else None
         )
-        self.cp_group = self._context_parallel_group(args.cp_size)
+        self.parallel_dims = ParallelDims.from_launch(self.accelerator.state, args.cp_size, args.ep_size)
+        self.cp_group = new_cp_groups(self.parallel_dims.cp)
         self.expert_parallel = self._shard_experts(args)
-        if self.accelerator.state.distributed_type == "FSDP":
+        if self.parallel_dims.fsdp:
             dropped = fit_fsdp_wrap_classes(getattr(self.accelerator.state, "fsdp_plugin", None), self.model)
             if dropped:
                 logger.info("FSDP2 wraps the model's own layer classes; absent from this model: %s", dropped)
-            staged = stage_on_host_for_fsdp2(self.model, self.accelerator.num_processes)
+            staged = stage_on_host_for_fsdp2(self.model, self.parallel_dims.dp_shard)
             if staged:
                 logger.warning(
                     "FSDP2: the model's %.1f GiB on the GPU leave no room for its shards beside them while Accelerate "
@@ -527,37 +524,20 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if not isinstance(func, nn.Module):
                 self.reward_funcs[i] = _named_reward_function(func, name)
 
-    def _context_parallel_group(self, cp_size: int):
-        """This process's context-parallel group (consecutive ranks), or `None` for `cp_size == 1`."""
-        if cp_size == 1:
-            return None
-        world = self.accelerator.num_processes
-        if not dist.is_initialized() or world % cp_size:
-            raise LongStrawError(
-                f"cp_size={cp_size} needs a distributed launch whose world size is a multiple of it (got {world} "
-                "process(es)); launch with e.g. `accelerate launch --config_file examples/accelerate/cp2.yaml`."
-            )
-        return new_cp_groups(cp_size)
-
     def _shard_experts(self, args) -> ExpertParallel | None:
         """``ep_size > 1``: split the policy's routed experts over EP groups with transformers' EP
-        (:class:`~longstraw_trl.distributed.ExpertParallel`) before DDP or FSDP2 wraps the model (at ``train()``): DDP
+        (:class:`~longstraw_trl.expert_parallel.ExpertParallel`) before DDP or FSDP2 wraps the model (at ``train()``): DDP
         then leaves the expert parameters alone (``_ddp_params_and_buffers_to_ignore``), FSDP2 too (Accelerate's
         ``ignored_modules``: ``fully_shard(..., ignored_params=...)``), and their gradients are averaged over their
         replicas before the gradient norm (:meth:`_clip_grad_norm`, :meth:`_get_grad_norm`). A reference copy
         (``beta > 0`` without adapters) keeps every expert."""
-        if args.ep_size == 1:
+        if self.parallel_dims.ep == 1:
             return None
         base = unwrap_model(self.model)
-        check_expert_parallel(
-            base,
-            args.ep_size,
-            self.accelerator.num_processes if dist.is_initialized() else 1,
-            fsdp=is_fsdp2(self.model),
-        )
+        check_expert_parallel(base, args.ep_size, self.parallel_dims.world, fsdp=is_fsdp2(self.model))
         ep = ExpertParallel(base, args.ep_size, args.ep_implementation)
         self.model._ddp_params_and_buffers_to_ignore = ep.ignored_by_ddp(self.model)
-        if self.accelerator.state.distributed_type == "FSDP":
+        if self.parallel_dims.fsdp:
             ep.keep_out_of_fsdp(self.accelerator.state.fsdp_plugin, self.model)
         return ep
 

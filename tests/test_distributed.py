@@ -17,7 +17,7 @@ from _reference import weighted_replay_grads
 from _spawn import exit_worker, run_processes
 
 from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs
-from longstraw_trl.distributed import merge_gathered
+from longstraw_trl.context_parallel import merge_gathered
 from longstraw_trl.kernels.attention import attention_lse, merge_partials
 
 

@@ -443,7 +443,7 @@ def test_fsdp_with_ep_per_rank_bytes_equal_fully_shard_and_ep_storage():
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from longstraw_trl.distributed import ExpertParallel
+    from longstraw_trl.expert_parallel import ExpertParallel
 
     n, ep = 4, 2
     model = tiny_qwen3_moe(router_aux_loss_coef=0.0)

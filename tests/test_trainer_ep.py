@@ -31,7 +31,7 @@ from _models import build_glm_dsa
 from _spawn import launch_step, relative_l2
 
 from longstraw_trl import LongStrawError, LongStrawGRPOConfig, UnsupportedModelError
-from longstraw_trl.distributed import check_expert_parallel
+from longstraw_trl.expert_parallel import check_expert_parallel
 
 STEP = Path(__file__).parent / "_cp_step.py"
 CP2_CONFIG = Path(__file__).parent.parent / "examples" / "accelerate" / "cp2.yaml"
@@ -156,7 +156,7 @@ def test_lora_that_reaches_the_experts_is_refused_with_the_fix(targets):
     from peft import LoraConfig, get_peft_model
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from longstraw_trl.distributed import ExpertParallel
+    from longstraw_trl.expert_parallel import ExpertParallel
 
     model = get_peft_model(build_glm_dsa(index_topk=8), LoraConfig(r=2, target_modules=targets))
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
@@ -348,7 +348,7 @@ def test_keep_out_of_fsdp_adds_the_expert_modules_to_accelerates_ignored_modules
     from _trl_helpers import tiny_qwen3_moe
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from longstraw_trl.distributed import ExpertParallel
+    from longstraw_trl.expert_parallel import ExpertParallel
 
     model = tiny_qwen3_moe(router_aux_loss_coef=0.0)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())

@@ -122,7 +122,7 @@ def test_fsdp2_wraps_only_the_layer_classes_the_model_has():
     from _models import build_hybrid
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from longstraw_trl.distributed import fit_fsdp_wrap_classes
+    from longstraw_trl.fsdp import fit_fsdp_wrap_classes
 
     model = build_hybrid("qwen3_5")
     assert "Qwen3_5VisionBlock" in model._no_split_modules
@@ -149,7 +149,7 @@ def test_a_model_on_the_gpu_goes_to_the_host_only_where_its_shards_would_not_fit
     fit beside it, and stays where they do. On the host already, nothing moves."""
     from _models import build_hybrid
 
-    from longstraw_trl.distributed import stage_on_host_for_fsdp2
+    from longstraw_trl.fsdp import stage_on_host_for_fsdp2
 
     model = build_hybrid("qwen3_5")
     assert stage_on_host_for_fsdp2(model, 1, free_bytes=0) == 0
@@ -216,7 +216,7 @@ def test_generation_keeps_fsdp2_units_gathered_within_the_budget(tmp_path, monke
     from torch.distributed.tensor import DTensor
 
     from longstraw_trl import capture_prompt
-    from longstraw_trl.distributed import fsdp2_units_kept_gathered
+    from longstraw_trl.fsdp import fsdp2_units_kept_gathered
 
     gathers = []
     unshard = FSDPParamGroup.unshard
