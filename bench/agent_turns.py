@@ -63,7 +63,9 @@ def main() -> None:
         prefills.append(("extend", more.numel()))
         return extend_state(state, model, more)
 
-    cache = PromptStateCache(capture, extend, RefreshPolicy("recapture"), max_bytes=None)
+    cache = PromptStateCache(
+        capture, extend, RefreshPolicy("recapture"), max_bytes=None, prompt_prefix_sharing=True
+    )
     prompt = tokens(args.prompt).cpu()
     rows = []
     with torch.no_grad():

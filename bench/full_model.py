@@ -82,6 +82,7 @@ from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, PromptState
 from longstraw_trl import engine as longstraw_engine
 from longstraw_trl.constants import EP_IMPLEMENTATIONS
 from longstraw_trl.expert_parallel import num_routed_experts
+from longstraw_trl.options import plan_options
 from longstraw_trl.planner import GPU_MEMORY_GIB, plan_memory
 from longstraw_trl.planner import state_bytes as planned_state_bytes
 from longstraw_trl.toy_tokenizer import build_toy_tokenizer
@@ -645,7 +646,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
     }
     state = sum(state_by_kind.values())
     g = args.generations
-    full = trainer.args.gradient_mode == "full"
+    full = trainer.args.gradient_mode.full
     names = (
         ("capture", "generation", "replay", "prompt_backward")
         if full
@@ -677,22 +678,13 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
     plan = plan_memory(
         floors.config,
         p,
-        num_generations=g,
         response_tokens=r,
         lora_rank=args.lora_rank or None,  # None: full fine-tuning
         gpu_memory_gib=_device_memory_gib(),
-        capture_chunk_size=args.chunk,
         page_size=args.page,
         dtype_bytes=plan_dtype_bytes,
-        replay_batch_tokens=args.replay_batch_tokens,
-        # the replay's layers are recomputed in backward under TRL's gradient checkpointing (its default)
-        checkpoint_layers=bool(trainer.args.gradient_checkpointing or trainer.args.replay_checkpoint_layers),
-        prompt_backward_checkpoint_layers=trainer.args.prompt_backward_checkpoint_layers,
-        gradient_mode=trainer.args.gradient_mode,
-        offload=trainer.args.offload_prompt_state,
-        cp_size=trainer.args.cp_size,
-        ep_size=trainer.args.ep_size,
         fsdp_size=fsdp_size,
+        **plan_options(trainer.args),  # the trainer's config: chunk, checkpointing, gradient mode, offload, CP, EP
     )
     return {
         "ok": True,

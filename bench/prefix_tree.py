@@ -60,7 +60,13 @@ class Recorder:
 
     def cache(self, steps: int) -> PromptStateCache:
         """A cache whose states stay usable for ``steps`` steps (``reuse``: an extension inherits its source's age)."""
-        return PromptStateCache(self.capture, self.extend, RefreshPolicy("reuse", steps), max_bytes=None)
+        return PromptStateCache(
+            self.capture,
+            self.extend,
+            RefreshPolicy("reuse", steps),
+            max_bytes=None,
+            prompt_prefix_sharing=True,
+        )
 
     def since(self, start: int) -> tuple[int, float]:
         calls = self.calls[start:]

@@ -1,24 +1,29 @@
-"""`LongStrawGRPOConfig`: TRL's `GRPOConfig` plus the prompt-state and refresh options of LongStraw-TRL."""
+"""`LongStrawGRPOConfig`: TRL's `GRPOConfig` plus the prompt-state and refresh options of LongStraw-TRL.
+
+Plain data, as TRL's configs are: `__post_init__` validates and normalises the fields and nothing else. What needs
+the model, the accelerator or the runtime is checked by the trainer (`longstraw_trl.checks`).
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
-from transformers import ProcessorMixin
 from trl import GRPOConfig
 
-from .distributed import EP_IMPLEMENTATIONS
-from .engine import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE
+from .constants import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    EP_IMPLEMENTATIONS,
+    GRADIENT_MODES,
+    KERNEL_CACHE_SUBDIR,
+    OFFLOAD_CHOICES,
+    REFRESH_POLICIES,
+    GradientMode,
+)
 from .errors import LongStrawError
-from .generation import SamplingParams
-from .kernels.compile_ahead import start_compile_ahead_here
-from .loss import GRPOLossSpec
 
-REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
-GRADIENT_MODES = ("response_only", "full")
-KERNEL_CACHE_SUBDIR = "_longstraw_kernel_cache"  # "_": kept out of TRL's push_to_hub uploads
-OFFLOAD_CHOICES = (None, "cpu")
+__all__ = ["LongStrawGRPOConfig", "check_train_groups", "check_whole_groups"]
 
 
 def check_whole_groups(
@@ -35,7 +40,7 @@ def check_whole_groups(
         )
 
 
-def check_train_groups(args) -> None:
+def check_train_groups(args: GRPOConfig) -> None:
     """A process's generation batch (`per_device_train_batch_size * steps_per_generation` completions) must hold
     whole groups; a micro-batch may hold part of one (its state is kept across the micro-batches)."""
     steps = args.steps_per_generation or args.gradient_accumulation_steps
@@ -92,12 +97,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             layer once more in its backward (checkpointing) instead of keeping every layer's activations over the
             chunk. `None`: as TRL's `gradient_checkpointing` (on by default) says. `False` saves that second forward
             of every layer (the 8-layer Qwen3.6-27B slice's prompt backward at 262K: 21.3 s instead of 28.6 s on an
-            H200, session 12) at the memory of every layer's graph over one chunk, which grows with
+            H200) at the memory of every layer's graph over one chunk, which grows with
             `capture_chunk_size` (`longstraw plan --gradient-mode full --no-prompt-backward-checkpointing`): a
             smaller chunk, or a smaller model, makes room for it.
 
-        gradient_mode (`str`, *optional*, defaults to `"response_only"`):
-            Which gradient a training step back-propagates. `"response_only"`: the prompt state is a constant, so
+        gradient_mode (`str` or [`GradientMode`], *optional*, defaults to `"response_only"`):
+            Which gradient a training step back-propagates (normalised to a [`GradientMode`]). `"response_only"`
+            (or `"response"`): the prompt state is a constant, so
             gradients reach the weights through the last prompt token and the responses only (docs/design.md,
             "Objective"). `"full"`: TRL's full-sequence gradient (the prompt's tokens too): the replays also
             accumulate the gradient of the prompt state (fp32 buffers the size of its K/V, and the GDN states), then
@@ -212,17 +218,19 @@ class LongStrawGRPOConfig(GRPOConfig):
             Where Triton keeps the compiled GPU kernels and its autotuning choices (ours and fla's). A fresh process
             on an empty cache compiles and autotunes them during its first step: on the whole Qwen3.6-27B at 32K
             that step took 105 s against 6 s warm, and 8.5 s in a new process that found the cache again
-            (`bench/results/cold_start_qwen3.6-27b_h200_P32768.json`). `"auto"`: `<output_dir>/_longstraw_kernel_cache`, so a job
-            restarted in a fresh container that keeps its output directory (e.g. to resume) skips that (the leading
-            underscore keeps it out of `push_to_hub` uploads); a path: that directory; `None`: Triton's default
-            (`~/.triton/cache`). A `TRITON_CACHE_DIR` set in the environment always wins.
+            (`bench/results/cold_start_qwen3.6-27b_h200_P32768.json`). `"auto"`:
+            `<output_dir>/_longstraw_kernel_cache`, so a job restarted in a fresh container that keeps its output
+            directory (e.g. to resume) skips that (the leading underscore keeps it out of `push_to_hub` uploads); a
+            path: that directory; `None`: Triton's default (`~/.triton/cache`). A `TRITON_CACHE_DIR` set in the
+            environment always wins.
         compile_ahead (`bool`, *optional*, defaults to `True`):
             On a GPU with a compile manifest for it (`kernels/compile_manifest/<GPU>.json`, same Triton and fla
             versions), compile the Triton kernel specialisations a step uses in worker processes from the moment the
-            config is created (so it overlaps with loading the model), instead of one after another inside the first
-            step; the step waits only for a kernel still being compiled. Only the first process of each machine
-            compiles (the others find its binaries in the shared `kernel_cache_dir`); its workers hold a CUDA
-            context each for those seconds. Also `LONGSTRAW_COMPILE_AHEAD=0`.
+            trainer is created (so it overlaps with its set-up; `longstraw_trl.start_compile_ahead(args)` starts it
+            earlier, e.g. before loading the model), instead of one after another inside the first step; the step
+            waits only for a kernel still being compiled. Only the first process of each machine compiles (the others
+            find its binaries in the shared `kernel_cache_dir`); its workers hold a CUDA context each for those
+            seconds. `LONGSTRAW_DISABLE=compile_ahead` turns it off too.
         refresh_probe_period (`int`, *optional*, defaults to `4`):
             For `"adaptive"`: measure the drift on every k-th stale use of a state.
         refresh_max_interval (`int`, *optional*, defaults to `16`):
@@ -330,7 +338,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         },
     )
     gradient_mode: str = field(
-        default="response_only",
+        default=GradientMode.RESPONSE.value,
         metadata={
             "help": "'response_only' (the prompt state is a constant) or 'full' (TRL's full-sequence gradient: the "
             "prompt's chunks are recomputed under autograd in reverse order after the replays).",
@@ -411,8 +419,34 @@ class LongStrawGRPOConfig(GRPOConfig):
             self.activation_checkpointing = True  # TRL's default, under the name transformers 5.23 keeps
         super().__post_init__()
         check_train_groups(self)  # after GRPOConfig has derived steps_per_generation
+        self._normalise()
+        self._check_prompt_state()
+        self._check_gradient_mode()
+        self._check_parallelism()
+        self._check_refresh()
+        if self.do_eval and self.eval_strategy != "no":
+            check_whole_groups(
+                self.per_device_eval_batch_size,
+                self.num_generations_eval or self.num_generations,
+                "per_device_eval_batch_size",
+                "num_generations_eval" if self.num_generations_eval else "num_generations",
+            )
+
+    def _normalise(self) -> None:
+        """The spellings of "none" become `None`, `gradient_mode` a [`GradientMode`], `kernel_cache_dir="auto"` a
+        folder of `output_dir`."""
         if self.offload_prompt_state in ("none", "None", ""):
             self.offload_prompt_state = None
+        if self.kernel_cache_dir in ("none", "None", ""):
+            self.kernel_cache_dir = None
+        if self.kernel_cache_dir == "auto":
+            self.kernel_cache_dir = os.path.join(self.output_dir, KERNEL_CACHE_SUBDIR)
+        try:
+            self.gradient_mode = GradientMode.parse(self.gradient_mode)
+        except ValueError as error:
+            raise LongStrawError(str(error)) from None
+
+    def _check_prompt_state(self) -> None:
         if self.offload_prompt_state not in OFFLOAD_CHOICES:
             raise LongStrawError(
                 f"offload_prompt_state must be None or 'cpu', got {self.offload_prompt_state!r}."
@@ -426,31 +460,26 @@ class LongStrawGRPOConfig(GRPOConfig):
                 f"capture_chunk_size and page_size must be positive, got {self.capture_chunk_size} and "
                 f"{self.page_size}."
             )
-        if self.gradient_mode not in GRADIENT_MODES:
+        if self.replay_block_size is not None and self.replay_block_size <= 0:
+            raise LongStrawError(f"replay_block_size must be positive or None, got {self.replay_block_size}.")
+        if self.replay_batch_tokens < 0:
             raise LongStrawError(
-                f"gradient_mode must be one of {', '.join(GRADIENT_MODES)}, got {self.gradient_mode!r}."
+                f"replay_batch_tokens must be >= 0 (0: one response at a time), got {self.replay_batch_tokens}."
             )
-        if self.kernel_cache_dir in ("none", "None", ""):
-            self.kernel_cache_dir = None
-        if self.kernel_cache_dir == "auto":
-            self.kernel_cache_dir = os.path.join(self.output_dir, KERNEL_CACHE_SUBDIR)
-        if self.compile_ahead:
-            start_compile_ahead_here(self.kernel_cache_dir)
-        if self.gradient_mode == "full" and self.refresh_policy != "recapture":
+
+    def _check_gradient_mode(self) -> None:
+        if self.gradient_mode.full and self.refresh_policy != "recapture":
             raise LongStrawError(
                 f"gradient_mode='full' with refresh_policy={self.refresh_policy!r} is not supported: a prompt state "
                 "captured with older weights has no exact full gradient. Set refresh_policy='recapture'."
             )
-        if self.gradient_mode == "full" and self.fp16:
+        if self.gradient_mode.full and self.fp16:
             raise LongStrawError(
                 "gradient_mode='full' with fp16=True is not supported (the prompt backward runs outside the "
                 "accelerator's loss scaling). Use bf16=True."
             )
-        if self.replay_block_size is not None:
-            if self.replay_block_size <= 0:
-                raise LongStrawError(
-                    f"replay_block_size must be positive or None, got {self.replay_block_size}."
-                )
+
+    def _check_parallelism(self) -> None:
         if self.cp_size < 1:
             raise LongStrawError(f"cp_size must be >= 1, got {self.cp_size}.")
         if self.ep_size < 1:
@@ -466,15 +495,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise LongStrawError(
                 f"ep_implementation must be one of {', '.join(EP_IMPLEMENTATIONS)}, got {self.ep_implementation!r}."
             )
-        if self.replay_batch_tokens < 0:
-            raise LongStrawError(
-                f"replay_batch_tokens must be >= 0 (0: one response at a time), got {self.replay_batch_tokens}."
-            )
         if self.cp_size > 1 and self.scale_rewards == "batch":
             raise LongStrawError(
                 "scale_rewards='batch' with cp_size > 1 is not supported: the rewards gathered over ranks hold each "
                 "group cp_size times, which changes the batch std. Use scale_rewards='group' or 'none'."
             )
+
+    def _check_refresh(self) -> None:
         if self.refresh_policy not in REFRESH_POLICIES:
             raise LongStrawError(
                 f"refresh_policy must be one of {', '.join(REFRESH_POLICIES)}, got {self.refresh_policy!r}."
@@ -485,104 +512,3 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise LongStrawError(f"refresh_probe_period must be >= 1, got {self.refresh_probe_period}.")
         if self.refresh_drift_threshold < 0:
             raise LongStrawError(f"refresh_drift_threshold must be >= 0, got {self.refresh_drift_threshold}.")
-        if self.do_eval and self.eval_strategy != "no":
-            check_whole_groups(
-                self.per_device_eval_batch_size,
-                self.num_generations_eval or self.num_generations,
-                "per_device_eval_batch_size",
-                "num_generations_eval" if self.num_generations_eval else "num_generations",
-            )
-
-    # --- what the trainer checks at construction (the options live here, so do their checks) ------------------------
-    def check_supported(
-        self, tools=None, rollout_func=None, environment_factory=None, processing_class=None
-    ) -> None:
-        """Refuse what LongStrawGRPOTrainer cannot honour with these options (called by the trainer, which knows the
-        tools, rollout function, environment factory and processing class): fail at construction, never train on
-        something else. Each message says what to change."""
-
-        def refuse(what: str, fix: str):
-            raise LongStrawError(f"LongStrawGRPOTrainer does not support {what}. {fix}")
-
-        if self.use_vllm:
-            refuse(
-                "use_vllm=True",
-                "Completions are sampled from the captured prompt state (shared-prefix decoding), not by vLLM. Set "
-                "use_vllm=False.",
-            )
-        if self.use_transformers_continuous_batching:
-            refuse("use_transformers_continuous_batching=True", "Set it to False.")
-        SamplingParams.check_generation_kwargs(self.generation_kwargs)
-        if self.max_completion_length is None:
-            refuse(
-                "max_completion_length=None", "Set max_completion_length to the longest completion to sample."
-            )
-        if self.top_entropy_quantile < 1.0 and self.cp_size > 1:
-            refuse(
-                f"top_entropy_quantile={self.top_entropy_quantile} with cp_size={self.cp_size}",
-                "The entropy quantile is taken over the entropies gathered from every process, and the ranks of a "
-                "context-parallel group hold the same responses (each would count cp_size times). Set cp_size=1 or "
-                "top_entropy_quantile=1.0.",
-            )
-        if self.deepspeed:
-            refuse(
-                "DeepSpeed",
-                "The loss is back-propagated one response at a time under Accelerate's `no_sync` (FSDP2: "
-                "`set_requires_gradient_sync(False)`), which DeepSpeed's engine does not offer outside its own "
-                "gradient accumulation. Shard the policy with FSDP2 instead (`accelerate launch --config_file "
-                "examples/accelerate/fsdp2.yaml`), or launch with plain DDP or a single process.",
-            )
-        fsdp_version = int((getattr(self, "fsdp_config", None) or {}).get("version", 2))
-        if self.fsdp and fsdp_version != 2:
-            refuse(
-                f"FSDP version {fsdp_version}",
-                "Use FSDP2 (`fsdp_config={'version': 2}`, or `fsdp_version: 2` in the Accelerate config: "
-                "examples/accelerate/fsdp2.yaml).",
-            )
-        if str(self.optim).lower().endswith("lomo"):
-            refuse(
-                f"optim={self.optim!r}",
-                "LOMO optimizers update the weights inside backward(), but the loss is back-propagated one response "
-                "at a time. Use another optimizer (e.g. adamw_torch).",
-            )
-        if isinstance(processing_class, ProcessorMixin):
-            refuse(
-                "multimodal processors (images)",
-                "Pass the tokenizer as processing_class and text (or chat) prompts only.",
-            )
-        # Loss options (raises NotImplementedError for what the per-response loss cannot stream)
-        GRPOLossSpec.from_args(self)
-
-    def check_router_aux(self, router_aux_loss_coef: float) -> None:
-        """Refuse a MoE router load-balancing loss (the model's effective coefficient) with the options that cannot
-        stream it (context and expert parallelism can: tests/test_trainer_ep.py)."""
-        if router_aux_loss_coef == 0.0:
-            return
-        # cp_size > 1 (and ep_size > 1) is fine: the routers are replicated and every rank of a CP group routes every
-        # token of the batch it shares, so each computes the same statistics (docs/parallelism.md).
-        if self.replay_block_size is not None:
-            raise LongStrawError(
-                "router_aux_loss_coef != 0 is not supported with replay_block_size (a response's router loss would "
-                "need to be split over its blocks). Set router_aux_loss_coef=0.0 or replay_block_size=None."
-            )
-
-    def check_launch(self, state) -> None:
-        """Refuse a launch (Accelerate's ``AcceleratorState``: the ``accelerate launch`` config) the trainer cannot
-        run: FSDP other than FSDP2, and Accelerate's own context or tensor parallelism (``parallelism_config``).
-        FSDP2 shards over every rank (``dp_shard_size``, with ``dp_replicate_size`` for HSDP), and LongStraw's
-        ``cp_size`` groups consecutive ranks of the same world (docs/fsdp.md)."""
-        plugin = getattr(state, "fsdp_plugin", None)
-        if state.distributed_type == "FSDP" and plugin is not None and plugin.fsdp_version != 2:
-            raise LongStrawError(
-                f"LongStrawGRPOTrainer does not support FSDP version {plugin.fsdp_version}: set `fsdp_version: 2` "
-                "in the Accelerate config (examples/accelerate/fsdp2.yaml)."
-            )
-        parallelism = getattr(state, "parallelism_config", None)
-        if parallelism is not None and (parallelism.cp_size > 1 or parallelism.tp_size > 1):
-            raise LongStrawError(
-                f"Accelerate's parallelism_config cp_size={parallelism.cp_size}, tp_size={parallelism.tp_size}: "
-                "Accelerate's context parallelism shards one training sequence (ring attention over SDPA) and its "
-                "tensor parallelism is not wired into the engine. Set both to 1 there, and use "
-                "LongStrawGRPOConfig.cp_size for context parallelism over prompt pages "
-                "(examples/accelerate/fsdp2_cp8.yaml)."
-            )

@@ -24,6 +24,7 @@ from torch import nn
 from longstraw_trl.kernels.logprob import token_logprobs
 from longstraw_trl.model_patches import find_patch, patch_model, unwrap_model
 
+from .constants import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE
 from .context import CTX_KWARG, Mode, ReplayContext, ResponseKV
 from .errors import LongStrawError, PromptTooLongError
 from .fsdp import is_fsdp2
@@ -56,9 +57,6 @@ __all__ = [
     "replay_logprobs",
     "vocab_size",
 ]
-
-DEFAULT_CHUNK_SIZE = 8192
-DEFAULT_PAGE_SIZE = 16384
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import logging
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 
 from .engine import DEFAULT_CHUNK_SIZE, capture_prompt, extend_state, replay_logprobs
 from .errors import LongStrawError
+from .options import CaptureOptions
 from .prompt_state import PromptState
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
 from .router_aux import RouterLoadBalancing, RouterStats
@@ -54,31 +54,6 @@ class StepHost(Protocol):
 
     def graph_free(self, model: nn.Module, cast_adapters: bool = False) -> contextlib.AbstractContextManager:
         """The context of a pass without autograd (capture, generation, old/reference log-probs)."""
-
-
-@dataclass(frozen=True)
-class CaptureOptions:
-    """How the trainer captures prompts (``LongStrawGRPOConfig``'s fields of the same meaning).
-
-    Args:
-        chunk_size: prompt tokens per prefill step.
-        page_size: tokens per K/V page.
-        offload: ``None`` or ``"cpu"`` (the state's offloadable tensors in pinned host memory).
-        cp_group: the context-parallel group the pages are spread over (``None``: one rank).
-        keep_boundaries: keep what the full gradient's prompt backward needs (policy captures only).
-        share_prefixes: capture a common prefix of prompts once and extend it, whether or not one prompt is a
-            whole prefix of the other: the prompts of a generation batch through their prompt trie (each trunk
-            captured once, forked at its branch points), later prompts from any cached state they share a prefix
-            with. Policy captures then keep their fixed-size layers' states (GDN, sliding windows) at every
-            capture-chunk boundary, where a later prompt can branch off (README, "Prefix sharing").
-    """
-
-    chunk_size: int | None = None
-    page_size: int | None = None
-    offload: str | None = None
-    cp_group: object = None
-    keep_boundaries: bool = False
-    share_prefixes: bool = True
 
 
 def peak_memory_gib(device: torch.device) -> float | None:
@@ -125,13 +100,13 @@ class PromptStates:
         self.refresh_policy = refresh_policy
         self.router_aux = router_aux
         # a common prefix shorter than a capture chunk is not worth a branch (nor a trunk)
-        self.min_branch_tokens = options.chunk_size or DEFAULT_CHUNK_SIZE
+        self.min_branch_tokens = options.capture_chunk_size or DEFAULT_CHUNK_SIZE
         self.cache = PromptStateCache(
             self.capture_policy,
             self.extend,
             refresh_policy,
             cache_bytes,
-            share_branches=options.share_prefixes,
+            prompt_prefix_sharing=options.prompt_prefix_sharing,
             min_branch_tokens=self.min_branch_tokens,
         )
         self.batch_groups: list[str] | None = None
@@ -154,13 +129,12 @@ class PromptStates:
             state = capture_prompt(
                 model,
                 prompt_ids,
-                chunk_size=self.options.chunk_size,
+                chunk_size=self.options.capture_chunk_size,
                 page_size=self.options.page_size,
-                offload=self.options.offload,
+                offload=self.options.offload_prompt_state,
                 cp_group=self.options.cp_group,
                 # sharing: the boundaries are where a later prompt may branch off this one's fixed-size states
-                keep_boundaries=(self.options.keep_boundaries or self.options.share_prefixes)
-                and role == "policy",
+                keep_boundaries=self.options.keep_boundaries and role == "policy",
             )
         if collect:  # the router statistics of the P - 1 captured tokens (none for a one-token prompt)
             self._router_prompt_stats[state] = stats[0] if stats else self._no_router_stats(state.device)
@@ -257,7 +231,7 @@ class PromptStates:
         groups = self.group_rows(prompt_ids, num_generations)
         keys = [prompt_key(ids) for ids in groups]
         trunks = []
-        if self.options.share_prefixes:  # the common prefixes at which this batch's prompts branch
+        if self.options.prompt_prefix_sharing:  # the common prefixes at which this batch's prompts branch
             prompts = [torch.as_tensor(ids).reshape(-1).cpu() for ids in groups]
             trunks = branch_prefixes(prompts, min_tokens=self.min_branch_tokens)
         trunk_keys = [prompt_key(ids) for ids in trunks]

@@ -5,7 +5,7 @@ the turns since. :class:`PromptStateCache` looks a prompt up by its tokens. An e
 re-captured) under the :class:`~longstraw_trl.refresh.RefreshPolicy`; otherwise the longest cached prompt that
 is a prefix of it, if its state may still be used, is *extended* (``PromptState.extend``: a fork that shares
 the prefix's K/V segments and prefills only the new tokens); only when no prefix is usable is the prompt
-captured from its first token. With ``share_branches`` any common prefix counts, not only a whole cached prompt:
+captured from its first token. With ``prompt_prefix_sharing`` any common prefix counts, not only a whole cached prompt:
 the new prompt branches off the cached state after the shared tokens (K/V pages: a prefix view, no copy;
 fixed-size layers such as GDN or a sliding window: the state kept at the last capture-chunk boundary before the
 branch, :meth:`PromptState.branch_point`). :func:`branch_prefixes` gives the trunks of a batch's prompt trie,
@@ -124,7 +124,7 @@ class PromptStateCache:
         policy: when to re-capture a stale state.
         max_bytes: bytes of state kept beyond the pinned ones (``None``: no limit).
         min_reuse_tokens: shortest prefix worth extending (shorter ones are captured again).
-        share_branches: extend from any common prefix with a cached prompt (``False``: only from a cached prompt
+        prompt_prefix_sharing: extend from any common prefix with a cached prompt (``False``: only from a cached prompt
             that is a whole prefix of the new one).
         min_branch_tokens: shortest common prefix worth branching off (a whole cached prefix needs only
             ``min_reuse_tokens``): a short one, e.g. a chat template's system turn, would tie the new state to an
@@ -138,14 +138,14 @@ class PromptStateCache:
         policy: RefreshPolicy,
         max_bytes: int | None = None,
         min_reuse_tokens: int = 1,
-        share_branches: bool = True,
+        prompt_prefix_sharing: bool = False,
         min_branch_tokens: int = 1,
     ):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         self._capture, self._extend, self.policy = capture, extend, policy
         self.max_bytes, self.min_reuse_tokens = max_bytes, max(1, min_reuse_tokens)
-        self.share_branches, self.min_branch_tokens = share_branches, min_branch_tokens
+        self.prompt_prefix_sharing, self.min_branch_tokens = prompt_prefix_sharing, min_branch_tokens
         self.entries: dict[str, CachedPrompt] = {}
         self.pinned: set[str] = set()
         self._clock = 0
@@ -201,7 +201,7 @@ class PromptStateCache:
                 continue
             shared = common_prefix_length(other.prompt_ids, ids)
             whole = shared == other.prompt_ids.numel()
-            if not whole and (not self.share_branches or shared < self.min_branch_tokens):
+            if not whole and (not self.prompt_prefix_sharing or shared < self.min_branch_tokens):
                 continue  # exact prefixes only, or too short a branch
             # at least one token of `ids` is left to extend (a prompt inside a cached one re-runs its last)
             tokens = other.state.branch_point(min(shared, ids.numel() - 1) - 1)

@@ -43,6 +43,7 @@ from .loss import (
     loss_lengths,
     response_loss,
 )
+from .options import LossOptions
 from .prompt_state import PromptState
 from .prompt_states import PromptStates, StepHost, peak_memory_gib
 from .router_aux import RouterLoadBalancing, prepare_micro_batch, replay_inputs
@@ -109,49 +110,6 @@ class SingleProcess:
         return tensor.reshape(-1) if tensor.dim() == 0 else tensor
 
     gather_for_metrics = gather
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """How the loss replays (``LongStrawGRPOConfig``'s fields of the same meaning).
-
-    Args:
-        temperature: the sampling temperature the log-probs are taken at.
-        gradient_mode: ``"response_only"`` or ``"full"`` (the replays' state gradient carried into the prompt).
-        replay_block_size: reverse block replay of each response in blocks of this many tokens (``None``: whole).
-        replay_batch_tokens: a group's responses replayed together while responses x longest stays within this
-            (``0``: one at a time).
-        replay_checkpoint_layers: recompute each decoder layer of a replay in backward.
-        gradient_checkpointing: HF's activation checkpointing is on (a recomputed segment then checkpoints its
-            layers with the engine's own non-reentrant checkpointing instead).
-        prompt_backward_checkpoint_layers: whether the prompt backward's recomputed capture chunks checkpoint their
-            layers (``None``: as the replays' segments do).
-        capture_chunk_size: the router statistics' chunking (MoE load-balancing loss).
-        autograd_fused_kernels: the replays and prompt-backward segments run HF's norm and MLP modules through the
-            fused kernels with their own backward and plain LoRA layers' update in their base GEMM's epilogue
-            (:func:`~longstraw_trl.fused_forwards.replay_forwards`).
-    """
-
-    temperature: float = 1.0
-    gradient_mode: str = "response_only"
-    replay_block_size: int | None = None
-    replay_batch_tokens: int = 8192
-    replay_checkpoint_layers: bool = False
-    gradient_checkpointing: bool = False
-    capture_chunk_size: int | None = None
-    prompt_backward_checkpoint_layers: bool | None = None
-    autograd_fused_kernels: bool = False
-
-    @property
-    def segment_checkpoint_layers(self) -> bool | None:
-        """A recomputed segment's layer checkpointing: on with either option, else as the model's own (``None``)."""
-        return True if self.gradient_checkpointing or self.replay_checkpoint_layers else None
-
-    @property
-    def prompt_segment_checkpoint_layers(self) -> bool | None:
-        if self.prompt_backward_checkpoint_layers is not None:
-            return self.prompt_backward_checkpoint_layers
-        return self.segment_checkpoint_layers
 
 
 @dataclass(frozen=True)
@@ -490,7 +448,7 @@ class StreamedLoss:
         device = completion_ids.device
 
         ddp = backward and collectives.num_processes > 1
-        full = backward and options.gradient_mode == "full"
+        full = backward and options.gradient_mode.full
         blocks = backward and options.replay_block_size is not None
         plan = plan_sync(row_group, ctx.lengths, len(prompts), ddp, full)
         sync_row = plan.sync_row

@@ -56,8 +56,8 @@ Evaluation (`evaluate()`, alone or during training) follows TRL: `num_generation
 accumulation scaling, metrics under `eval_*`; it leaves the training state alone (buffered generation batch, prompt
 states of the training batch, entropy controller).
 
-Refused at construction (each with a message saying what to change): `use_vllm`, `use_transformers_continuous_batching`, generation kwargs the shared-prefix sampler cannot honour
-(beam search, `typical_p`, `stop_strings`, ...; `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
+Refused at construction (`longstraw_trl.checks`; each with a message saying what to change): `use_vllm`,
+`use_transformers_continuous_batching`, generation kwargs the shared-prefix sampler cannot honour (beam search, `typical_p`, `stop_strings`, ...; `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
 `sequence_bias`, `min_length`, `min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured),
 `top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss on a model whose HF forward computes
 none (e.g. `glm4_moe`), multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP1,
@@ -72,18 +72,11 @@ exact: see `longstraw_trl/router_aux.py`.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
-import numbers
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from accelerate.utils.memory import clear_device_cache
@@ -92,10 +85,19 @@ from torch import nn
 from transformers.generation.utils import GenerationMixin
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.trainer.utils import is_async_callable
 
 from .adapters import adapters_in_model_dtype, bind_autocast_lora_inputs, bind_expert_adapters
 from .agents import grouped_rollout_func
+from .checkpoint import REFRESH_STATE_FILE, load_refresh_record, save_refresh_record, warn_resume_inside_batch
+from .checks import (
+    check_datasets,
+    check_launch,
+    check_peft_config,
+    check_prompt_column,
+    check_prompts,
+    check_router_aux,
+    check_supported,
+)
 from .config import LongStrawGRPOConfig, check_whole_groups
 from .context_parallel import new_cp_groups
 from .engine import checkpointing_off
@@ -104,7 +106,6 @@ from .errors import (
     LongStrawTrainingError,
     NonFiniteLossError,
     RewardFunctionError,
-    UnsupportedModelError,
 )
 from .expert_parallel import ExpertParallel, check_expert_parallel
 from .fsdp import fit_fsdp_wrap_classes, is_fsdp2, stage_on_host_for_fsdp2
@@ -114,14 +115,17 @@ from .kernels.runtime.autotune import use_kernel_cache
 from .kernels.runtime.compile_ahead import start_compile_ahead_here
 from .loss import GRPOLossSpec, adaptive_entropy_coef, applied_entropy_coef
 from .model_patches import patch_model, unwrap_model
+from .options import CaptureOptions, LossOptions
 from .parallel_dims import ParallelDims
-from .prompt_states import CaptureOptions, PromptStates, peak_memory_gib
+from .prompt_states import PromptStates, peak_memory_gib
 from .refresh import RefreshPolicy
+from .rewards import named_reward_function, short_repr
 from .rollout import Rollout
 from .router_aux import RouterLoadBalancing
-from .streamed_loss import LossOptions, LossScaling, StreamedLoss, split_by_groups
+from .streamed_loss import LossScaling, StreamedLoss, split_by_groups
 
 __all__ = [
+    "REFRESH_STATE_FILE",
     "LongStrawGRPOConfig",
     "LongStrawGRPOTrainer",
     "LongStrawTrainingError",
@@ -131,164 +135,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REFRESH_STATE_FILE = "longstraw_refresh.json"
 # transformers' own `generate`, to tell it from a replacement (`_generate_is_injected`)
 _TRANSFORMERS_GENERATE = GenerationMixin.generate
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
-
-
-def _check_reward_output(name: str, output: Any, kwargs: dict) -> None:
-    """What TRL needs from a reward function: one float (or None: not scored) per completion, finite. Raises
-    :class:`RewardFunctionError` naming the function, what it returned and, for a bad value, the row."""
-    completions = kwargs.get("completions")
-    expected = "one float or None per completion"
-    if completions is not None:
-        expected += f" (a list of {len(completions)})"
-    if isinstance(output, torch.Tensor | np.ndarray) and output.ndim == 1:
-        values = output.tolist()
-    elif isinstance(output, list | tuple):
-        values = output
-    else:
-        raise RewardFunctionError(
-            f"reward function {name!r} returned {type(output).__name__} {_short(output)}; expected {expected}."
-        )
-    if completions is not None and len(values) != len(completions):
-        raise RewardFunctionError(
-            f"reward function {name!r} returned {len(values)} values for {len(completions)} completions; expected "
-            f"{expected}."
-        )
-    for row, value in enumerate(values):
-        if value is None:
-            continue
-        if isinstance(value, torch.Tensor | np.ndarray) and value.ndim == 0:
-            value = value.item()
-        if not isinstance(value, numbers.Real):
-            raise RewardFunctionError(
-                f"reward function {name!r} returned {type(value).__name__} {_short(value)} for row {row}; expected "
-                f"{expected}."
-            )
-        if not math.isfinite(value):
-            where = f"row {row}"
-            if completions is not None:
-                where += f" (completion {_short(completions[row])})"
-            raise RewardFunctionError(
-                f"reward function {name!r} returned {value} for {where}: rewards must be finite (with an infinite "
-                "reward stock TRL trains on with a zero loss and gradient). Return None for a completion the function "
-                "does not score (TRL reads NaN as None; here it is refused, since it is more often a bug)."
-            )
-
-
-def _named_reward_function(func: Callable, name: str) -> Callable:
-    """Wrap a reward function so that an exception, or an output TRL cannot use (`_check_reward_output`), says
-    which function it came from."""
-
-    def fail(exc: Exception):
-        return RewardFunctionError(
-            f"reward function {name!r} raised {type(exc).__name__}: {exc}. Fix the function (it receives "
-            "prompts=, completions=, completion_ids= and every dataset column as keyword arguments, and must return "
-            "one float or None per completion)."
-        )
-
-    if is_async_callable(func):
-
-        async def wrapped(*args, **kwargs):
-            try:
-                output = await func(*args, **kwargs)
-            except RewardFunctionError:
-                raise
-            except Exception as exc:
-                raise fail(exc) from exc
-            _check_reward_output(name, output, kwargs)
-            return output
-
-    else:
-
-        def wrapped(*args, **kwargs):
-            try:
-                output = func(*args, **kwargs)
-            except RewardFunctionError:
-                raise
-            except Exception as exc:
-                raise fail(exc) from exc
-            _check_reward_output(name, output, kwargs)
-            return output
-
-    wrapped.__name__ = getattr(func, "__name__", name)
-    wrapped.__qualname__ = getattr(func, "__qualname__", name)
-    wrapped.__wrapped__ = func
-    return wrapped
-
-
-def _dataset_columns(dataset) -> list[str] | None:
-    names = getattr(dataset, "column_names", None)
-    if isinstance(names, dict):  # a DatasetDict
-        return None
-    return list(names) if names is not None else None
-
-
-def _check_prompt_column(dataset, name: str, environment_factory=None) -> None:
-    """A 'prompt' column, unless an environment owns the data (TRL 1.16: `reset()` gives the prompt; with a dict
-    `environment_factory` an 'environment' column names each row's environment)."""
-    if dataset is None:
-        return
-    if isinstance(dataset, dict):
-        for split, ds in dataset.items():
-            _check_prompt_column(ds, f"{name}[{split!r}]", environment_factory)
-        return
-    columns = _dataset_columns(dataset)
-    if columns is None or "prompt" in columns:
-        return
-    if isinstance(environment_factory, dict) and "environment" not in columns:
-        raise LongStrawError(
-            f"{name} has neither a 'prompt' nor an 'environment' column (columns: {', '.join(columns) or 'none'}). "
-            "With a dict environment_factory every row names its environment in a column 'environment' (one of "
-            f"{list(environment_factory)}), whose reset() gives the prompt; or add a 'prompt' column."
-        )
-    if environment_factory is None:
-        raise LongStrawError(
-            f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'}). LongStrawGRPOTrainer needs one "
-            "prompt per row in a column named 'prompt': a string, or a list of chat messages (the chat template is "
-            "then applied as in TRL). Rename your column, e.g. dataset.rename_column('text', 'prompt')."
-        )
-
-
-def _check_prompts(dataset, name: str, batch_size: int = 1024) -> None:
-    """Refuse an empty prompt (``None``, ``""``, ``[]``) now, naming its row, where the dataset can be read without
-    its strings (a map-style ``datasets.Dataset``: Arrow lengths, batch by batch); streamed datasets are checked at
-    their first step (`_tokenize_prompts`)."""
-    if dataset is None:
-        return
-    if isinstance(dataset, dict):
-        for split, ds in dataset.items():
-            _check_prompts(ds, f"{name}[{split!r}]", batch_size)
-        return
-    if not (
-        hasattr(dataset, "select_columns") and hasattr(dataset, "with_format") and hasattr(dataset, "__len__")
-    ):
-        return
-    if "prompt" not in (_dataset_columns(dataset) or ()):
-        return
-    column = dataset.select_columns(["prompt"]).with_format("arrow")
-    for start in range(0, len(column), batch_size):
-        values = column[start : start + batch_size]["prompt"]
-        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
-            lengths = pc.utf8_length(values)
-        elif pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
-            lengths = pc.list_value_length(values)
-        else:
-            return
-        empty = pc.or_kleene(pc.is_null(lengths), pc.equal(lengths, 0))
-        if pc.any(empty).as_py():
-            row = start + pc.index(empty, True).as_py()
-            raise LongStrawError(
-                f"{name} row {row}: column 'prompt' is empty ({dataset[row]['prompt']!r}). Every row needs a prompt "
-                "(a non-empty string, or a non-empty list of chat messages); drop the row, e.g. "
-                "dataset.filter(lambda row: bool(row['prompt']))."
-            )
 
 
 def _check_model(model) -> None:
@@ -296,11 +144,7 @@ def _check_model(model) -> None:
     peft_config = getattr(model, "peft_config", None)
     if isinstance(peft_config, dict):
         for name, cfg in peft_config.items():
-            if getattr(cfg, "is_prompt_learning", False):
-                raise UnsupportedModelError(
-                    f"PEFT adapter {name!r} ({type(cfg).__name__}) is a prompt-learning method (virtual tokens or "
-                    "prefix K/V), which the prompt state does not carry. Use LoRA-style adapters."
-                )
+            check_peft_config(cfg, name)
     _bind_expert_adapters(model)
     bind_autocast_lora_inputs(model)  # PEFT's fp32 input copies under autocast (bit-exact without them)
     patch_model(model)
@@ -383,25 +227,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         rollout_func=None,
         environment_factory=None,
     ):
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = LongStrawGRPOConfig(f"{str(name).split('/')[-1]}-LongStraw-GRPO")
-        elif not isinstance(args, LongStrawGRPOConfig):
-            raise TypeError(
-                f"args must be a LongStrawGRPOConfig (got {type(args).__name__}); it takes every GRPOConfig field, "
-                "e.g. LongStrawGRPOConfig(**your_grpo_kwargs)."
-            )
-        args.check_supported(tools, rollout_func, environment_factory, processing_class)
-        for dataset, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")):
-            _check_prompt_column(dataset, name, environment_factory)
-            _check_prompts(dataset, name)
-        if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-            raise UnsupportedModelError(
-                f"{type(peft_config).__name__} is a prompt-learning PEFT method (virtual tokens or prefix K/V), which "
-                "the prompt state does not carry. Use LoRA-style adapters."
-            )
+        args = self._checked_args(model, args)
+        check_supported(args, processing_class)
+        check_datasets({"train_dataset": train_dataset, "eval_dataset": eval_dataset}, environment_factory)
+        check_peft_config(peft_config)
         if not isinstance(model, str):
             _check_model(model)  # before TRL loads a reference model or builds anything else
+        self._start_kernel_cache(args)
 
         # Set before `super().__init__` (TRL's `__init__` may already call overridden methods).
         self.cp_group = None
@@ -424,34 +256,38 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
-
-        args.check_launch(self.accelerator.state)
-        _check_model(self.model)
-        if self.ref_model is not None:
-            _check_model(self.ref_model)
-        self.loss_spec = GRPOLossSpec.from_args(args, model=unwrap_model(self.model))
-        args.check_router_aux(self.loss_spec.router_aux_loss_coef)
-        # MoE load-balancing loss (longstraw_trl.router_aux): the routers
-        self.router_aux = (
-            RouterLoadBalancing(self.model) if self.loss_spec.router_aux_loss_coef != 0.0 else None
-        )
+        self._check_runtime(args)
         self.parallel_dims = ParallelDims.from_launch(self.accelerator.state, args.cp_size, args.ep_size)
         self.cp_group = new_cp_groups(self.parallel_dims.cp)
         self.expert_parallel = self._shard_experts(args)
-        if self.parallel_dims.fsdp:
-            dropped = fit_fsdp_wrap_classes(getattr(self.accelerator.state, "fsdp_plugin", None), self.model)
-            if dropped:
-                logger.info("FSDP2 wraps the model's own layer classes; absent from this model: %s", dropped)
-            staged = stage_on_host_for_fsdp2(self.model, self.parallel_dims.dp_shard)
-            if staged:
-                logger.warning(
-                    "FSDP2: the model's %.1f GiB on the GPU leave no room for its shards beside them while Accelerate "
-                    "wraps it, so it was moved to the host first; FSDP2 moves only this rank's shards back "
-                    "(load the model on the CPU to skip the round trip, docs/fsdp.md)",
-                    staged / 2**30,
-                )
+        self._prepare_fsdp()
+        self._build_step(args)
+        if self.rollout_func is not None:
+            self.rollout_func = grouped_rollout_func(self.rollout_func)
+        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
+            if not isinstance(func, nn.Module):
+                self.reward_funcs[i] = named_reward_function(func, name)
+
+    @staticmethod
+    def _checked_args(model, args: LongStrawGRPOConfig | None) -> LongStrawGRPOConfig:
+        """``args``, or TRL's default config for ``model`` when ``None``; anything but a LongStrawGRPOConfig is
+        refused."""
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            return LongStrawGRPOConfig(f"{str(name).split('/')[-1]}-LongStraw-GRPO")
+        if not isinstance(args, LongStrawGRPOConfig):
+            raise TypeError(
+                f"args must be a LongStrawGRPOConfig (got {type(args).__name__}); it takes every GRPOConfig field, "
+                "e.g. LongStrawGRPOConfig(**your_grpo_kwargs)."
+            )
+        return args
+
+    @staticmethod
+    def _start_kernel_cache(args: LongStrawGRPOConfig) -> None:
+        """Point Triton at ``kernel_cache_dir`` and, with ``compile_ahead``, start compiling this GPU's recorded
+        kernels in worker processes (once per process), so that they compile while TRL sets up."""
         kernel_cache = use_kernel_cache(args.kernel_cache_dir)
-        if args.compile_ahead:  # started when the config was made; again for a config made without CUDA
+        if args.compile_ahead:
             start_compile_ahead_here(args.kernel_cache_dir)
         if torch.cuda.is_available():
             logger.info(
@@ -459,6 +295,41 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 "~100 s on an H200; a restarted job that finds it again skips that)",
                 kernel_cache or "Triton's default, ~/.triton/cache",
             )
+
+    def _check_runtime(self, args: LongStrawGRPOConfig) -> None:
+        """The checks that need TRL's set-up: the launch, the models, the loss options (`loss_spec`, with the
+        model's effective router aux-loss coefficient) and the router loss."""
+        check_launch(self.accelerator.state)
+        _check_model(self.model)
+        if self.ref_model is not None:
+            _check_model(self.ref_model)
+        self.loss_spec = GRPOLossSpec.from_args(args, model=unwrap_model(self.model))
+        check_router_aux(args, self.loss_spec.router_aux_loss_coef)
+
+    def _prepare_fsdp(self) -> None:
+        """Under Accelerate's FSDP2: wrap the model's own layer classes, and stage a model too large to wrap beside
+        its shards on the host first."""
+        if not self.parallel_dims.fsdp:
+            return
+        dropped = fit_fsdp_wrap_classes(getattr(self.accelerator.state, "fsdp_plugin", None), self.model)
+        if dropped:
+            logger.info("FSDP2 wraps the model's own layer classes; absent from this model: %s", dropped)
+        staged = stage_on_host_for_fsdp2(self.model, self.parallel_dims.dp_shard)
+        if staged:
+            logger.warning(
+                "FSDP2: the model's %.1f GiB on the GPU leave no room for its shards beside them while Accelerate "
+                "wraps it, so it was moved to the host first; FSDP2 moves only this rank's shards back "
+                "(load the model on the CPU to skip the round trip, docs/fsdp.md)",
+                staged / 2**30,
+            )
+
+    def _build_step(self, args: LongStrawGRPOConfig) -> None:
+        """The step's parts, each given its options once: the refresh policy, the prompt states, the rollout and
+        the streamed loss."""
+        # MoE load-balancing loss (longstraw_trl.router_aux): the routers
+        self.router_aux = (
+            RouterLoadBalancing(self.model) if self.loss_spec.router_aux_loss_coef != 0.0 else None
+        )
         self.refresh_policy = RefreshPolicy(
             args.refresh_policy,
             args.refresh_interval,
@@ -466,19 +337,37 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             args.refresh_probe_period,
             args.refresh_max_interval,
         )
-        capture = CaptureOptions(
-            chunk_size=args.capture_chunk_size,
-            page_size=args.page_size,
-            offload=args.offload_prompt_state,
-            cp_group=self.cp_group,
-            keep_boundaries=args.gradient_mode == "full",
-            share_prefixes=args.prompt_prefix_sharing,
-        )
         cache_bytes = None if args.prompt_cache_gib is None else int(args.prompt_cache_gib * 2**30)
         self.prompt_states = PromptStates(
-            self, self.model, capture, self.refresh_policy, cache_bytes, self.router_aux
+            self,
+            self.model,
+            CaptureOptions.from_config(args, self.cp_group),
+            self.refresh_policy,
+            cache_bytes,
+            self.router_aux,
         )
-        sampling = SamplingParams.from_settings(
+        self.rollout = Rollout(
+            self,
+            self.prompt_states,
+            self._sampling_params(),
+            self.eos_token_ids,
+            getattr(self, "pad_to_multiple_of", None),
+            self.temperature,
+            None if args.generation_fsdp_gather_gib is None else int(args.generation_fsdp_gather_gib * 2**30),
+        )
+        self.streamed_loss = StreamedLoss(
+            self.loss_spec,
+            LossOptions.from_config(args, self.temperature),
+            self,
+            self.prompt_states,
+            self.accelerator,
+            self.router_aux,
+            self.get_high_entropy_mask,
+        )
+
+    def _sampling_params(self) -> SamplingParams:
+        """TRL's sampling settings, as the shared-prefix sampler takes them."""
+        return SamplingParams.from_settings(
             self.generation_kwargs,
             max_new_tokens=self.max_completion_length,
             temperature=self.temperature,
@@ -490,39 +379,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             pad_token_id=self._tokenizer.pad_token_id,
             repetition_penalty=self.repetition_penalty,
         )
-        self.rollout = Rollout(
-            self,
-            self.prompt_states,
-            sampling,
-            self.eos_token_ids,
-            getattr(self, "pad_to_multiple_of", None),
-            self.temperature,
-            None if args.generation_fsdp_gather_gib is None else int(args.generation_fsdp_gather_gib * 2**30),
-        )
-        self.streamed_loss = StreamedLoss(
-            self.loss_spec,
-            LossOptions(
-                temperature=self.temperature,
-                gradient_mode=args.gradient_mode,
-                replay_block_size=args.replay_block_size,
-                replay_batch_tokens=args.replay_batch_tokens,
-                replay_checkpoint_layers=args.replay_checkpoint_layers,
-                gradient_checkpointing=bool(args.gradient_checkpointing),
-                capture_chunk_size=args.capture_chunk_size,
-                prompt_backward_checkpoint_layers=args.prompt_backward_checkpoint_layers,
-                autograd_fused_kernels=args.autograd_fused_kernels,
-            ),
-            self,
-            self.prompt_states,
-            self.accelerator,
-            self.router_aux,
-            self.get_high_entropy_mask,
-        )
-        if self.rollout_func is not None:
-            self.rollout_func = grouped_rollout_func(self.rollout_func)
-        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
-            if not isinstance(func, nn.Module):
-                self.reward_funcs[i] = _named_reward_function(func, name)
 
     def _shard_experts(self, args) -> ExpertParallel | None:
         """``ep_size > 1``: split the policy's routed experts over EP groups with transformers' EP
@@ -649,7 +505,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 row = index.index(j)
                 raise LongStrawError(
                     f"row {row} of this batch (global step {self.state.global_step}): column 'prompt' "
-                    f"({_short(unique[j])}) tokenizes to no token. Every row needs a non-empty prompt; drop the row, "
+                    f"({short_repr(unique[j])}) tokenizes to no token. Every row needs a non-empty prompt; drop the row, "
                     "e.g. dataset.filter(lambda row: bool(row['prompt']))."
                 )
         return [prompt_ids[j] for j in index], None, {}
@@ -883,8 +739,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if eval_dataset is not None and not isinstance(eval_dataset, str):
             factories = self.environment_factories  # TRL's {None: factory} for a single one
             factory = factories[None] if factories is not None and list(factories) == [None] else factories
-            _check_prompt_column(eval_dataset, "eval_dataset", factory)
-            _check_prompts(eval_dataset, "eval_dataset")
+            check_prompt_column(eval_dataset, "eval_dataset", factory)
+            check_prompts(eval_dataset, "eval_dataset")
         return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -913,46 +769,31 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint plus the refresh policy's state and a record of the prompt states it leaves out
-        (`REFRESH_STATE_FILE`; README, "Checkpoints and resuming")."""
+        (`longstraw_trl.checkpoint`; README, "Checkpoints and resuming")."""
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
-            record = {
-                **self.refresh_policy.state_dict(),
-                "prompt_cache": self.prompt_states.checkpoint_summary(),
-            }
-            with open(os.path.join(folder, REFRESH_STATE_FILE), "w") as f:
-                json.dump(record, f)
+            save_refresh_record(
+                folder, self.refresh_policy.state_dict(), self.prompt_states.checkpoint_summary()
+            )
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """TRL's resume, then the refresh policy's state; the prompt states start empty (`PromptStates.resume`)."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        record = None
-        path = os.path.join(checkpoint, REFRESH_STATE_FILE)
-        if os.path.exists(path):
-            with open(path) as f:
-                record = json.load(f)
+        record = load_refresh_record(checkpoint)
+        if record is not None:
             self.refresh_policy.load_state_dict(record)
         self.prompt_states.resume(
             checkpoint, self.state.global_step, None if record is None else record.get("prompt_cache")
         )
-        micro_steps = self.state.global_step * self.args.gradient_accumulation_steps
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if micro_steps % generate_every:
-            logger.warning(
-                "LongStraw resume from %s (step %d): the checkpoint falls inside a generation batch (one every %d "
-                "micro-steps: steps_per_generation=%d x num_iterations=%d); checkpoints hold neither TRL's buffered "
-                "batch nor its micro-step counter, so the resumed run generates a new batch at once where the "
-                "uninterrupted one replays the buffered batch (TRL's behaviour). Choose save_steps so that "
-                "save_steps x gradient_accumulation_steps is a multiple of %d for an exact resume.",
-                checkpoint,
-                self.state.global_step,
-                generate_every,
-                self.args.steps_per_generation,
-                self.num_iterations,
-                generate_every,
-            )
+        warn_resume_inside_batch(
+            checkpoint,
+            self.state.global_step,
+            self.args.gradient_accumulation_steps,
+            self.args.steps_per_generation,
+            self.num_iterations,
+        )

@@ -22,6 +22,9 @@ BOTTOM, STATE, RUNTIME, STEP, GLUE = range(5)
 LAYER_NAMES = ["bottom", "state", "runtime", "grpo step", "trl glue"]
 LAYERS = {
     "longstraw_trl.errors": BOTTOM,
+    "longstraw_trl.constants": BOTTOM,
+    "longstraw_trl.config": BOTTOM,  # plain data: imports nothing of the runtime
+    "longstraw_trl.options": BOTTOM,
     "longstraw_trl.parallel_dims": BOTTOM,
     "longstraw_trl.context_parallel": BOTTOM,
     "longstraw_trl.fsdp": BOTTOM,
@@ -51,7 +54,9 @@ LAYERS = {
     "longstraw_trl.prompt_states": STEP,
     "longstraw_trl.streamed_loss": STEP,
     "longstraw_trl.rollout": STEP,
-    "longstraw_trl.config": GLUE,
+    "longstraw_trl.checks": GLUE,
+    "longstraw_trl.checkpoint": GLUE,
+    "longstraw_trl.rewards": GLUE,
     "longstraw_trl.agents": GLUE,
     "longstraw_trl.trainer": GLUE,
     "longstraw_trl": GLUE,  # the package's __init__ wires the layers together

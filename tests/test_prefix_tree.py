@@ -46,7 +46,7 @@ def _decision_points(shared=37, seed=0):
 
 def _states(model, share=True, chunk=CHUNK):
     host = Host()
-    options = CaptureOptions(chunk_size=chunk, page_size=4, share_prefixes=share)
+    options = CaptureOptions(capture_chunk_size=chunk, page_size=4, prompt_prefix_sharing=share)
     return PromptStates(host, model, options, RefreshPolicy("reuse", 2)), host
 
 

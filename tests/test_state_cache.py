@@ -33,11 +33,11 @@ class Counting:
         return extend_state(state, self.model, more)
 
 
-def _cache(model, policy="reuse", interval=1, max_bytes=None, share_branches=True):
+def _cache(model, policy="reuse", interval=1, max_bytes=None, prompt_prefix_sharing=True):
     calls = Counting(model)
     policy = RefreshPolicy(policy, interval)
     return PromptStateCache(
-        calls.capture, calls.extend, policy, max_bytes, share_branches=share_branches
+        calls.capture, calls.extend, policy, max_bytes, prompt_prefix_sharing=prompt_prefix_sharing
     ), calls
 
 
@@ -68,9 +68,9 @@ def test_grown_history_costs_only_its_new_tokens(family):
 
 
 def test_longest_usable_prefix_is_extended():
-    """Exact prefixes only (``share_branches=False``); tests/test_prefix_tree.py covers branching."""
+    """Exact prefixes only (``prompt_prefix_sharing=False``); tests/test_prefix_tree.py covers branching."""
     model = build("qwen3")
-    cache, calls = _cache(model, share_branches=False)
+    cache, calls = _cache(model, prompt_prefix_sharing=False)
     history = _history(60)
     for n in (10, 30, 20):
         cache.get(history[:n], step=0)

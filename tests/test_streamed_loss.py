@@ -120,7 +120,7 @@ def _setup(gradient_mode="response_only", collectives=None, **options):
     model = build("llama")
     model.train()
     host = Host()
-    capture = CaptureOptions(chunk_size=5, keep_boundaries=gradient_mode == "full")
+    capture = CaptureOptions(capture_chunk_size=5, gradient_mode=gradient_mode, prompt_prefix_sharing=True)
     states = PromptStates(host, model, capture, RefreshPolicy("recapture"))
     spec = GRPOLossSpec.from_args(SimpleNamespace(loss_type="dapo", beta=0.0))
     loss = StreamedLoss(

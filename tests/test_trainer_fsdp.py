@@ -28,6 +28,7 @@ from _cp_step import main as run_step
 from _spawn import launch_step, relative_l2
 
 from longstraw_trl import LongStrawError, LongStrawGRPOConfig, generate_from_state
+from longstraw_trl.checks import check_launch, check_supported
 
 STEP = Path(__file__).parent / "_cp_step.py"
 FSDP2_CONFIG = Path(__file__).parent.parent / "examples" / "accelerate" / "fsdp2.yaml"
@@ -262,26 +263,26 @@ def test_fsdp_version_1_deepspeed_and_accelerate_cp_are_refused(tmp_path):
     config = LongStrawGRPOConfig(**common)
     config.fsdp, config.fsdp_config = "full_shard", {"version": 1}  # as TrainingArguments parses them
     with pytest.raises(LongStrawError, match="FSDP version 1"):
-        config.check_supported()
+        check_supported(config)
     config = LongStrawGRPOConfig(**common)
     config.deepspeed = {"zero_optimization": {"stage": 2}}
     with pytest.raises(LongStrawError, match="FSDP2 instead"):
-        config.check_supported()
+        check_supported(config)
     # the launch: Accelerate's FSDP1 plugin, its own context parallelism
     fsdp1 = SimpleNamespace(
         distributed_type="FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=1), parallelism_config=None
     )
     with pytest.raises(LongStrawError, match="set `fsdp_version: 2`"):
-        config.check_launch(fsdp1)
+        check_launch(fsdp1)
     accelerate_cp = SimpleNamespace(
         distributed_type="FSDP", fsdp_plugin=None, parallelism_config=SimpleNamespace(cp_size=2, tp_size=1)
     )
     with pytest.raises(LongStrawError, match="use LongStrawGRPOConfig.cp_size"):
-        config.check_launch(accelerate_cp)
+        check_launch(accelerate_cp)
     fsdp2 = SimpleNamespace(
         distributed_type="FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=2), parallelism_config=None
     )
-    config.check_launch(fsdp2)
+    check_launch(fsdp2)
 
 
 @pytest.mark.parametrize("gib", [-1.0, float("nan")])

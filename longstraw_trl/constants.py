@@ -1,0 +1,71 @@
+"""The values the config validates against, kept apart from the runtime so that the config stays plain data.
+
+Standard library only: `longstraw_trl.config` imports this module and nothing of the engine, the kernels or the
+distributed layer.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+
+DEFAULT_CHUNK_SIZE = 8192
+"""Prompt tokens per prefill step of a capture (`capture_chunk_size`)."""
+DEFAULT_PAGE_SIZE = 16384
+"""Tokens per K/V page of the full-attention layers (`page_size`)."""
+
+REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
+"""`refresh_policy` values (`longstraw_trl.refresh.RefreshPolicy`)."""
+OFFLOAD_CHOICES = (None, "cpu")
+"""`offload_prompt_state` values: the model's device, or pinned host memory."""
+EP_IMPLEMENTATIONS = ("all_reduce", "all_to_all")
+"""transformers' ``ep_implementation`` values that run on a batch shared by the EP group (both run over gloo)."""
+KERNEL_CACHE_SUBDIR = "_longstraw_kernel_cache"
+"""`kernel_cache_dir="auto"`: this folder of `output_dir` ("_": kept out of TRL's `push_to_hub` uploads)."""
+
+CACHE_ENV = "LONGSTRAW_CACHE"
+"""The environment variable naming the cache root (converted checkpoints, GGUF files, the Qwen tokenizer)."""
+
+
+class GradientMode(str, enum.Enum):
+    """Which gradient a training step back-propagates (`LongStrawGRPOConfig.gradient_mode`).
+
+    `RESPONSE`: the prompt state is a constant; gradients reach the weights through the last prompt token and the
+    responses. `FULL`: TRL's full-sequence gradient, the prompt's tokens too (the replays accumulate the prompt
+    state's gradient, then the capture chunks are recomputed under autograd in reverse order).
+    """
+
+    RESPONSE = "response_only"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, value: str | GradientMode) -> GradientMode:
+        """The mode named by ``value`` (``"response_only"``, its short form ``"response"``, or ``"full"``)."""
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip().lower()
+        if text == "response":
+            return cls.RESPONSE
+        try:
+            return cls(text)
+        except ValueError:
+            names = ", ".join(repr(mode.value) for mode in cls)
+            raise ValueError(f"gradient_mode must be one of {names}, got {value!r}.") from None
+
+    @property
+    def full(self) -> bool:
+        """Whether the prompt's tokens are back-propagated too."""
+        return self is GradientMode.FULL
+
+    def __str__(self) -> str:
+        return self.value
+
+
+GRADIENT_MODES = tuple(mode.value for mode in GradientMode)
+"""`gradient_mode` values as users spell them."""
+
+
+def cache_root() -> Path:
+    """The cache root: ``$LONGSTRAW_CACHE``, else ``~/.cache/longstraw``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "longstraw")
