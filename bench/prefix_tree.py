@@ -8,7 +8,7 @@ token prefix of another. Three ways to build their prompt states, all through th
 ``prompt_prefix_sharing=True``):
 
 - ``batch``: the points are one generation batch: the prompt trie's trunk is captured once and every point
-  extends it (``PromptStates.acquire_groups``);
+  extends it (``PromptStateManager.acquire_groups``);
 - ``steps``: one point per step: each branches off the previous point's cached state at the last chunk boundary
   before their common prefix ends (GDN states cannot be rewound), re-prefilling at most one chunk beyond its own
   new tokens;
@@ -117,7 +117,7 @@ def main() -> None:  # noqa: C901 - one benchmark, three modes
     rows, states = [], {}
 
     with torch.no_grad():
-        # batch: the trie's trunks once, then every point (what PromptStates.acquire_groups does)
+        # batch: the trie's trunks once, then every point (what PromptStateManager.acquire_groups does)
         reset_peak()
         cache = recorder.cache(args.points)
         start = len(recorder.calls)

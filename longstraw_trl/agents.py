@@ -10,12 +10,12 @@ tool-result tokens. All of that stays TRL's code; only the model work is routed 
 - **first turn**: the group's prompt is captured (or found in the prompt-state cache) once, and its `G` rollouts are
   sampled from it, as without tools;
 - **tool turns** (:meth:`longstraw_trl.rollout.Rollout.tool_turn`): TRL's one-row-per-rollout calls are recognised
-  (the trainer's `_tool_call_loop` runs under :meth:`longstraw_trl.prompt_states.PromptStates.tool_turns`), and each
+  (the trainer's `_tool_call_loop` runs under :meth:`longstraw_trl.prompt_state_manager.PromptStateManager.tool_turns`), and each
   row's state is looked up in the prompt-state cache by
   longest cached prefix: the group's prompt (or the rollout's previous tool turn) is a prefix of
   `prompt + completion + tool suffix`, so the state is a fork of it *extended* by the new tokens only (copy-on-write
   K/V pages, a multi-token prefill), never captured from the first token. These rows are not loss groups: they are
-  not recorded in `PromptStates.batch_groups`, and their states are dropped from the cache when the tool loop ends;
+  not recorded in `PromptStateManager.batch_groups`, and their states are dropped from the cache when the tool loop ends;
 - **loss**: each final completion (tool tokens included) is replayed on its group's prompt state, and the loss mask is
   `completion_mask * tool_mask`, exactly as TRL masks it (`longstraw_trl.streamed_loss`).
 

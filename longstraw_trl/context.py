@@ -1,9 +1,9 @@
-"""What a layer sees during one LongStraw call: the :class:`ReplayContext`, passed down the decoder layers as the
+"""What a layer sees during one LongStraw call: the :class:`ForwardContext`, passed down the decoder layers as the
 ``longstraw`` keyword, and its :class:`Mode`.
 
 The context owns what each mode reads and writes: family patches ask it for a layer's prompt state
-(:meth:`ReplayContext.layer_state`), hand it what their layer produced (:meth:`ReplayContext.keep_kv`,
-:meth:`ReplayContext.keep_final_state`) and read the decode buffers from it (:meth:`ReplayContext.response_kv`);
+(:meth:`ForwardContext.layer_state`), hand it what their layer produced (:meth:`ForwardContext.keep_kv`,
+:meth:`ForwardContext.keep_final_state`) and read the decode buffers from it (:meth:`ForwardContext.response_kv`);
 they never switch on the mode themselves.
 """
 
@@ -102,7 +102,7 @@ class ResponseKV:
         self.v.index_copy_(2, index.view(1), v)
 
 
-class ReplayContext:
+class ForwardContext:
     """What a layer needs during one LongStraw call, passed down as the ``longstraw`` keyword.
 
     Args:

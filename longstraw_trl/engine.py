@@ -2,7 +2,7 @@
 
 How the state reaches the model: the engine calls the model's root forward (so peft, DDP and accelerate
 wrappers, LoRA, MoE blocks, norms and HF gradient checkpointing all behave as usual) with a
-:class:`ReplayContext` as the ``longstraw`` keyword, which HF passes down to every decoder layer. HF
+:class:`ForwardContext` as the ``longstraw`` keyword, which HF passes down to every decoder layer. HF
 attention modules forward unknown keywords to their attention interface; the engine wraps every registered
 interface so that, when the keyword is present, attention runs over the prompt K/V plus the response's own
 causal keys (``kernels.attention``), and otherwise falls through to the original implementation untouched.
@@ -25,7 +25,7 @@ from longstraw_trl.kernels.logprob import token_logprobs
 from longstraw_trl.model_patches import find_patch, patch_model, unwrap_model
 
 from .constants import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE
-from .context import CTX_KWARG, Mode, ReplayContext, ResponseKV
+from .context import CTX_KWARG, ForwardContext, Mode, ResponseKV
 from .errors import LongStrawError, PromptTooLongError
 from .fsdp import is_fsdp2
 from .hooks import head_request, install_head, skip_head, zero_hidden
@@ -39,14 +39,14 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PAGE_SIZE",
     "Mode",
-    "ReplayContext",
+    "ForwardContext",
     "ResponseKV",
     "StateGrads",
     "TokenLogprobs",
     "backward_segment",
     "capture_prompt",
     "check_completion_mask",
-    "check_positions",
+    "check_max_position_embeddings",
     "check_token_ids",
     "checkpointing_off",
     "extend_state",
@@ -107,7 +107,7 @@ def forward_model(
     model: nn.Module,
     input_ids: torch.Tensor,
     start: int | torch.Tensor,
-    ctx: ReplayContext,
+    ctx: ForwardContext,
     head: Callable | None = None,
     logits_to_keep: int = 0,
 ) -> torch.Tensor:
@@ -156,7 +156,7 @@ def check_token_ids(ids: torch.Tensor, model: nn.Module, name: str) -> None:
         )
 
 
-def check_positions(model: nn.Module, total: int, what: str) -> None:
+def check_max_position_embeddings(model: nn.Module, total: int, what: str) -> None:
     limit = find_patch(model).max_positions(unwrap_model(model))
     if limit is not None and total > limit:
         raise PromptTooLongError(
@@ -192,7 +192,7 @@ def _prefill(
     if ids.numel() == 0:
         return
     device = state.device
-    ctx = ReplayContext(Mode.CAPTURE, state, reserve_tokens=ids.numel())
+    ctx = ForwardContext(Mode.CAPTURE, state, reserve_tokens=ids.numel())
     clock = _ChunkClock(device)
     with _progress(ids.numel(), progress, "capture") as bar:
         for s in range(0, ids.numel(), chunk_size):
@@ -266,7 +266,7 @@ def capture_prompt(
         raise LongStrawError(
             f"prompt_ids must be 1-D (one prompt per state), got shape {tuple(prompt_ids.shape)}"
         )
-    check_positions(model, prompt_ids.numel(), f"a prompt of {prompt_ids.numel()} tokens")
+    check_max_position_embeddings(model, prompt_ids.numel(), f"a prompt of {prompt_ids.numel()} tokens")
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE
     page_size = page_size or DEFAULT_PAGE_SIZE
     if chunk_size <= 0 or page_size <= 0:
@@ -291,7 +291,7 @@ def extend_state(
     check_token_ids(more_ids, model, "more_ids")
     if more_ids.dim() != 1:
         raise LongStrawError(f"more_ids must be 1-D, got shape {tuple(more_ids.shape)}")
-    check_positions(model, state.num_tokens + more_ids.numel(), "the extended prompt")
+    check_max_position_embeddings(model, state.num_tokens + more_ids.numel(), "the extended prompt")
     new = state.fork()
     ids = torch.cat([state.last_token.view(1).cpu(), more_ids[:-1].cpu()])
     keep = state.token_ids is not None  # the full gradient: the extension keeps what prompt_backward needs
@@ -346,11 +346,13 @@ def replay_logprobs(
     if completion_mask is not None:
         check_completion_mask(completion_mask, completion_ids)
     g, r = completion_ids.shape
-    check_positions(model, state.num_tokens + r, f"prompt ({state.num_tokens}) + completion ({r})")
+    check_max_position_embeddings(
+        model, state.num_tokens + r, f"prompt ({state.num_tokens}) + completion ({r})"
+    )
     ids = completion_ids.to(state.device)
     inputs = torch.cat([state.last_token.view(1, 1).expand(g, 1), ids[:, :-1]], dim=1)
     with torch.set_grad_enabled(grad):
-        ctx = ReplayContext(
+        ctx = ForwardContext(
             Mode.REPLAY, state, checkpoint_layers=checkpoint_layers, grads=grads if grad else None
         )
         head = TokenLogprobs(ids, temperature, return_entropy, entropy_grad)
@@ -402,7 +404,7 @@ def backward_segment(
     with torch.enable_grad(), checkpointing_off(model) as hf:
         if checkpoint_layers is None:  # as the model's own (HF) checkpointing says
             checkpoint_layers = bool(hf) and model.training
-        ctx = ReplayContext(
+        ctx = ForwardContext(
             Mode.SEGMENT, view, checkpoint_layers=checkpoint_layers, grads=grads, segment=(start, end)
         )
         keep = 1 if head is None else 0  # a prompt chunk needs no logits
@@ -522,7 +524,9 @@ def replay_blocks_backward(
         raise LongStrawError("grads belong to another prompt state: make them with StateGrads(state)")
     check_token_ids(completion_ids, model, "completion_ids")
     r = completion_ids.shape[1]
-    check_positions(model, state.num_tokens + r, f"prompt ({state.num_tokens}) + completion ({r})")
+    check_max_position_embeddings(
+        model, state.num_tokens + r, f"prompt ({state.num_tokens}) + completion ({r})"
+    )
     ids = completion_ids.to(state.device)
     inputs = torch.cat([state.last_token.view(1, 1), ids[:, :-1]], dim=1)
     base = state.resident_tokens
@@ -532,7 +536,7 @@ def replay_blocks_backward(
     # forward without autograd: every block but the last appended to a fork, the state kept at each boundary
     fork = state.fork()
     logps, entropies = ids.new_zeros(r, dtype=torch.float32), ids.new_zeros(r, dtype=torch.float32)
-    ctx = ReplayContext(Mode.CAPTURE, fork, reserve_tokens=starts[-1])
+    ctx = ForwardContext(Mode.CAPTURE, fork, reserve_tokens=starts[-1])
     with torch.no_grad():
         for s in starts[:-1]:
             e = min(r, s + block_size)

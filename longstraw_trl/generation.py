@@ -39,8 +39,8 @@ from transformers.generation.logits_process import (
 
 from longstraw_trl.kernels.runtime.switches import switch
 
-from .context import Mode, ReplayContext
-from .engine import check_positions, forward_model, vocab_size
+from .context import ForwardContext, Mode
+from .engine import check_max_position_embeddings, forward_model, vocab_size
 from .errors import LongStrawError
 from .host_memory import count_streamed_bytes, streamed_bytes
 from .prompt_state import PromptState
@@ -346,7 +346,7 @@ def generate_from_state(
         raise LongStrawError("num_generations and max_new_tokens must be >= 1")
     if do_sample and (temperature is None or temperature <= 0):
         raise LongStrawError(f"temperature must be > 0 when sampling, got {temperature}")
-    check_positions(model, state.num_tokens + max_new_tokens, "prompt + max_new_tokens")
+    check_max_position_embeddings(model, state.num_tokens + max_new_tokens, "prompt + max_new_tokens")
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
@@ -448,7 +448,7 @@ class DecodeStep:
             raise LongStrawError("cuda_graphs=True needs the state on a CUDA device")
         self.model, self.state, self.use_graphs = model, state, cuda_graphs
         self.step = torch.zeros((), dtype=torch.long, device=device)  # tokens decoded so far
-        self.ctx = ReplayContext(Mode.DECODE, state, capacity=capacity, step=self.step)
+        self.ctx = ForwardContext(Mode.DECODE, state, capacity=capacity, step=self.step)
         self.tokens = torch.zeros(num_sequences, 1, dtype=torch.long, device=device)
         self.graph = None
         self.logits: torch.Tensor | None = None

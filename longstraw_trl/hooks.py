@@ -2,7 +2,7 @@
 ``deepcopy`` rebinds them).
 
 - the attention dispatch: every attention implementation registered in transformers is wrapped so that, when a
-  :class:`~longstraw_trl.context.ReplayContext` is passed down as the ``longstraw`` keyword, attention runs through
+  :class:`~longstraw_trl.context.ForwardContext` is passed down as the ``longstraw`` keyword, attention runs through
   it, and otherwise falls through to the original implementation untouched;
 - the output head: inside a LongStraw call it computes what the engine requests (:func:`head_request`: token
   log-probs, or nothing during capture) instead of full logits;
@@ -98,7 +98,7 @@ def _layer_forward(self, *args, **kwargs):
     ctx = kwargs.get(CTX_KWARG)
     hf_checkpoints = getattr(self, "gradient_checkpointing", False) and self.training
     ours = ctx is not None and ctx.checkpoint_layers and torch.is_grad_enabled() and not hf_checkpoints
-    if ctx is not None:  # read by the layer's attention (ReplayContext._prompt_part)
+    if ctx is not None:  # read by the layer's attention (ForwardContext._prompt_part)
         ctx.layer_recomputed = bool(hf_checkpoints or ours)
     if ours:
         return checkpoint(_forward_without_hf_checkpointing, self, *args, use_reentrant=False, **kwargs)

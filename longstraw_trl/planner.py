@@ -361,7 +361,7 @@ def offload_bytes(
 
 def kept_page_parts_bytes(config, types: list[str], tokens: int) -> int:
     """Bytes a checkpointed call over ``tokens`` queries keeps from each attention layer's first forward for its
-    recompute (``context.ReplayContext._prompt_part``): the queries' attention over the prompt pages, fp32 out and LSE,
+    recompute (``context.ForwardContext._prompt_part``): the queries' attention over the prompt pages, fp32 out and LSE,
     ``[Hq, tokens, d + 1]`` a layer. Sliding-window layers keep none (their window is recomputed)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention_layers = sum(t == "full_attention" for t in types)
@@ -1048,7 +1048,7 @@ def check_positions(config, prompt_tokens: int, response_tokens: int) -> Positio
     """Check P + R against what the config's positions allow, and say what to change when they do not.
 
     Two limits: the engine refuses a prompt + completion beyond ``max_position_embeddings``
-    (``engine.check_positions``), and a YaRN scaling extends RoPE to ``factor`` x
+    (``engine.check_max_position_embeddings``), and a YaRN scaling extends RoPE to ``factor`` x
     ``original_max_position_embeddings`` (transformers' ``_compute_yarn_parameters``; without ``factor``:
     ``max_position_embeddings`` / ``original_max_position_embeddings``), past which the model attends at positions
     its scaling was not made for. Without scaling (``default``), ``max_position_embeddings`` is taken as the trained

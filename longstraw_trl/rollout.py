@@ -13,7 +13,7 @@ import torch
 from .fsdp import fsdp2_units_kept_gathered
 from .generation import SamplingParams, generate_from_state
 from .prompt_state import PromptState
-from .prompt_states import PromptStates, StepHost
+from .prompt_state_manager import PromptStateManager, StepHost
 from .state_cache import prompt_key
 
 __all__ = ["Rollout", "padded_prompt_length", "truncate_after_eos"]
@@ -56,7 +56,7 @@ class Rollout:
     def __init__(
         self,
         host: StepHost,
-        prompt_states: PromptStates,
+        prompt_states: PromptStateManager,
         sampling: SamplingParams,
         eos_token_ids: list[int],
         pad_to_multiple_of: int | None = None,

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .context import Mode, ReplayContext
+from .context import ForwardContext, Mode
 from .engine import forward_model
 from .errors import LongStrawError, UnsupportedModelError
 from .hooks import skip_head
@@ -284,7 +284,7 @@ def prepare_micro_batch(
             part = prompt_stats * g
             for start in range(0, g, rows):
                 with lb.collect(token_mask[start : start + rows].reshape(-1)) as got:
-                    ctx = ReplayContext(Mode.REPLAY, state)
+                    ctx = ForwardContext(Mode.REPLAY, state)
                     batch = inputs[start : start + rows]
                     forward_model(model, batch, state.resident_tokens, ctx, head=skip_head, logits_to_keep=1)
                 part = part + got[0]

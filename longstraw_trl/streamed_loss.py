@@ -9,7 +9,7 @@ A micro-batch goes through :meth:`StreamedLoss.__call__` in this order:
 4. **sync plan** (:func:`plan_sync`): under DDP, which backward synchronises the gradients (the longest response's,
    run last; or, with the full gradient, the last group's prompt backward) and which run under ``no_sync``;
 5. **router statistics** (a MoE load-balancing loss): the whole micro-batch's, graph-free, before any term;
-6. for each group (sync plan's order): its prompt state (:class:`~longstraw_trl.prompt_states.PromptStates`), then
+6. for each group (sync plan's order): its prompt state (:class:`~longstraw_trl.prompt_state_manager.PromptStateManager`), then
    its rows cut into replay batches (:func:`replay_batches`), each replayed under autograd
    (:meth:`StreamedLoss.policy_replay`; reverse block replay one response at a time; the router's share one position
    longer), its terms (:func:`~longstraw_trl.loss.response_loss`) checked finite and back-propagated together;
@@ -17,7 +17,7 @@ A micro-batch goes through :meth:`StreamedLoss.__call__` in this order:
    replays;
 7. **metrics**: TRL's, aggregated over processes, and the replay's throughput.
 
-No TRL trainer here: the host supplies the phase and metrics (:class:`~longstraw_trl.prompt_states.StepHost`) and the
+No TRL trainer here: the host supplies the phase and metrics (:class:`~longstraw_trl.prompt_state_manager.StepHost`) and the
 collectives (:class:`Collectives`: Accelerate's ``Accelerator`` is one; :class:`SingleProcess` for one process).
 """
 
@@ -45,7 +45,7 @@ from .loss import (
 )
 from .options import LossOptions
 from .prompt_state import PromptState
-from .prompt_states import PromptStates, StepHost, peak_memory_gib
+from .prompt_state_manager import PromptStateManager, StepHost, peak_memory_gib
 from .router_aux import RouterLoadBalancing, prepare_micro_batch, replay_inputs
 from .state_cache import CachedPrompt
 from .state_grads import StateGrads
@@ -261,7 +261,7 @@ class StreamedLoss:
         spec: GRPOLossSpec,
         options: LossOptions,
         host: StepHost,
-        prompt_states: PromptStates,
+        prompt_states: PromptStateManager,
         collectives: Collectives,
         router_aux: RouterLoadBalancing | None = None,
         entropy_mask: Callable | None = None,

@@ -6,7 +6,7 @@ TRL runs every one of the `G` sequences `prompt + completion` through the model,
 each group (one prompt, `G = num_generations` completions) goes through:
 
 1. **capture**: the prompt is prefilled once, without autograd, into a read-only
-   [`~longstraw_trl.PromptState`] (every capture goes through `PromptStates.capture`, `longstraw_trl.prompt_states`);
+   [`~longstraw_trl.PromptState`] (every capture goes through `PromptStateManager.capture`, `longstraw_trl.prompt_state_manager`);
 2. **generation**: the `G` completions are sampled together from that state (`PromptState.generate`), with TRL's
    sampling settings, EOS ids and padding;
 3. **rewards and advantages**: TRL's own code, unchanged. The trainer overrides only the hooks TRL's
@@ -117,7 +117,7 @@ from .loss import GRPOLossSpec, adaptive_entropy_coef, applied_entropy_coef
 from .model_patches import patch_model, unwrap_model
 from .options import CaptureOptions, LossOptions
 from .parallel_dims import ParallelDims
-from .prompt_states import PromptStates, peak_memory_gib
+from .prompt_state_manager import PromptStateManager, peak_memory_gib
 from .refresh import RefreshPolicy
 from .rewards import named_reward_function, short_repr
 from .rollout import Rollout
@@ -238,7 +238,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         # Set before `super().__init__` (TRL's `__init__` may already call overridden methods).
         self.cp_group = None
         self.expert_parallel: ExpertParallel | None = None
-        self.prompt_states: PromptStates | None = None  # built once TRL's __init__ has set the model up
+        self.prompt_states: PromptStateManager | None = None  # built once TRL's __init__ has set the model up
 
         super().__init__(
             model=model,
@@ -338,7 +338,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             args.refresh_max_interval,
         )
         cache_bytes = None if args.prompt_cache_gib is None else int(args.prompt_cache_gib * 2**30)
-        self.prompt_states = PromptStates(
+        self.prompt_states = PromptStateManager(
             self,
             self.model,
             CaptureOptions.from_config(args, self.cp_group),
@@ -428,7 +428,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     # ------------------------------------------------------------------------------------------------------------------
-    # What the GRPO step objects ask of their host (longstraw_trl.prompt_states.StepHost)
+    # What the GRPO step objects ask of their host (longstraw_trl.prompt_state_manager.StepHost)
     # ------------------------------------------------------------------------------------------------------------------
     @property
     def phase(self) -> str:
@@ -780,7 +780,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        """TRL's resume, then the refresh policy's state; the prompt states start empty (`PromptStates.resume`)."""
+        """TRL's resume, then the refresh policy's state; the prompt states start empty (`PromptStateManager.resume`)."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return

@@ -60,7 +60,7 @@ class FamilyPatch:
 
         A family with other layer kinds returns its own state class here; the planner sizes the state
         with that class's ``planned_bytes``, and the family's layer forward creates it through
-        ``ReplayContext.layer_state``. The engine itself knows no layer kind but attention.
+        ``ForwardContext.layer_state``. The engine itself knows no layer kind but attention.
         """
         return KVPages
 

@@ -136,7 +136,7 @@ def _output(module: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Ten
 def _fused_decode(module: nn.Module, ctx, idx: int, mixed_qkv, a, b, start: GDNState) -> torch.Tensor:
     """One decode token through :func:`gdn_decode_step` (conv, gating and delta rule in two kernels). With
     fixed shapes (CUDA graphs) it updates the running state in place; otherwise the state is rebound to new
-    tensors, as the torch path does (:meth:`ReplayContext.keep_final_state`)."""
+    tensors, as the torch path does (:meth:`ForwardContext.keep_final_state`)."""
     running = ctx.running.get(idx)
     core, conv_state, recurrent = gdn_decode_step(
         mixed_qkv,

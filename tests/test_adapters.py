@@ -82,7 +82,7 @@ def test_trainer_casts_in_capture_and_generation_only(enabled, monkeypatch):
     from _trl_helpers import make_tiny_longstraw_trainer, tiny_model_dir
     from transformers import Qwen3ForCausalLM
 
-    import longstraw_trl.prompt_states as trainer_module
+    import longstraw_trl.prompt_state_manager as trainer_module
 
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.bfloat16)
     trainer = make_tiny_longstraw_trainer(

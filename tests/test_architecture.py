@@ -51,7 +51,7 @@ LAYERS = {
     "longstraw_trl.cli": RUNTIME,
     "longstraw_trl.state_cache": STEP,
     "longstraw_trl.loss": STEP,
-    "longstraw_trl.prompt_states": STEP,
+    "longstraw_trl.prompt_state_manager": STEP,
     "longstraw_trl.streamed_loss": STEP,
     "longstraw_trl.rollout": STEP,
     "longstraw_trl.checks": GLUE,

@@ -40,7 +40,7 @@ from longstraw_trl import (
     patch_model,
     replay_logprobs,
 )
-from longstraw_trl.engine import ReplayContext, forward_model
+from longstraw_trl.engine import ForwardContext, forward_model
 from longstraw_trl.host_memory import streamed_bytes
 from longstraw_trl.model_patches import (
     DeepseekV32Patch,
@@ -309,7 +309,7 @@ def test_offloaded_state_of_three_pages_equals_resident(monkeypatch):
     logits, streamed = [], []  # bytes copied from the host before each step and after the last
     with torch.no_grad():
         for state in (resident, offloaded):
-            ctx = ReplayContext("decode", state, capacity=4)
+            ctx = ForwardContext("decode", state, capacity=4)
             steps = []
             for i in range(4):
                 streamed.append(streamed_bytes())
@@ -404,13 +404,13 @@ def test_decode_token_by_token_equals_replay():
             None,
             torch.zeros((), dtype=torch.long),
         ):  # growing buffers, and fixed shapes (CUDA graphs)
-            ctx = ReplayContext("decode", state, capacity=6, step=step)
+            ctx = ForwardContext("decode", state, capacity=6, step=step)
             steps = []
             for i in range(6):
                 steps.append(forward_model(model, tokens[:, i : i + 1], start + i, ctx))
                 if step is not None:
                     step.add_(1)
-            replayed = forward_model(model, tokens, start, ReplayContext("replay", state))
+            replayed = forward_model(model, tokens, start, ForwardContext("replay", state))
             assert (torch.cat(steps, dim=1) - replayed).abs().max().item() <= 1e-5
 
 

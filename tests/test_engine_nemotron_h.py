@@ -45,7 +45,7 @@ from longstraw_trl import (
     patch_model,
     replay_logprobs,
 )
-from longstraw_trl.engine import ReplayContext, forward_model
+from longstraw_trl.engine import ForwardContext, forward_model
 from longstraw_trl.model_patches import NemotronHPatch, apply_longstraw_to_nemotron_h, find_patch
 from longstraw_trl.planner import full_gradient_bytes, plan_memory, state_bytes
 
@@ -215,10 +215,10 @@ def test_decode_token_by_token_equals_replay():
     tokens = torch.randint(0, VOCAB, (2, 6), generator=gen)
     start = state.resident_tokens
     with torch.no_grad():
-        ctx = ReplayContext("decode", state, capacity=6)
+        ctx = ForwardContext("decode", state, capacity=6)
         steps = [forward_model(model, tokens[:, i : i + 1], start + i, ctx) for i in range(6)]
         decoded = torch.cat(steps, dim=1)
-        replayed = forward_model(model, tokens, start, ReplayContext("replay", state))
+        replayed = forward_model(model, tokens, start, ForwardContext("replay", state))
     assert (decoded - replayed).abs().max().item() <= 1e-5
     assert sorted(i for i, r in ctx.running.items() if isinstance(r, Mamba2State)) == MAMBA_LAYERS
     assert all(ctx.running[i].recurrent.shape[0] == 2 for i in MAMBA_LAYERS)
@@ -232,7 +232,7 @@ def test_first_token_logits_match_stock():
     prompt = torch.randint(0, VOCAB, (203,), generator=gen)
     state = capture_prompt(model, prompt, chunk_size=64, page_size=16)
     with torch.no_grad():
-        ctx = ReplayContext("decode", state, capacity=1)
+        ctx = ForwardContext("decode", state, capacity=1)
         first = prompt[-1:].expand(2, 1)
         logits = forward_model(model, first, state.resident_tokens, ctx, logits_to_keep=1)
         ref = model(prompt[None]).logits[:, -1]

@@ -27,7 +27,7 @@ from longstraw_trl import (
     patch_model,
     replay_logprobs,
 )
-from longstraw_trl.engine import ReplayContext, forward_model
+from longstraw_trl.engine import ForwardContext, forward_model
 from longstraw_trl.model_patches import (
     Qwen3_5Patch,
     Qwen3NextPatch,
@@ -119,10 +119,10 @@ def test_decode_token_by_token_equals_replay(family):
     tokens = torch.randint(0, VOCAB, (2, 6), generator=gen)
     start = state.resident_tokens
     with torch.no_grad():
-        ctx = ReplayContext("decode", state, capacity=6)  # the response buffers, as generation sizes them
+        ctx = ForwardContext("decode", state, capacity=6)  # the response buffers, as generation sizes them
         steps = [forward_model(model, tokens[:, i : i + 1], start + i, ctx) for i in range(6)]
         decoded = torch.cat(steps, dim=1)
-        replayed = forward_model(model, tokens, start, ReplayContext("replay", state))
+        replayed = forward_model(model, tokens, start, ForwardContext("replay", state))
     assert (decoded - replayed).abs().max().item() <= 1e-5
     gdn = [i for i, layer in state.layers.items() if isinstance(layer, GDNState)]
     assert sorted(i for i, r in ctx.running.items() if isinstance(r, GDNState)) == gdn
@@ -137,7 +137,7 @@ def test_decode_logits_match_stock(family):
     prompt = torch.randint(0, VOCAB, (17,), generator=gen)
     tokens = torch.randint(0, VOCAB, (2, 4), generator=gen)
     state = capture_prompt(model, prompt, chunk_size=8, page_size=8)
-    ctx = ReplayContext("decode", state, capacity=5)
+    ctx = ForwardContext("decode", state, capacity=5)
     # the state holds P - 1 tokens: decoding starts with the last prompt token
     fed = torch.cat([prompt[-1:].expand(2, 1), tokens], dim=1)
     with torch.no_grad():

@@ -38,7 +38,7 @@ from longstraw_trl import (
     patch_model,
     replay_logprobs,
 )
-from longstraw_trl.engine import ReplayContext, forward_model
+from longstraw_trl.engine import ForwardContext, forward_model
 from longstraw_trl.planner import plan_memory, state_bytes
 
 FAMILIES = list(WINDOW_CONFIGS)
@@ -123,8 +123,8 @@ def test_decode_with_growing_buffers_equals_replay(family):
     toks = torch.randint(0, VOCAB, (2, 13))
     start = state.resident_tokens
     with torch.no_grad():
-        full = forward_model(model, toks, start, ReplayContext("replay", state))
-        ctx = ReplayContext("decode", state, capacity=2)
+        full = forward_model(model, toks, start, ForwardContext("replay", state))
+        ctx = ForwardContext("decode", state, capacity=2)
         steps = [forward_model(model, toks[:, i : i + 1], start + i, ctx)[:, -1] for i in range(13)]
     assert (torch.stack(steps, 1) - full).abs().max() <= 1e-5
 

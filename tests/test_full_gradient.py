@@ -508,12 +508,12 @@ def test_checkpointed_prompt_backward_keeps_no_recomputed_layer(family, monkeypa
 
     contexts = []
 
-    class Recording(engine.ReplayContext):
+    class Recording(engine.ForwardContext):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             contexts.append(self)
 
-    monkeypatch.setattr(engine, "ReplayContext", Recording)
+    monkeypatch.setattr(engine, "ForwardContext", Recording)
     model, state, grads = _replayed_for_prompt_backward(family)
     prompt_backward(state, model, grads, checkpoint_layers=True)
     segments = [c for c in contexts if c.segment is not None]

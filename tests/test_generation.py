@@ -81,15 +81,15 @@ def test_generate_rejects_bad_arguments():
 
 
 def test_decode_past_announced_capacity_grows_the_buffer():
-    from longstraw_trl.engine import ReplayContext, forward_model
+    from longstraw_trl.engine import ForwardContext, forward_model
 
     model = build("qwen3")
     state = capture_prompt(model, torch.randint(0, 97, (11,)))
     toks = torch.randint(0, 97, (2, 5))
     start = state.resident_tokens
     with torch.no_grad():
-        full = forward_model(model, toks, start, ReplayContext("replay", state))
-        ctx = ReplayContext("decode", state, capacity=2)  # too small on purpose
+        full = forward_model(model, toks, start, ForwardContext("replay", state))
+        ctx = ForwardContext("decode", state, capacity=2)  # too small on purpose
         steps = [forward_model(model, toks[:, i : i + 1], start + i, ctx)[:, -1] for i in range(5)]
     assert ctx.running[0].k.shape[2] >= 5  # it grew
     assert (torch.stack(steps, 1) - full).abs().max() <= 1e-5

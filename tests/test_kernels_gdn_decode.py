@@ -213,7 +213,7 @@ def test_model_decode_fused_matches_torch(interpreted, monkeypatch):
     its states as the torch path does. (qwen3_next shares ``gdn_forward``: covered on the GPU.)"""
     from _models import build_hybrid
 
-    from longstraw_trl.engine import ReplayContext, forward_model
+    from longstraw_trl.engine import ForwardContext, forward_model
     from longstraw_trl.generation import DecodeStep
 
     model = build_hybrid("qwen3_5")
@@ -225,7 +225,7 @@ def test_model_decode_fused_matches_torch(interpreted, monkeypatch):
         if fixed:
             step = DecodeStep(model, state, 2, 4, cuda_graphs=False)
             return [step(toks[:, i : i + 1]) for i in range(toks.shape[1])]
-        ctx = ReplayContext("decode", state, capacity=4)
+        ctx = ForwardContext("decode", state, capacity=4)
         start = state.resident_tokens
         return [forward_model(model, toks[:, i : i + 1], start + i, ctx)[:, -1] for i in range(2)]
 

@@ -22,7 +22,7 @@ from test_streamed_loss import Host
 from longstraw_trl import capture_prompt, extend_state, replay_logprobs
 from longstraw_trl.engine import StateGrads, prompt_backward
 from longstraw_trl.planner import plan_memory, shared_prefix_boundary_bytes
-from longstraw_trl.prompt_states import CaptureOptions, PromptStates
+from longstraw_trl.prompt_state_manager import CaptureOptions, PromptStateManager
 from longstraw_trl.refresh import RefreshPolicy
 from longstraw_trl.state_cache import branch_prefixes, prompt_key
 
@@ -47,7 +47,7 @@ def _decision_points(shared=37, seed=0):
 def _states(model, share=True, chunk=CHUNK):
     host = Host()
     options = CaptureOptions(capture_chunk_size=chunk, page_size=4, prompt_prefix_sharing=share)
-    return PromptStates(host, model, options, RefreshPolicy("reuse", 2)), host
+    return PromptStateManager(host, model, options, RefreshPolicy("reuse", 2)), host
 
 
 def _acquire(states, prompts):

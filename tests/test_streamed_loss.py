@@ -18,7 +18,7 @@ from _reference import param_grads, response_only_reference
 import longstraw_trl.streamed_loss as streamed
 from longstraw_trl.engine import checkpointing_off
 from longstraw_trl.loss import GRPOLossSpec
-from longstraw_trl.prompt_states import CaptureOptions, PromptStates
+from longstraw_trl.prompt_state_manager import CaptureOptions, PromptStateManager
 from longstraw_trl.refresh import RefreshPolicy
 from longstraw_trl.state_cache import prompt_key
 from longstraw_trl.streamed_loss import (
@@ -121,7 +121,7 @@ def _setup(gradient_mode="response_only", collectives=None, **options):
     model.train()
     host = Host()
     capture = CaptureOptions(capture_chunk_size=5, gradient_mode=gradient_mode, prompt_prefix_sharing=True)
-    states = PromptStates(host, model, capture, RefreshPolicy("recapture"))
+    states = PromptStateManager(host, model, capture, RefreshPolicy("recapture"))
     spec = GRPOLossSpec.from_args(SimpleNamespace(loss_type="dapo", beta=0.0))
     loss = StreamedLoss(
         spec,

@@ -1,6 +1,6 @@
 """The GRPO step's prompt states: every capture, extension and lookup of one trainer, with their refresh bookkeeping.
 
-:class:`PromptStates` owns the prompt-state cache (:class:`~longstraw_trl.state_cache.PromptStateCache`) and its
+:class:`PromptStateManager` owns the prompt-state cache (:class:`~longstraw_trl.state_cache.PromptStateCache`) and its
 lifecycle within a GRPO step: the states of a generation batch's groups are acquired (reused, extended from a cached
 prefix, or captured, as the refresh policy decides) when the batch is generated, pinned until it has been consumed,
 looked up again by the loss, and probed for drift (``adaptive``). Tool turns borrow the cache for their rollouts'
@@ -29,7 +29,7 @@ from .refresh import PROBE, RECAPTURE, RefreshPolicy
 from .router_aux import RouterLoadBalancing, RouterStats
 from .state_cache import CAPTURE, EXTEND, CachedPrompt, PromptStateCache, branch_prefixes, prompt_key
 
-__all__ = ["CaptureOptions", "PromptStates", "StepHost", "peak_memory_gib"]
+__all__ = ["CaptureOptions", "PromptStateManager", "StepHost", "peak_memory_gib"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def peak_memory_gib(device: torch.device) -> float | None:
         return None
 
 
-class PromptStates:
+class PromptStateManager:
     """The prompt states of one trainer: captured once per group, reused or refreshed across steps.
 
     Args:
