@@ -319,7 +319,7 @@ def run_case(
             "h2d_bytes_capture": cap_streamed,  # offloaded state streamed back (earlier chunks' pages)
             "capture_chunk_s": [round(x, 4) for x in state.chunk_seconds],  # grows with the indexer's prefix
             # pinned bytes PyTorch's caching host allocator holds (it rounds each block up to a power of two), and
-            # the bytes the state's segments registered themselves (exact: longstraw_trl.state.pinned_empty)
+            # the bytes the state's segments registered themselves (exact: longstraw_trl.host_memory.pinned_empty)
             "pinned_host_bytes": pinned_host_bytes(),
             "registered_host_bytes": registered_host_bytes(),
         }

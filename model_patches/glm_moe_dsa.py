@@ -143,7 +143,7 @@ class DSASelection:
 
     def gather_index(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``prompt_rows`` flattened, where the gather of chosen rows of the offloaded table ``host`` reads it
-        (:func:`~longstraw_trl.state.host_rows_to_device`).
+        (:func:`~longstraw_trl.host_memory.host_rows_to_device`).
 
         On the device when the GPU gathers from the mapped host memory itself: no host sync. Otherwise on the
         host, copied once (one host sync) and kept: the ``"shared"`` layers after a ``"full"`` one reuse its

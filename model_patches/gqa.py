@@ -7,7 +7,7 @@ between them happens before that call (qk-norm, attention bias, GLM's partial ro
 each head) or outside attention (dense / MoE MLPs, GLM's grouped router and shared experts), all of which
 run stock on the response tokens. Qwen2 / Qwen3 (``use_sliding_window=True``: sliding layers from
 ``max_window_layers`` on, in ``config.layer_types``) and Qwen3-MoE (one window for every layer) keep a
-:class:`~longstraw_trl.state.WindowKV` on their sliding layers, as every sliding-window family
+:class:`~longstraw_trl.layer_state.WindowKV` on their sliding layers, as every sliding-window family
 (:class:`~.base.SlidingWindowPatch`).
 """
 

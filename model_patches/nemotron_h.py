@@ -10,7 +10,7 @@ Mamba-2 blocks: :meth:`NemotronHPatch.apply` binds :func:`mixer_forward` to each
 untouched. With it, :func:`mamba2_forward` reuses the module's own submodules (``in_proj``, the conv weight, the
 gated group RMSNorm, ``out_proj``: LoRA on them applies) and replaces only the state handling and the scan, as the
 Gated DeltaNet replay does (:mod:`.qwen3_5`): the state is a :class:`Mamba2State` (conv + SSM state, a
-:class:`~longstraw_trl.state.ConvRecurrentState`), and what each mode reads and writes is the context's
+:class:`~longstraw_trl.layer_state.ConvRecurrentState`), and what each mode reads and writes is the context's
 (``recurrent_start`` / ``keep_final_state``): capture rebinds the prompt state chunk by chunk, replay reads it as a
 constant, decode keeps the G sequences' running state, the full gradient's segments start from leaves and emit the
 state after them.
