@@ -13,6 +13,7 @@ from transformers import ProcessorMixin
 from .config import LongStrawGRPOConfig
 from .errors import LongStrawError, UnsupportedModelError
 from .generation import SamplingParams
+from .parallel_dims import launched_with_fsdp
 
 __all__ = [
     "check_datasets",
@@ -104,7 +105,7 @@ def check_launch(state: Any) -> None:
     FSDP2 shards over every rank (``dp_shard_size``, with ``dp_replicate_size`` for HSDP), and LongStraw's
     ``cp_size`` groups consecutive ranks of the same world (docs/fsdp.md)."""
     plugin = getattr(state, "fsdp_plugin", None)
-    if state.distributed_type == "FSDP" and plugin is not None and plugin.fsdp_version != 2:
+    if launched_with_fsdp(state) and plugin is not None and plugin.fsdp_version != 2:
         raise LongStrawError(
             f"LongStrawGRPOTrainer does not support FSDP version {plugin.fsdp_version}: set `fsdp_version: 2` "
             "in the Accelerate config (examples/accelerate/fsdp2.yaml)."

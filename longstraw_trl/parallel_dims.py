@@ -16,6 +16,12 @@ import torch.distributed as dist
 from .errors import LongStrawError
 
 
+def launched_with_fsdp(state: Any) -> bool:
+    """Whether the launch Accelerate's ``state`` describes shards the policy with FSDP (``distributed_type: FSDP``):
+    the one test of the launch; :func:`longstraw_trl.fsdp.is_fsdp2` tells whether a given module is sharded now."""
+    return state.distributed_type == "FSDP"
+
+
 def check_context_parallel_world(cp_size: int, world: int) -> None:
     """Refuse a ``cp_size`` that the launch's ``world`` processes (1 without a distributed launch) cannot split into."""
     if cp_size > 1 and world % cp_size:
@@ -62,7 +68,7 @@ class ParallelDims:
     def from_launch(cls, state: Any, cp_size: int = 1, ep_size: int = 1) -> ParallelDims:
         """The dimensions of the launch Accelerate's ``state`` (an ``AcceleratorState``) describes."""
         world = state.num_processes if dist.is_initialized() else 1
-        return cls(world=world, cp=cp_size, ep=ep_size, fsdp=state.distributed_type == "FSDP")
+        return cls(world=world, cp=cp_size, ep=ep_size, fsdp=launched_with_fsdp(state))
 
     @property
     def dp(self) -> int:
