@@ -3,7 +3,7 @@
     python bench/cpu_capture_speed.py --lengths 1024 2048 --out bench/results/cpu_capture_speed_smollm2_cpu.json
 
 Each repetition times, in this order: HF's forward over the prompt (``model(ids, logits_to_keep=1)``, no grad), the
-capture with ``LONGSTRAW_CPU_FLASH`` on, and with it off (the plain-math path). Medians over the repetitions.
+capture with the CPU flash path on, and with it off (``LONGSTRAW_DISABLE=cpu_flash``, the plain-math path). Medians over the repetitions.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ def main(argv=None):
                 t = time.perf_counter()
                 model(ids[None], logits_to_keep=1)
                 times["hf_prefill"].append(time.perf_counter() - t)
-                for key, flag in (("capture_cpu_flash", "1"), ("capture_plain_math", "0")):
-                    os.environ["LONGSTRAW_CPU_FLASH"] = flag
+                for key, off in (("capture_cpu_flash", ""), ("capture_plain_math", "cpu_flash")):
+                    os.environ["LONGSTRAW_DISABLE"] = off
                     t = time.perf_counter()
                     capture_prompt(model, ids, chunk_size=8192)
                     times[key].append(time.perf_counter() - t)
-        os.environ.pop("LONGSTRAW_CPU_FLASH", None)
+        os.environ.pop("LONGSTRAW_DISABLE", None)
         med = {k: statistics.median(v) for k, v in times.items()}
         row = {"prompt_tokens": length, "median_seconds": med, "seconds": times}
         row["capture_over_prefill"] = {

@@ -37,7 +37,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from longstraw_trl.kernels.runtime.switches import switch
+from longstraw_trl.kernels.runtime.switches import enabled
 
 from .context import ForwardContext, Mode
 from .engine import check_max_position_embeddings, forward_model, vocab_size
@@ -48,8 +48,8 @@ from .prompt_state import PromptState
 # Decoding checks whether every row has finished (a host synchronisation) once per this many steps; the
 # output is trimmed to what stopping at once would have given.
 DONE_CHECK_INTERVAL = 16
-# LONGSTRAW_CUDA_GRAPHS=0 turns the decode step's CUDA graph off (the default is on, on CUDA).
-CUDA_GRAPHS_ENV = "LONGSTRAW_CUDA_GRAPHS"
+# LONGSTRAW_DISABLE=cuda_graphs turns the decode step's CUDA graph off (the default is on, on CUDA).
+CUDA_GRAPHS_SWITCH = "cuda_graphs"
 
 logger = logging.getLogger(__name__)
 
@@ -417,13 +417,13 @@ def decode_graphs_by_default(state: PromptState) -> bool:
     """Whether :class:`DecodeStep` replays the decode steps on ``state`` as one CUDA graph when not told: on
     CUDA, without context parallelism (collectives inside: kept eager), when no layer streams state from the
     host during a step (``LayerState.decode_streams``; an offloaded GLM-5 state streams none, its rows read by
-    the GPU from mapped host memory), and unless ``LONGSTRAW_CUDA_GRAPHS=0``."""
+    the GPU from mapped host memory), and unless ``LONGSTRAW_DISABLE=cuda_graphs``."""
     device = state.device
     return (
         device.type == "cuda"
         and state.cp_group is None
         and not any(layer.decode_streams(device) for layer in state.layers.values())
-        and switch(CUDA_GRAPHS_ENV)
+        and enabled(CUDA_GRAPHS_SWITCH)
     )
 
 

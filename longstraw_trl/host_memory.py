@@ -108,7 +108,7 @@ def host_rows_to_device(host: torch.Tensor, rows: torch.Tensor, device: torch.de
 
     With ``rows`` on a CUDA device the GPU reads the rows from the mapped host memory itself
     (:func:`kernels.host_gather.gather.gather_rows_kernel`): no host sync, so it can run inside a CUDA graph.
-    Otherwise (or with ``LONGSTRAW_HOST_GATHER_KERNEL=0``) the rows are gathered on the host, into pinned memory
+    Otherwise (or with ``LONGSTRAW_DISABLE=host_gather_kernel``) the rows are gathered on the host, into pinned memory
     when ``host`` is pinned (from pageable memory the copy would be a synchronous staged one), and copied."""
     if gather_rows_kernel_ok(host, rows, device):
         out = gather_rows_kernel(host, rows, device)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .constants import cache_root
 from .errors import LongStrawError
 
 
@@ -59,8 +60,7 @@ MODELS: dict[str, PackagedModel] = {
 
 def cache_dir() -> Path:
     """Where assembled GGUF files and dequantised checkpoints live: ``$LONGSTRAW_CACHE`` or ``~/.cache/longstraw``."""
-    root = os.environ.get("LONGSTRAW_CACHE") or os.path.join(Path.home(), ".cache", "longstraw")
-    return Path(root)
+    return cache_root()
 
 
 def _spec(name: str) -> PackagedModel:

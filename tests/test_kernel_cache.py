@@ -11,7 +11,8 @@ import os
 import pytest
 from _trl_helpers import make_tiny_longstraw_trainer
 
-from longstraw_trl.config import KERNEL_CACHE_SUBDIR
+from longstraw_trl.constants import KERNEL_CACHE_SUBDIR
+from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 
 
 def test_kernel_cache_follows_the_output_dir(monkeypatch, tmp_path):
@@ -95,10 +96,10 @@ def test_pinned_choices_reach_a_fresh_autotuner(monkeypatch, tmp_path):
     at._pins.cache_clear()
     configs3, kernel3 = _tiny_autotuned_kernel(triton, tl)
     assert not at.autotune(triton, configs3, key=["N"])(kernel3).cache
-    # and LONGSTRAW_AUTOTUNE_PINS=0 turns pinning off
+    # and LONGSTRAW_DISABLE=autotune_pins turns pinning off
     (tmp_path / "TEST_GPU.json").write_text(json.dumps(pins))
     at._pins.cache_clear()
-    monkeypatch.setenv(at.PINS_SWITCH, "0")
+    monkeypatch.setenv(DISABLE_ENV, at.PINS_SWITCH)
     configs4, kernel4 = _tiny_autotuned_kernel(triton, tl)
     assert not at.autotune(triton, configs4, key=["N"])(kernel4).cache
     at._pins.cache_clear()

@@ -177,7 +177,7 @@ def test_page_grads_on_cuda_match_math(backward, monkeypatch):
     """The full gradient's page dK/dV (a sink per page) and dQ at Qwen3.6's attention shape (24 q / 4 kv heads,
     d = 256, bf16) by flash's or cuDNN's backward, against autograd through the fp32 softmax over all keys."""
     if backward == "flash":
-        monkeypatch.setenv("LONGSTRAW_CUDNN_BACKWARD", "0")
+        monkeypatch.setenv("LONGSTRAW_DISABLE", "cudnn_backward")
     else:
         assert attn.cudnn_backward_ok(torch.empty(1, 1, 1, 256, device="cuda", dtype=torch.bfloat16))
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -262,13 +262,13 @@ def test_cpu_flash_path_matches_math(dtype, d, t, p):
 
 
 def test_cpu_flash_switch_and_guards(monkeypatch):
-    """``LONGSTRAW_CPU_FLASH=0`` takes the plain math; no keys (the op would divide by zero) and value head dims other
+    """``LONGSTRAW_DISABLE=cpu_flash`` takes the plain math; no keys (the op would divide by zero) and value head dims other
     than the query's never reach the op."""
     q = torch.randn(1, 2, 3, 8)
     assert attn._cpu_flash_ok(q, q, q)
     assert not attn._cpu_flash_ok(q, q[:, :, :0], q[:, :, :0])
     assert not attn._cpu_flash_ok(q, q, torch.randn(1, 2, 3, 4))
-    monkeypatch.setenv("LONGSTRAW_CPU_FLASH", "0")
+    monkeypatch.setenv("LONGSTRAW_DISABLE", "cpu_flash")
     assert not attn._cpu_flash_ok(q, q, q)
 
 
@@ -496,26 +496,3 @@ def test_prompt_dq_autotunes_on_a_key_slice_once_per_row_bucket(monkeypatch):
     assert calls[2:] == [(120, 5000)]
     run(300, 50)  # a new bucket with fewer keys than the slice: tuned on the call itself
     assert calls[3:] == [(300, 50)]
-
-
-def test_kernel_switches_read_one_way(monkeypatch):
-    """Every kernel switch reads its variable the same way (kernels/switches.py): off-words turn a default-on fast
-    path off, on-words an opt-in one on, anything else keeps the default."""
-    from longstraw_trl.kernels.runtime.switches import switch
-
-    for value, on_by_default, opt_in in [
-        (None, True, False),
-        ("0", False, False),
-        (" Off ", False, False),
-        ("false", False, False),
-        ("1", True, True),
-        ("yes", True, True),
-        ("maybe", True, False),
-    ]:
-        if value is None:
-            monkeypatch.delenv("LONGSTRAW_PROMPT_DQ", raising=False)
-        else:
-            monkeypatch.setenv("LONGSTRAW_PROMPT_DQ", value)
-        assert switch("LONGSTRAW_PROMPT_DQ") is on_by_default, value
-        assert switch("LONGSTRAW_PROMPT_DQ", default=False) is opt_in, value
-        assert attn._use_prompt_dq() is on_by_default, value  # a fast path reads it through the switch

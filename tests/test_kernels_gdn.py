@@ -19,6 +19,7 @@ from longstraw_trl.kernels.gated_delta_rule.chunk import (
     gated_delta_step,
 )
 from longstraw_trl.kernels.gated_delta_rule.naive import recurrent_gated_delta_rule_ref
+from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 
 # the package re-exports the function gated_delta_rule, which shadows the module attribute of that name
 gdr_mod = importlib.import_module("longstraw_trl.kernels.gated_delta_rule.chunk")
@@ -238,7 +239,7 @@ def test_dispatcher_cpu_uses_torch_and_honours_flags(monkeypatch):
     o2, _ = gated_delta_rule(q, k, v, g, beta, **kw, scale=0.5)
     o2_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, **kw, scale=0.5)
     _close(o2, o2_r)
-    monkeypatch.delenv(gdr_mod.FLA_BACKWARD_ENV, raising=False)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
     assert fla_backward_allowed() is False
     with pytest.raises(ValueError):
         gated_delta_rule(q, k, v, g, beta, backend="triton")
@@ -420,7 +421,7 @@ def test_gpu_bf16_torch_vs_fla_vs_naive(Hk, Hv):
         assert _rel_l2(s, s_ref) <= 1e-2, f"{name}: state rel L2 {_rel_l2(s, s_ref):.2e}"
     assert torch.equal(h0, h0_copy)
 
-    # backward through the dispatcher (torch unless LONGSTRAW_FLA_BACKWARD=1 is allowed) vs the naive reference
+    # backward through the dispatcher (torch unless LONGSTRAW_DISABLE=torch_dqkwg is allowed) vs the naive reference
     ins = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
     ref_ins = [t.detach().float().requires_grad_(True) for t in (q, k, v, g, beta)]
     o, s = gated_delta_rule(*ins, **kw)
@@ -455,7 +456,7 @@ def test_gpu_fla_conv_equals_torch_conv(monkeypatch, T, state_width):
     with torch.no_grad():
         assert conv._use_fla(x, w, state, False, k - 1, k - 1)
         y_fla, s_fla = causal_conv1d_with_state(x, w, bias, state)
-        monkeypatch.setenv("LONGSTRAW_FLA_CONV", "0")
+        monkeypatch.setenv(DISABLE_ENV, "fla_conv")
         assert not conv._use_fla(x, w, state, False, k - 1, k - 1)
         y_ref, s_ref = causal_conv1d_with_state(x, w, bias, state)
     assert y_fla.shape == y_ref.shape == (b, c, T) and y_fla.dtype == torch.bfloat16

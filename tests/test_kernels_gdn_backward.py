@@ -22,7 +22,11 @@ from longstraw_trl.kernels.gated_delta_rule.chunk import (
     fla_chunk_backward_ready,
     gated_delta_rule,
 )
-from longstraw_trl.kernels.gated_delta_rule.chunk_backward import chunk_bwd_dqkwg_reference, chunk_bwd_dqkwg_torch
+from longstraw_trl.kernels.gated_delta_rule.chunk_backward import (
+    chunk_bwd_dqkwg_reference,
+    chunk_bwd_dqkwg_torch,
+)
+from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 
 gdr_mod = importlib.import_module("longstraw_trl.kernels.gated_delta_rule.chunk")
 FLA_IMPORTS = importlib.util.find_spec("fla") is not None and fla_available()
@@ -111,7 +115,7 @@ def test_dqkwg_rejects_what_it_does_not_serve():
 @needs_fla
 def test_dqkwg_torch_matches_fla_kernel_and_serves_fla_dispatch(monkeypatch):
     """fla's own Triton kernel (interpreted on CPU) computes what ours does; once registered, fla's dispatched
-    ``chunk_bwd_dqkwg`` returns ours while ``LONGSTRAW_GDN_BACKWARD`` is on and fla's kernel when it is off."""
+    ``chunk_bwd_dqkwg`` returns ours while the ``gdn_backward`` switch is on and fla's kernel when it is off."""
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU only: fla's kernel in Triton's interpreter (the GPU tests run it compiled)")
     import triton.runtime.autotuner as autotuner
@@ -123,12 +127,12 @@ def test_dqkwg_torch_matches_fla_kernel_and_serves_fla_dispatch(monkeypatch):
     )
     x = _step_inputs(T=100, H=2, HV=4, K=16, V=16)
     ours = chunk_bwd_dqkwg_torch(**x)
-    monkeypatch.setenv(gdr_mod.GDN_BACKWARD_ENV, "0")
+    monkeypatch.setenv(DISABLE_ENV, gdr_mod.GDN_BACKWARD_SWITCH)
     assert not fla_chunk_backward_ready()
     fla_kernel = chunk_bwd_dqkwg(**x, chunk_size=64)
     for name, a, b in zip(("dq", "dk", "dw", "dg"), ours, fla_kernel, strict=True):
         assert _rel_l2(a, b) < 1e-5, f"{name}: rel L2 {_rel_l2(a, b):.2e}"
-    monkeypatch.setenv(gdr_mod.GDN_BACKWARD_ENV, "1")
+    monkeypatch.delenv(DISABLE_ENV)
     assert fla_chunk_backward_ready()
     for a, b in zip(chunk_bwd_dqkwg(**x, chunk_size=64), ours, strict=True):
         assert torch.equal(a, b)
@@ -220,7 +224,7 @@ NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 def test_gpu_fla_backward_with_our_step_matches_torch_rule(monkeypatch, dtype, tol):
     """Real head counts (16 q/k, 48 value heads, d 128), 4,096 tokens, a differentiable initial state and a final
     state gradient: every gradient within ``tol`` (relative L2) of autograd through the torch chunked rule in fp32."""
-    monkeypatch.delenv(gdr_mod.FLA_BACKWARD_ENV, raising=False)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
     step = _spy(monkeypatch, _CountingStep())
     inputs, do, dht = _gdn_inputs(4096, 16, 48, 128, dtype)
     got = _grads("fla", inputs, do, dht)
@@ -238,8 +242,8 @@ def test_gpu_fla_backward_with_our_step_matches_torch_rule(monkeypatch, dtype, t
 @needs_fla
 def test_gpu_broken_step_is_caught_and_dispatcher_takes_the_path(monkeypatch):
     """Negative control: a step with dq 10% off fails the comparison above. And the dispatcher's default for a
-    bf16 call needing backward is this path; ``LONGSTRAW_GDN_BACKWARD=0`` takes the torch chunked rule."""
-    monkeypatch.delenv(gdr_mod.FLA_BACKWARD_ENV, raising=False)
+    bf16 call needing backward is this path; ``LONGSTRAW_DISABLE=gdn_backward`` takes the torch chunked rule."""
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
     inputs, do, dht = _gdn_inputs(1024, 4, 12, 128, torch.bfloat16, seed=1)
     ref = _grads("torch", [t.float() for t in inputs], do, dht)
     step = _spy(monkeypatch, _CountingStep(break_dq=True))
@@ -250,7 +254,7 @@ def test_gpu_broken_step_is_caught_and_dispatcher_takes_the_path(monkeypatch):
     assert step.calls == 1
     for name, a, b in zip(NAMES, auto, ref, strict=True):
         assert _rel_l2(a, b) <= 2e-2, f"{name}: rel L2 {_rel_l2(a, b):.2e}"
-    monkeypatch.setenv(gdr_mod.GDN_BACKWARD_ENV, "0")
+    monkeypatch.setenv(DISABLE_ENV, gdr_mod.GDN_BACKWARD_SWITCH)
     torch_rule = _grads("auto", inputs, do, dht)
     assert step.calls == 1
     ref_bf16 = _grads("torch", inputs, do, dht)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from longstraw_trl import capture_prompt, generate_from_state
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule import gated_delta_step
+from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 
 gdn_decode = importlib.import_module("longstraw_trl.kernels.gated_delta_rule.decode")
 qwen3_5_patch = importlib.import_module("longstraw_trl.model_patches.qwen3_5")
@@ -325,7 +326,7 @@ def test_gpu_in_place_step_under_cuda_graph():
 def test_gpu_ok_and_env_switch(monkeypatch):
     t = torch.zeros(2, device="cuda")
     assert gdn_decode.gdn_decode_ok(t)
-    monkeypatch.setenv(gdn_decode.GDN_DECODE_ENV, "0")
+    monkeypatch.setenv(DISABLE_ENV, gdn_decode.SWITCH)
     assert not gdn_decode.gdn_decode_ok(t)
 
 
@@ -341,9 +342,9 @@ def test_gpu_generate_fused_equals_torch_path(monkeypatch, family, cuda_graphs):
     model = build_hybrid(family).cuda()
     prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(0)).cuda()
     state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
-    monkeypatch.setenv(gdn_decode.GDN_DECODE_ENV, "0")
+    monkeypatch.setenv(DISABLE_ENV, gdn_decode.SWITCH)
     ref = generate_from_state(state, model, 4, 24, do_sample=False, cuda_graphs=cuda_graphs)
-    monkeypatch.delenv(gdn_decode.GDN_DECODE_ENV)
+    monkeypatch.delenv(DISABLE_ENV)
     calls = []
     real = qwen3_5_patch.gdn_decode_step
     monkeypatch.setattr(qwen3_5_patch, "gdn_decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))

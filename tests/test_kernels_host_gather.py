@@ -12,6 +12,7 @@ import torch
 
 import longstraw_trl.kernels.host_gather.gather as hg
 from longstraw_trl import host_memory
+from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -93,7 +94,7 @@ def test_gpu_kernel_reads_a_pinned_host_table(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static.cpu(), indexed(table, rows))
-    monkeypatch.setenv(hg.KERNEL_ENV, "0")
+    monkeypatch.setenv(DISABLE_ENV, hg.SWITCH)
     assert not hg.gather_rows_kernel_ok(table, rows, rows.device)
     assert torch.equal(host_memory.host_rows_to_device(table, rows, rows.device), out * 2)
 

@@ -12,11 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import longstraw_trl.kernels.sparse_attention.indexer as ix
 import longstraw_trl.kernels.sparse_attention.dsa as sparse
+import longstraw_trl.kernels.sparse_attention.indexer as ix
 from longstraw_trl import generate_from_state, replay_logprobs
-from longstraw_trl.kernels.sparse_attention.indexer import index_scores, index_scores_kernel, index_scores_reference
+from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 from longstraw_trl.kernels.sparse_attention.dsa import indexer_topk, topk_merge
+from longstraw_trl.kernels.sparse_attention.indexer import (
+    index_scores,
+    index_scores_kernel,
+    index_scores_reference,
+)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -261,7 +266,7 @@ def test_matmul_fp32_half_gemm_on_cuda():
     ids=["prompt-keys", "decode-rows", "own-keys-masked"],
 )
 def test_indexer_topk_kernel_equals_torch_path(monkeypatch, b, t, n, key_batch, masked):
-    """The top-k sets through the kernel and through the torch path (LONGSTRAW_INDEXER_KERNEL=0), several
+    """The top-k sets through the kernel and through the torch path (LONGSTRAW_DISABLE=indexer_kernel), several
     merges each: equal on nearly every row, and where they differ, only by keys within the two paths' error
     bound (:func:`assert_scores_close`) of the row's k-th fp64 score (a near-tie either may break)."""
     monkeypatch.setattr(sparse, "TOPK_BUFFER_ELEMENTS", 9000 * b * t)  # 9000 keys per merge
@@ -270,7 +275,7 @@ def test_indexer_topk_kernel_equals_torch_path(monkeypatch, b, t, n, key_batch, 
     q_pos = torch.arange(t, device="cuda") * 4 + 5 if masked else None
     k = 2048
     got = indexer_topk(q, w, keys, key_pos, q_pos, 128**-0.5, k)
-    monkeypatch.setenv(ix.KERNEL_ENV, "0")
+    monkeypatch.setenv(DISABLE_ENV, ix.SWITCH)
     assert not ix.index_scores_kernel_ok(q, keys)
     ref_s, ref_p = indexer_topk(q, w, keys, key_pos, q_pos, 128**-0.5, k)
     exact, mag = reference_scores(q, w, keys, 128**-0.5, q_pos, key_pos if masked else None)
@@ -310,7 +315,7 @@ def test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode(monkeypatch
     state = capture_prompt(model, prompt, chunk_size=128, page_size=64)
     kernel_lp = replay_logprobs(state, model, ids)
     with monkeypatch.context() as m:
-        m.setenv(ix.KERNEL_ENV, "0")
+        m.setenv(DISABLE_ENV, ix.SWITCH)
         torch_lp = replay_logprobs(capture_prompt(model, prompt, chunk_size=128, page_size=64), model, ids)
     assert (kernel_lp - torch_lp).abs().max() <= 2e-2, (kernel_lp - torch_lp).abs().max()
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from test_kernels_sparse_attention import reference
 
-import longstraw_trl.kernels.sparse_attention.selected_keys as ska
 import longstraw_trl.kernels.sparse_attention.dsa as sparse
+import longstraw_trl.kernels.sparse_attention.selected_keys as ska
+from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 
 
 @pytest.fixture
@@ -121,7 +122,7 @@ def test_graph_free_calls_take_the_kernel_and_graphs_do_not(interpreter, monkeyp
         assert ska.selected_attention_kernel_ok(qc, tc, rc)
         assert not ska.selected_attention_kernel_ok(qc[:, :, :8], tc, rc[:, :8])  # 8 query rows
         assert not ska.selected_attention_kernel_ok(qc.float(), tc.float(), rc)
-        monkeypatch.setenv(ska.KERNEL_ENV, "0")
+        monkeypatch.setenv(DISABLE_ENV, ska.SWITCH)
         assert not ska.selected_attention_kernel_ok(qc, tc, rc)
 
 

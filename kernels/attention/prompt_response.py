@@ -20,7 +20,7 @@ op for decode (both return the LSE), the backward cuDNN's for calls with many qu
 PyTorch's CPU flash-attention ops (``_scaled_dot_product_flash_attention_for_cpu``: the LSE is natural-log,
 fp32, ``[B, H, T]``; it reads grouped K/V heads itself, takes any head dim, and its causal flag is
 top-left aligned, so a causal call with fewer queries than keys passes an additive mask instead);
-``LONGSTRAW_CPU_FLASH=0`` takes the plain math.
+``LONGSTRAW_DISABLE=cpu_flash`` takes the plain math.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..runtime.switches import switch
+from ..runtime.switches import enabled
 from .prompt_dq import prompt_dq, prompt_dq_ok
 
 # The plain-math path processes keys in blocks so that one fp32 score tile stays under this many
@@ -446,7 +446,7 @@ def _backward_matches_reference(grads_fn, q: torch.Tensor) -> bool:
 
 def cudnn_backward_ok(q: torch.Tensor) -> bool:
     """Whether cuDNN's backward, fed the final merged out/LSE, matches the plain math here (checked once per device,
-    dtype and head dim; any error or mismatch means: flash's backward). ``LONGSTRAW_CUDNN_BACKWARD=0``: off."""
+    dtype and head dim; any error or mismatch means: flash's backward). ``LONGSTRAW_DISABLE=cudnn_backward``: off."""
     if not switch("LONGSTRAW_CUDNN_BACKWARD"):
         return False
     key = (q.device, q.dtype, q.shape[-1])
@@ -556,8 +556,8 @@ def pages_attention_dq(
 
 
 def _use_prompt_dq() -> bool:
-    # LONGSTRAW_PROMPT_DQ=0 takes the flash backward instead (for comparison)
-    return switch("LONGSTRAW_PROMPT_DQ")
+    # LONGSTRAW_DISABLE=prompt_dq takes the flash backward instead (for comparison)
+    return enabled("prompt_dq")
 
 
 def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ HF's Qwen3.5 runs the conv on ``mixed_qkv`` laid out ``[B, C, T]`` with ``weight
 cached path (``causal_conv1d_update``) writes the cache with ``copy_``; this one never writes its inputs.
 
 Graph-free calls of several tokens on CUDA (a capture chunk) take flash-linear-attention's Triton kernel when
-fla imports (:func:`_fla_conv`; ``LONGSTRAW_FLA_CONV=0`` keeps the torch path): it reads the ``[B, T, C]``
+fla imports (:func:`_fla_conv`; ``LONGSTRAW_DISABLE=fla_conv`` keeps the torch path): it reads the ``[B, T, C]``
 projection in place, with the state, and applies the SiLU in fp32, as HF's own fast path (``causal_conv1d_fn``)
 does. The torch path (``cat`` + a depthwise conv on the transposed layout + SiLU) is the reference beside it; on
 the whole Qwen3.6-27B it cost three passes over each chunk's conv input and about 2 ms a layer and chunk.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.autotune import pin_autotune_choices
-from ..runtime.switches import switch
+from ..runtime.switches import enabled
 
 __all__ = ["causal_conv1d_with_state"]
 
@@ -141,7 +141,7 @@ def _use_fla(x, weight, conv_state, state_grad, state_len, hist) -> bool:
         and state_len == hist
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
-        and switch("LONGSTRAW_FLA_CONV")
+        and enabled("fla_conv")
         and _fla_conv_fn() is not None
     )
 

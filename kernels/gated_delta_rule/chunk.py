@@ -9,8 +9,8 @@
 * :func:`gated_delta_rule`: dispatcher (one graph-free token: the step). flash-linear-attention on CUDA for
   graph-free calls and for calls that need backward: fla's chunked backward with our torch ``chunk_bwd_dqkwg``
   (kernels/gdn_chunk_backward.py, registered as an fla backend) in place of the one fla kernel refused on Hopper
-  with Triton 3.4-3.7.0 (``LONGSTRAW_GDN_BACKWARD=0``: the torch chunked rule; ``LONGSTRAW_FLA_BACKWARD=1``: fla's
-  own kernel where its Triton allows it); the torch chunked rule otherwise.
+  with Triton 3.4-3.7.0 (``LONGSTRAW_DISABLE=gdn_backward``: the torch chunked rule;
+  ``LONGSTRAW_DISABLE=torch_dqkwg``: fla's own kernel where its Triton allows it); the torch chunked rule otherwise.
 
 Layouts (HF and fla agree): q, k ``[B, T, Hk, K]``; v ``[B, T, Hv, V]``; g (log decay, <= 0) and beta
 ``[B, T, Hv]``; states ``[B, Hv, K, V]`` in fp32. ``Hv`` may be a multiple of ``Hk`` (grouped value
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ..runtime.autotune import pin_autotune_choices
-from ..runtime.switches import switch
+from ..runtime.switches import DISABLE_ENV, enabled
 from .chunk_backward import chunk_bwd_dqkwg_torch
 from .naive import l2norm
 
@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 2048  # tokens per block of chunks (a multiple of chunk_size is used)
 FLA_MAX_TOKENS_PER_CALL = 16384  # fla keeps [B, T/64, H, K, V] per call: split long no-grad calls
-FLA_BACKWARD_ENV = "LONGSTRAW_FLA_BACKWARD"
-GDN_BACKWARD_ENV = "LONGSTRAW_GDN_BACKWARD"  # on: fla's chunked backward with our torch chunk_bwd_dqkwg
+TORCH_DQKWG_SWITCH = "torch_dqkwg"  # off: fla's own chunk_bwd_dqkwg where it is not miscompiled
+GDN_BACKWARD_SWITCH = "gdn_backward"  # on: fla's chunked backward with our torch chunk_bwd_dqkwg
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,21 +288,22 @@ def _fla_dqkwg_miscompiled(device: torch.device | None = None) -> bool:
 
 def fla_backward_allowed(device: torch.device | None = None) -> bool:
     """May fla's chunked backward run on its own kernels only? Conservative: only with
-    ``LONGSTRAW_FLA_BACKWARD=1``, and never where fla's gated ``chunk_bwd_dqkwg`` is miscompiled (Hopper,
+    ``LONGSTRAW_DISABLE=torch_dqkwg``, and never where fla's gated ``chunk_bwd_dqkwg`` is miscompiled (Hopper,
     ``3.4.0 <= Triton < 3.7.1``). Otherwise a call that needs backward takes :func:`fla_chunk_backward_ready`'s
     path (fla with our torch ``chunk_bwd_dqkwg``) or the torch chunked rule.
     """
-    if not switch(FLA_BACKWARD_ENV, default=False):
+    if enabled(TORCH_DQKWG_SWITCH):
         return False
     if not fla_available() or not torch.cuda.is_available() or _triton_version() is None:
         return False
     if _fla_dqkwg_miscompiled(device):
         logger.info(
-            "%s=1 but Triton %s on Hopper is in fla's backward miscompile range [3.4.0, 3.7.1): fla's gated "
-            "chunk_bwd_dqkwg is ours (unless %s=0, then the torch chunked rule serves)",
-            FLA_BACKWARD_ENV,
+            "%s names %s but Triton %s on Hopper is in fla's backward miscompile range [3.4.0, 3.7.1): fla's "
+            "gated chunk_bwd_dqkwg is ours (unless %s is named too, then the torch chunked rule serves)",
+            DISABLE_ENV,
+            TORCH_DQKWG_SWITCH,
             ".".join(map(str, _triton_version())),
-            GDN_BACKWARD_ENV,
+            GDN_BACKWARD_SWITCH,
         )
         return False
     return True
@@ -310,12 +311,12 @@ def fla_backward_allowed(device: torch.device | None = None) -> bool:
 
 def _own_dqkwg_accepts(*args, **kwargs) -> tuple[bool, str | None]:
     """fla backend verifier: the gated, equal-length calls our torch ``chunk_bwd_dqkwg`` serves, unless the user
-    asked for fla's own kernel where it is not miscompiled (``LONGSTRAW_FLA_BACKWARD=1``)."""
+    asked for fla's own kernel where it is not miscompiled (``LONGSTRAW_DISABLE=torch_dqkwg``)."""
     bound = inspect.signature(chunk_bwd_dqkwg_torch).bind(*args, **kwargs).arguments
     if bound.get("g") is None or bound.get("g_gamma") is not None or bound.get("cu_seqlens") is not None:
         return False, "LongStraw's torch chunk_bwd_dqkwg serves gated, equal-length calls only"
     if fla_backward_allowed(bound["q"].device):
-        return False, f"{FLA_BACKWARD_ENV}=1 and fla's own kernel is outside its miscompile range"
+        return False, f"{DISABLE_ENV} names {TORCH_DQKWG_SWITCH}, outside fla's miscompile range"
     return True, None
 
 
@@ -323,7 +324,7 @@ def _own_dqkwg_accepts(*args, **kwargs) -> tuple[bool, str | None]:
 def _register_own_dqkwg() -> bool:
     """Register :func:`chunk_bwd_dqkwg_torch` as an fla backend of ``fla.ops.common.chunk_o.chunk_bwd_dqkwg``
     (fla's ``@dispatch('common')`` registry, tried before fla's Triton kernel). Process-wide and once; it serves
-    while ``LONGSTRAW_GDN_BACKWARD`` is on. False when fla (or its backend registry) is missing."""
+    while the ``gdn_backward`` switch is on. False when fla (or its backend registry) is missing."""
     try:
         from fla.backends import BaseBackend, register
         from fla.ops.common import chunk_o  # noqa: F401 - loads the 'common' registry
@@ -335,7 +336,7 @@ def _register_own_dqkwg() -> bool:
         {
             "backend_type": "longstraw_torch",
             "priority": 4,  # before TileLang's (5): the path our tests check; after Ascend's NPU backend (0)
-            "is_enabled": lambda self: switch(GDN_BACKWARD_ENV),
+            "is_enabled": lambda self: enabled(GDN_BACKWARD_SWITCH),
             "chunk_bwd_dqkwg": staticmethod(chunk_bwd_dqkwg_torch),
             "chunk_bwd_dqkwg_verifier": staticmethod(_own_dqkwg_accepts),
         },
@@ -346,9 +347,9 @@ def _register_own_dqkwg() -> bool:
 
 def fla_chunk_backward_ready() -> bool:
     """Can a call that needs backward run on fla's chunked forward/backward with our torch ``chunk_bwd_dqkwg``
-    in place of fla's guarded Triton kernel? ``LONGSTRAW_GDN_BACKWARD`` on (default), fla importable with its
+    in place of fla's guarded Triton kernel? ``gdn_backward`` on (default: not in ``LONGSTRAW_DISABLE``), fla importable with its
     backend registry (the registration happens here, once)."""
-    return switch(GDN_BACKWARD_ENV) and fla_available() and _register_own_dqkwg()
+    return enabled(GDN_BACKWARD_SWITCH) and fla_available() and _register_own_dqkwg()
 
 
 def _fla_call(

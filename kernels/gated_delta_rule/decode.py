@@ -19,7 +19,7 @@ the rest is fp32; the output has the input's dtype. flash-linear-attention has t
 its ``causal_conv1d_update`` keeps a ``kernel_size``-wide cache (ours is ``kernel_size - 1``) and its
 ``fused_recurrent_gated_delta_rule`` allocates a new final state per call and copies non-contiguous q/k/v.
 
-``LONGSTRAW_GDN_DECODE=0`` makes :func:`gdn_decode_ok` false (the model patch then takes the torch path).
+``LONGSTRAW_DISABLE=gdn_decode`` makes :func:`gdn_decode_ok` false (the model patch then takes the torch path).
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ import functools
 
 import torch
 
-from ..runtime.switches import switch
+from ..runtime.switches import enabled
 
 try:  # Triton's interpreter (the CPU tests) finds triton.language among the kernel's module globals
     import triton.language as tl
 except ImportError:  # CPU installs without triton: the kernels are never built
     tl = None
 
-__all__ = ["GDN_DECODE_ENV", "gdn_decode_ok", "gdn_decode_step"]
+__all__ = ["SWITCH", "gdn_decode_ok", "gdn_decode_step"]
 
-GDN_DECODE_ENV = "LONGSTRAW_GDN_DECODE"
+SWITCH = "gdn_decode"
 _ACTIVATIONS = (None, "identity", "silu", "swish")
 _BLOCK_C = 256  # channels per conv program
 _BLOCK_V = 32  # value columns per delta-rule program: [Dk, 32] fp32 tiles, B * Hv * Dv / 32 programs
@@ -192,8 +192,8 @@ def _triton_importable() -> bool:
 
 def gdn_decode_ok(*tensors: torch.Tensor | None) -> bool:
     """Whether :func:`gdn_decode_step` serves a call on these tensors: all on CUDA, none needing a gradient
-    (the kernels are forward only), Triton importable, and ``LONGSTRAW_GDN_DECODE`` not ``0``."""
-    if not switch(GDN_DECODE_ENV):
+    (the kernels are forward only), Triton importable, and ``gdn_decode`` not in ``LONGSTRAW_DISABLE``."""
+    if not enabled(SWITCH):
         return False
     present = [t for t in tensors if t is not None]
     if not present or not all(t.is_cuda for t in present):

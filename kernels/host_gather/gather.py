@@ -11,7 +11,7 @@ program loads one index and copies its row over PCIe into device memory, ordered
 any kernel. No host sync and no staging buffer, so a decode step can stay one CUDA graph.
 
 Layouts: ``table [N, D]`` with a contiguous last dim (pinned host memory, or any memory the GPU can address),
-``rows [M]`` integer on the GPU (``-1``: a zero row). ``LONGSTRAW_HOST_GATHER_KERNEL=0`` takes the torch path
+``rows [M]`` integer on the GPU (``-1``: a zero row). ``LONGSTRAW_DISABLE=host_gather_kernel`` takes the torch path
 (for comparison).
 """
 
@@ -21,9 +21,9 @@ import functools
 
 import torch
 
-from ..runtime.switches import kernel_builds, switch
+from ..runtime.switches import enabled, kernel_builds
 
-KERNEL_ENV = "LONGSTRAW_HOST_GATHER_KERNEL"
+SWITCH = "host_gather_kernel"
 # a row's columns a program copies at once (GLM-5's latent row, 576 wide, is one block of 1,024, masked)
 MAX_BLOCK_D = 1024
 # (rows a program copies, warps): the first is the default; `bench/host_gather_probe.py` compares them all
@@ -71,13 +71,13 @@ def _kernel():
 
 def gather_rows_kernel_ok(table: torch.Tensor, rows: torch.Tensor, device: torch.device) -> bool:
     """Whether :func:`gather_rows_kernel` serves: ``rows`` and ``device`` CUDA, ``table`` pinned host memory
-    (or on that device) with a contiguous last dim, Triton importable, ``LONGSTRAW_HOST_GATHER_KERNEL`` not
-    ``0``."""
+    (or on that device) with a contiguous last dim, Triton importable, ``host_gather_kernel`` not in
+    ``LONGSTRAW_DISABLE``."""
     if device.type != "cuda" or not rows.is_cuda or table.dim() != 2 or table.stride(-1) != 1:
         return False
     if not (table.is_cuda or table.is_pinned()):  # pageable host memory is not mapped into the GPU
         return False
-    return switch(KERNEL_ENV) and kernel_builds(_kernel)
+    return enabled(SWITCH) and kernel_builds(_kernel)
 
 
 def gather_rows_kernel(

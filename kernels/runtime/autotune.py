@@ -10,7 +10,7 @@ kernels, 7 of them fla's GDN forward, timed; ``bench/results/cold_start_qwen3.6-
   ``bench/cold_start.py``, for one Triton and one fla version). :func:`pin_autotune_choices` puts them in each
   autotuner's cache before its first call, so a fresh machine compiles one configuration per kernel and times
   none. A pin applies only to the same GPU, Triton version, kernel, key and an identical configuration among the
-  kernel's own; anything else is tuned as usual. ``LONGSTRAW_AUTOTUNE_PINS=0`` turns pinning off.
+  kernel's own; anything else is tuned as usual. ``LONGSTRAW_DISABLE=autotune_pins`` turns pinning off.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import re
 import sys
 from pathlib import Path
 
-from .switches import switch
+from .switches import enabled
 
 logger = logging.getLogger(__name__)
 
 PINS_DIR = Path(__file__).parent / "autotune_pins"
-PINS_SWITCH = "LONGSTRAW_AUTOTUNE_PINS"
+PINS_SWITCH = "autotune_pins"
 _OURS: list = []  # the autotuners :func:`autotune` made (they live inside cached builders, not module attributes)
 
 
@@ -125,7 +125,7 @@ def _pins(gpu: str) -> dict:
 
 def pin_autotune_choices(tuners: list | None = None) -> int:
     """Put this GPU's pinned choices into the autotuners' caches (all loaded ones by default); returns how many."""
-    if not switch(PINS_SWITCH):
+    if not enabled(PINS_SWITCH):
         return 0
     gpu = gpu_name()
     pins = _pins(gpu) if gpu else {}

@@ -13,7 +13,7 @@ finds the binary on disk; if a worker is still compiling that very specialisatio
 compiling it a second time. Nothing else changes: a specialisation the manifest lacks is compiled as usual, and
 Triton's cache keys (source, signature, constants, options, target) decide what is reused, so a stale entry is merely
 unused. An entry applies only on the same GPU name and Triton version (fla's only with the same fla version).
-``LONGSTRAW_COMPILE_AHEAD=0`` turns it off.
+``LONGSTRAW_DISABLE=compile_ahead`` turns it off.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 
 from .autotune import gpu_name, use_kernel_cache, versions
-from .switches import switch
+from .switches import enabled
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_DIR = Path(__file__).parent / "compile_manifest"
-SWITCH = "LONGSTRAW_COMPILE_AHEAD"
+SWITCH = "compile_ahead"
 
 
 def _versions() -> dict:
@@ -292,10 +292,10 @@ _ACTIVE: list[CompileAhead] = []
 def start_compile_ahead(workers: int | None = None) -> CompileAhead | None:
     """Start compiling this GPU's manifest (:func:`load_manifest`) in worker processes, once per process; ``None``
     where nothing applies (no CUDA, no Triton, no manifest for this GPU and these versions, or
-    ``LONGSTRAW_COMPILE_AHEAD=0``). Call it after Triton's cache directory is set (the workers inherit it)."""
+    ``LONGSTRAW_DISABLE=compile_ahead``). Call it after Triton's cache directory is set (the workers inherit it)."""
     if _ACTIVE:
         return _ACTIVE[0]
-    if not switch(SWITCH):
+    if not enabled(SWITCH):
         return None
     try:
         import triton  # noqa: F401

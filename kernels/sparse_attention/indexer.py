@@ -12,7 +12,7 @@ any ``[B, T, L]`` view whose last dim is contiguous (a slice of a preallocated t
 
 Layouts: ``q [B, T, H, D]`` (half), ``weights [B, T, H]`` (fp32), ``keys [B or 1, L, D]`` (same dtype as
 ``q``; ``1``: shared by the batch, whose rows are then tiled together), any strides but a contiguous last
-dim. ``LONGSTRAW_INDEXER_KERNEL=0`` takes the torch path (for comparison).
+dim. ``LONGSTRAW_DISABLE=indexer_kernel`` takes the torch path (for comparison).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import os
 import torch
 
 from ..runtime.autotune import autotune
-from ..runtime.switches import kernel_builds, switch
+from ..runtime.switches import enabled, kernel_builds
 
-KERNEL_ENV = "LONGSTRAW_INDEXER_KERNEL"
+SWITCH = "indexer_kernel"
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -157,12 +157,12 @@ def _interpreted() -> bool:
 
 
 def _use_kernel() -> bool:
-    return switch(KERNEL_ENV)
+    return enabled(SWITCH)
 
 
 def index_scores_kernel_ok(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether :func:`index_scores_kernel` serves these inputs: CUDA, fp16/bf16 queries and keys of one dtype,
-    a power-of-two head dim from 16 to 256, Triton importable, and ``LONGSTRAW_INDEXER_KERNEL`` not ``0``."""
+    a power-of-two head dim from 16 to 256, Triton importable, and ``indexer_kernel`` not in ``LONGSTRAW_DISABLE``."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and keys.dtype == q.dtype):
         return False
     if not _use_kernel() or q.shape[-1] not in (16, 32, 64, 128, 256) or keys.shape[-1] != q.shape[-1]:

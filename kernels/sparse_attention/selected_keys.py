@@ -18,7 +18,7 @@ probabilities to the table's dtype before they multiply the values.
 Layouts: ``q [B, H, T, D]``, ``table [N, D]`` (shared by the batch) or ``[B, N, D]``, ``rows [B, T, k]`` (any
 integer dtype), each with a contiguous last dim. No autograd: the callers use it where no graph is built
 (capture, decoding, old / reference log-probs, and the forward of the prompt part, whose backward is dQ
-only). ``LONGSTRAW_SELECTED_ATTENTION_KERNEL=0`` takes the torch path (for comparison).
+only). ``LONGSTRAW_DISABLE=selected_attention_kernel`` takes the torch path (for comparison).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import os
 
 import torch
 
-from ..runtime.switches import kernel_builds, switch
+from ..runtime.switches import enabled, kernel_builds
 
-KERNEL_ENV = "LONGSTRAW_SELECTED_ATTENTION_KERNEL"
+SWITCH = "selected_attention_kernel"
 # (heads a program holds at most, chosen rows loaded an iteration, warps, stages). The program's fp32 output,
 # heads x value dim, sits in registers. The first is the default: on the H200 at GLM-5's sizes (1M keys,
 # top-2,048; a sweep of these tiles at rev 9303606) it
@@ -151,12 +151,12 @@ def selected_attention_kernel_ok(q: torch.Tensor, table: torch.Tensor, rows: tor
     """Whether :func:`selected_attention_kernel` serves these inputs: CUDA, no graph to build, fp16/bf16 ``q``
     and ``table`` of one dtype (an fp32 ``tl.dot`` would round its inputs to tf32), at least
     :data:`MIN_QUERY_ROWS` (batch x query) rows, Triton importable, and
-    ``LONGSTRAW_SELECTED_ATTENTION_KERNEL`` not ``0``."""
+    ``selected_attention_kernel`` not in ``LONGSTRAW_DISABLE``."""
     if not (q.is_cuda and table.is_cuda and q.dtype == table.dtype):
         return False
     if torch.is_grad_enabled() and (q.requires_grad or table.requires_grad):
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or not switch(KERNEL_ENV):
+    if q.dtype not in (torch.float16, torch.bfloat16) or not enabled(SWITCH):
         return False
     if rows.shape[0] * rows.shape[1] < MIN_QUERY_ROWS:
         return False
