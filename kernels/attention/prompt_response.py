@@ -236,7 +236,7 @@ def _cpu_flash_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and k.shape[-2] > 0
         and v.shape[-1] == q.shape[-1] == k.shape[-1]
         and q.dim() == 4
-        and switch("LONGSTRAW_CPU_FLASH")
+        and enabled("cpu_flash")
     )
 
 
@@ -447,7 +447,7 @@ def _backward_matches_reference(grads_fn, q: torch.Tensor) -> bool:
 def cudnn_backward_ok(q: torch.Tensor) -> bool:
     """Whether cuDNN's backward, fed the final merged out/LSE, matches the plain math here (checked once per device,
     dtype and head dim; any error or mismatch means: flash's backward). ``LONGSTRAW_DISABLE=cudnn_backward``: off."""
-    if not switch("LONGSTRAW_CUDNN_BACKWARD"):
+    if not enabled("cudnn_backward"):
         return False
     key = (q.device, q.dtype, q.shape[-1])
     if key not in _CUDNN_BWD_OK:
