@@ -224,13 +224,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             path: that directory; `None`: Triton's default (`~/.triton/cache`). A `TRITON_CACHE_DIR` set in the
             environment always wins.
         compile_ahead (`bool`, *optional*, defaults to `True`):
-            On a GPU with a compile manifest for it (`kernels/compile_manifest/<GPU>.json`, same Triton and fla
+            On a GPU with a compile manifest for it (`kernels/runtime/compile_manifest/<GPU>.json`, same Triton and fla
             versions), compile the Triton kernel specialisations a step uses in worker processes from the moment the
-            trainer is created (so it overlaps with its set-up; `longstraw_trl.start_compile_ahead(args)` starts it
-            earlier, e.g. before loading the model), instead of one after another inside the first step; the step
-            waits only for a kernel still being compiled. Only the first process of each machine compiles (the others
-            find its binaries in the shared `kernel_cache_dir`); its workers hold a CUDA context each for those
-            seconds. `LONGSTRAW_DISABLE=compile_ahead` turns it off too.
+            trainer is created (so it overlaps with its set-up), instead of one after another inside the first step;
+            the step waits only for a kernel still being compiled. `start_compile_ahead_here(args.kernel_cache_dir)`
+            of `longstraw_trl.kernels.runtime.compile_ahead` starts it earlier (e.g. before loading the model); the
+            trainer then finds it started. Only the first process of each machine compiles (the others find its
+            binaries in the shared `kernel_cache_dir`); its workers hold a CUDA context each for those seconds.
+            `LONGSTRAW_DISABLE=compile_ahead` turns it off too.
         refresh_probe_period (`int`, *optional*, defaults to `4`):
             For `"adaptive"`: measure the drift on every k-th stale use of a state.
         refresh_max_interval (`int`, *optional*, defaults to `16`):

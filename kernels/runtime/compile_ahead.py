@@ -1,7 +1,7 @@
 """Compile a step's Triton kernels ahead, in parallel, from a manifest recorded on the same GPU.
 
 Once nothing is autotuned (``autotune.py``'s pins), what a cold first step still pays is Triton compiling each kernel
-specialisation on its first call, one after another, inside the step (issue 29: ~30 s of the whole Qwen3.6-27B's
+specialisation on its first call, one after another, inside the step (~30 s of the whole Qwen3.6-27B's
 512K step on a fresh H200), and building each kernel signature's C launcher with the host compiler on its first
 launch. A *compile manifest* (``compile_manifest/<GPU>.json``) lists the specialisations a step
 compiled on that GPU (Triton's own serialised specialisation data, as ``JITFunction.preload`` reads it), in the order
