@@ -16,6 +16,7 @@ What it does:
    is not shuffled), the shortest history is captured and every later one is an extension of the previous one's
    state (only the new action + observation are prefilled).
 """
+# ruff: noqa: E402 (the options are parsed before torch and transformers load, so --help answers at once)
 
 from __future__ import annotations
 
@@ -24,10 +25,29 @@ import json
 import tempfile
 import warnings
 
+from _common import add_threads_option, quiet_logs, use_threads
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--trajectories", type=int, default=2, help="agent trajectories")
+    parser.add_argument("--actions", type=int, default=2, help="tool actions per trajectory")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    parser.add_argument("--num-generations", type=int, default=2, help="completions per decision point (G)")
+    parser.add_argument("--max-completion-length", type=int, default=12, help="tokens per completion")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model init and the sampling")
+    add_threads_option(parser)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and wrong options end here, before the imports below (torch, transformers: seconds)
+
 import torch
 from datasets import Dataset
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from transformers.trainer_callback import PrinterCallback
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from longstraw_trl.qwen_tokenizer import QWEN3_6_VOCAB_SIZE, build_qwen3_6_tokenizer
@@ -89,28 +109,19 @@ def door_reward(completions, door, **kwargs):
     return rewards
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trajectories", type=int, default=2)
-    parser.add_argument("--actions", type=int, default=2, help="tool actions per trajectory")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
-    parser.add_argument("--num-generations", type=int, default=2)
-    parser.add_argument("--max-completion-length", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-
+def decision_dataset(n_trajectories: int, actions: int) -> Dataset:
+    """One row per decision point: its conversational prompt and the trajectory's door."""
     rows = {"prompt": [], "door": []}
-    for t, trajectory in enumerate(trajectories(args.trajectories, args.actions)):
+    for t, trajectory in enumerate(trajectories(n_trajectories, actions)):
         for prompt in decision_points(trajectory):
             rows["prompt"].append(prompt)
             rows["door"].append(t % len(PAGES))
-    dataset = Dataset.from_dict(rows)
-    points = args.actions + 1  # decision points per trajectory: one generation batch per trajectory
-    print(f"{len(dataset)} decision points from {args.trajectories} trajectories")
+    return Dataset.from_dict(rows)
 
-    torch.manual_seed(args.seed)
-    tokenizer = build_qwen3_6_tokenizer()
-    model = Qwen3ForCausalLM(
+
+def tiny_qwen3(tokenizer, seed: int) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(
         Qwen3Config(
             vocab_size=QWEN3_6_VOCAB_SIZE,
             hidden_size=32,
@@ -125,6 +136,10 @@ def main(argv: list[str] | None = None) -> dict:
             eos_token_id=tokenizer.eos_token_id,
         )
     )
+
+
+def build_trainer(args, model, tokenizer, dataset: Dataset) -> LongStrawGRPOTrainer:
+    points = args.actions + 1  # decision points per trajectory: one generation batch per trajectory
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = LongStrawGRPOConfig(
@@ -154,22 +169,34 @@ def main(argv: list[str] | None = None) -> dict:
             processing_class=tokenizer,
             tools=[read_page],
         )
-    trainer.remove_callback(PrinterCallback)
+    quiet_logs(trainer)
+    return trainer
+
+
+def step_summary(log: dict) -> dict:
+    """One logged step: its loss and reward, and the prompt tokens prefilled against those served from a state."""
+    return {
+        "step": log["step"],
+        "loss": log["loss"],
+        "reward": log["reward"],
+        "tokens_captured": log["longstraw/tokens_captured"],
+        "tokens_reused": log["longstraw/tokens_reused"],
+        "captures": log["longstraw/refresh/capture"],
+        "extends": log["longstraw/refresh/extend"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    use_threads(args.threads)
+    dataset = decision_dataset(args.trajectories, args.actions)
+    print(f"{len(dataset)} decision points from {args.trajectories} trajectories")
+    tokenizer = build_qwen3_6_tokenizer()
+    trainer = build_trainer(args, tiny_qwen3(tokenizer, args.seed), tokenizer, dataset)
     trainer.train()
 
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    summary = {"steps": []}
-    for h in logs:
-        step = {
-            "step": h["step"],
-            "loss": h["loss"],
-            "reward": h["reward"],
-            "tokens_captured": h["longstraw/tokens_captured"],
-            "tokens_reused": h["longstraw/tokens_reused"],
-            "captures": h["longstraw/refresh/capture"],
-            "extends": h["longstraw/refresh/extend"],
-        }
-        summary["steps"].append(step)
+    summary = {"steps": [step_summary(h) for h in trainer.state.log_history if "loss" in h]}
+    for step in summary["steps"]:
         print(
             f"step {step['step']}: loss {step['loss']:+.4f} reward {step['reward']:.3f} | prompt tokens prefilled "
             f"{step['tokens_captured']:.0f}, reused {step['tokens_reused']:.0f} ({step['captures']:.0f} captures, "

@@ -19,15 +19,15 @@ captured against reused.
 
 Dtype: fp32 with ``bf16=False``. TRL's default ``bf16=True`` turns on CPU autocast, which rounds the forward and
 the gradient to bf16 and, on this CPU (no native bf16), ran SmolLM2's forward 3.8x to 11x slower than fp32
-(``bench/cpu_autocast.py``); the model is small, so fp32 costs nothing in memory. Threads: one by default, because on
-a shared 2-core machine two intra-op threads ran the capture and decoding about 2x slower than one (thread
-wake-ups; measure with ``--threads 2``).
+(``bench/cpu_autocast.py``); the model is small, so fp32 costs nothing in memory. Threads: one by default on a machine
+of two cores or fewer, because there two intra-op threads ran the capture and decoding about 2x slower than one
+(thread wake-ups; measure with ``--threads 2``).
 """
+# ruff: noqa: E402 (the options are parsed before torch and transformers load, so --help answers at once)
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -35,20 +35,19 @@ import statistics
 import time
 import warnings
 
-import torch
-from datasets import Dataset
-from tqdm.auto import tqdm
-from transformers import TrainerCallback
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-from longstraw_trl import (
-    LongStrawGRPOConfig,
-    LongStrawGRPOTrainer,
-    capture_prompt,
-    extend_state,
-    generate_from_state,
+from _common import (
+    add_threads_option,
+    mean_of,
+    paired_gain,
+    peak_memory_gib,
+    quiet_logs,
+    reward_window,
+    save_run,
+    show_step_progress,
+    state_bytes_per_prompt,
+    step_logs,
+    use_threads,
 )
-from longstraw_trl.pretrained import load_pretrained
 
 FIRST_NAMES = (
     "Alice Bruno Chen Dana Elif Farid Greta Hiro Ines Jonas Kemal Lena Mateo Nadia Oskar Priya Quinn Rosa Sven Tariq "
@@ -102,13 +101,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="turn off TRL's activation checkpointing (on by default)",
     )
-    train.add_argument("--threads", type=int, default=1, help="CPU threads (see the module docstring)")
+    add_threads_option(train)
     train.add_argument("--seed", type=int, default=0, help="seed of the data, the LoRA init and the sampling")
     out = ap.add_argument_group("output")
     out.add_argument(
         "--output-dir", default="outputs/grpo_lockers", help="adapter, log_history.json, summary.json"
     )
     return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and wrong options end here, before the imports below (torch, transformers: seconds)
+
+import torch
+from datasets import Dataset
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+from longstraw_trl import (
+    LongStrawGRPOConfig,
+    LongStrawGRPOTrainer,
+    capture_prompt,
+    extend_state,
+    generate_from_state,
+)
+from longstraw_trl.pretrained import load_pretrained
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -221,34 +238,9 @@ class WarmDocuments(TrainerCallback):
             self.trainer.prompt_cache.get(token_ids(self.tokenizer, doc), state.global_step)
 
 
-class StepProgress(TrainerCallback):
-    def __init__(self):
-        self.bar = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.bar = tqdm(total=state.max_steps, desc="GRPO", unit="step", dynamic_ncols=True)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.bar is not None and logs and "reward" in logs:
-            self.bar.set_postfix(reward=f"{logs['reward']:.2f}")
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.update(state.global_step - self.bar.n)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
-
-
-def build_trainer(args, model, tokenizer, train_rows: list[dict], callbacks=()):
-    from peft import LoraConfig
-
-    dataset = Dataset.from_list(
-        [{"prompt": r["doc"] + r["question"], "answer": r["answer"]} for r in train_rows]
-    )
-    policy = "recapture" if args.refresh_interval == 0 else "reuse"
-    config = LongStrawGRPOConfig(
+def grpo_arguments(args) -> dict:
+    """The GRPOConfig keywords of a run (shared with a stock ``trl.GRPOConfig``: bench/real_modes.py)."""
+    return dict(
         output_dir=args.output_dir,
         report_to="none",
         use_cpu=True,
@@ -268,36 +260,112 @@ def build_trainer(args, model, tokenizer, train_rows: list[dict], callbacks=()):
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
-        gradient_mode=args.gradient_mode,
-        **({"activation_checkpointing": False} if args.no_activation_checkpointing else {}),
-        refresh_policy=policy,
-        **({"refresh_interval": args.refresh_interval} if policy == "reuse" else {}),
+        activation_checkpointing=not args.no_activation_checkpointing,
     )
-    lora = LoraConfig(
+
+
+def lora_config(args):
+    """LoRA of rank ``--lora-rank`` on every linear layer."""
+    from peft import LoraConfig
+
+    return LoraConfig(
         r=args.lora_rank,
         lora_alpha=2 * args.lora_rank,
         lora_dropout=0.0,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
+
+
+def train_dataset(rows: list[dict]) -> Dataset:
+    return Dataset.from_list([{"prompt": r["doc"] + r["question"], "answer": r["answer"]} for r in rows])
+
+
+def build_trainer(args, model, tokenizer, train_rows: list[dict], progress: bool = False):
+    """The LongStraw trainer of a run (``progress``: a bar over the steps; otherwise nothing printed per step)."""
+    policy = "recapture" if args.refresh_interval == 0 else "reuse"
+    config = LongStrawGRPOConfig(
+        **grpo_arguments(args),
+        gradient_mode=args.gradient_mode,
+        refresh_policy=policy,
+        **({"refresh_interval": args.refresh_interval} if policy == "reuse" else {}),
+    )
     trainer = LongStrawGRPOTrainer(
         model=model,
         reward_funcs=locker_reward,
         args=config,
-        train_dataset=dataset,
+        train_dataset=train_dataset(train_rows),
         processing_class=tokenizer,
-        peft_config=lora,
+        peft_config=lora_config(args),
     )
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(PrinterCallback)
+    if progress:
+        show_step_progress(trainer)
+    else:
+        quiet_logs(trainer)
     trainer.add_callback(WarmDocuments(trainer, train_rows, args.questions_per_step))
-    for cb in callbacks:
-        trainer.add_callback(cb)
     return trainer
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Summary
+# ----------------------------------------------------------------------------------------------------------------------
+def summarize(args, trainer, doc_tokens: int, before: dict, after: dict, train_seconds: float) -> dict:
+    logs = step_logs(trainer)
+    window = reward_window(logs, most=6)
+    gain, gain_se = paired_gain(after["per_question"], before["per_question"])
+
+    def total_of(key):
+        return int(sum(r.get(key) or 0 for r in logs))
+
+    return {
+        "model": args.model,
+        "args": vars(args),
+        "document_tokens": doc_tokens,
+        "train_seconds": train_seconds,
+        "reward_window": window,
+        "train_reward_first_steps": mean_of("reward", logs[:window]),
+        "train_reward_last_steps": mean_of("reward", logs[-window:]),
+        "reward_curve": [r["reward"] for r in logs],
+        "heldout_before": {k: v for k, v in before.items() if k != "per_question"},
+        "heldout_after": {k: v for k, v in after.items() if k != "per_question"},
+        "heldout_accuracy_gain": gain,
+        "heldout_accuracy_gain_stderr": gain_se,
+        "train_prompt_tokens_captured": total_of("longstraw/tokens_captured"),
+        "train_prompt_tokens_reused": total_of("longstraw/tokens_reused"),
+        "state_bytes_per_prompt": state_bytes_per_prompt(logs),
+        "peak_memory_gib": peak_memory_gib(logs),
+        "peak_memory_kind": "process peak RSS",
+        # wall clock over the whole training (generation, document captures and logging included)
+        "seconds_per_step": train_seconds / max(len(logs), 1),
+        # TRL's step_time: its training_step alone
+        "trl_step_time": mean_of("step_time", logs),
+    }
+
+
+def print_summary(summary: dict, output_dir: str) -> None:
+    window, before, after = summary["reward_window"], summary["heldout_before"], summary["heldout_after"]
+    kinds = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in summary["state_bytes_per_prompt"].items())
+    print(
+        "\nsummary\n"
+        f"  training reward      {summary['train_reward_first_steps']:.3f} (first {window} steps) -> "
+        f"{summary['train_reward_last_steps']:.3f} (last {window} steps)\n"
+        f"  held-out exact       {before['accuracy']:.1%} ± {before['accuracy_stderr']:.1%} -> "
+        f"{after['accuracy']:.1%} ± {after['accuracy_stderr']:.1%} ({after['questions']} questions; paired gain "
+        f"{summary['heldout_accuracy_gain']:+.1%} ± {summary['heldout_accuracy_gain_stderr']:.1%})\n"
+        f"  held-out reward      {before['reward']:.3f} -> {after['reward']:.3f}\n"
+        f"  prompt tokens        training: {summary['train_prompt_tokens_captured']:,} captured, "
+        f"{summary['train_prompt_tokens_reused']:,} reused; each evaluation: {after['prompt_tokens_captured']:,} "
+        f"captured, {after['prompt_tokens_reused']:,} reused\n"
+        f"  prompt state         {kinds} per prompt\n"
+        f"  peak memory          {summary['peak_memory_gib']:.2f} GiB ({summary['peak_memory_kind']})\n"
+        f"  time                 {summary['train_seconds']:.0f} s training ({summary['seconds_per_step']:.1f} s/step), "
+        f"{summary['total_seconds']:.0f} s in all\n"
+        f"  saved                LoRA adapter, log_history.json, summary.json in {output_dir}/"
+    )
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
@@ -320,71 +388,16 @@ def main(argv=None) -> dict:
     before = greedy_eval(model, tokenizer, held_out, args.completion_tokens, "held-out before")
     print(f"held-out before: exact {before['accuracy']:.1%} ± {before['accuracy_stderr']:.1%}")
 
-    trainer = build_trainer(args, model, tokenizer, train_rows, callbacks=[StepProgress()])
+    trainer = build_trainer(args, model, tokenizer, train_rows, progress=True)
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
     after = greedy_eval(trainer.model, tokenizer, held_out, args.completion_tokens, "held-out after")
-
-    logs = [h for h in trainer.state.log_history if "reward" in h]
-    window = max(1, min(6, len(logs) // 4))
-
-    def mean_of(key, rows):
-        values = [r[key] for r in rows if r.get(key) is not None]
-        return statistics.fmean(values) if values else float("nan")
-
-    def total_of(key):
-        return int(sum(r.get(key) or 0 for r in logs))
-
-    state_bytes = {k.split("/")[-1]: logs[-1][k] for k in logs[-1] if k.startswith("longstraw/state_bytes/")}
-    # paired difference on the same held-out questions: its standard error
-    diffs = [a - b for a, b in zip(after["per_question"], before["per_question"], strict=True)]
-    diff = statistics.fmean(diffs)
-    diff_se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    summary = {
-        "model": args.model,
-        "args": vars(args),
-        "document_tokens": doc_tokens,
-        "train_seconds": train_seconds,
-        "total_seconds": time.perf_counter() - t0,
-        "train_reward_first_steps": mean_of("reward", logs[:window]),
-        "train_reward_last_steps": mean_of("reward", logs[-window:]),
-        "reward_curve": [r["reward"] for r in logs],
-        "heldout_before": {k: v for k, v in before.items() if k != "per_question"},
-        "heldout_after": {k: v for k, v in after.items() if k != "per_question"},
-        "heldout_accuracy_gain": diff,
-        "heldout_accuracy_gain_stderr": diff_se,
-        "train_prompt_tokens_captured": total_of("longstraw/tokens_captured"),
-        "train_prompt_tokens_reused": total_of("longstraw/tokens_reused"),
-        "state_bytes_per_prompt": state_bytes,
-        "peak_memory_gib": max((h.get("longstraw/peak_memory_gib") or 0.0) for h in logs),
-        "peak_memory_kind": "process peak RSS",
-        "seconds_per_step": mean_of("step_time", logs),
-    }
-    os.makedirs(args.output_dir, exist_ok=True)
+    summary = summarize(args, trainer, doc_tokens, before, after, train_seconds)
+    summary["total_seconds"] = time.perf_counter() - t0
     trainer.save_model(args.output_dir)
-    with open(os.path.join(args.output_dir, "log_history.json"), "w") as f:
-        json.dump(trainer.state.log_history, f, indent=1)
-    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    kinds = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in state_bytes.items())
-    print(
-        "\nsummary\n"
-        f"  training reward      {summary['train_reward_first_steps']:.3f} (first {window} steps) -> "
-        f"{summary['train_reward_last_steps']:.3f} (last {window} steps)\n"
-        f"  held-out exact       {before['accuracy']:.1%} ± {before['accuracy_stderr']:.1%} -> "
-        f"{after['accuracy']:.1%} ± {after['accuracy_stderr']:.1%} ({len(diffs)} questions; paired gain "
-        f"{diff:+.1%} ± {diff_se:.1%})\n"
-        f"  held-out reward      {before['reward']:.3f} -> {after['reward']:.3f}\n"
-        f"  prompt tokens        training: {summary['train_prompt_tokens_captured']:,} captured, "
-        f"{summary['train_prompt_tokens_reused']:,} reused; each evaluation: {after['prompt_tokens_captured']:,} "
-        f"captured, {after['prompt_tokens_reused']:,} reused\n"
-        f"  prompt state         {kinds} per prompt\n"
-        f"  peak memory          {summary['peak_memory_gib']:.2f} GiB ({summary['peak_memory_kind']})\n"
-        f"  time                 {train_seconds:.0f} s training ({summary['seconds_per_step']:.1f} s/step), "
-        f"{summary['total_seconds']:.0f} s in all\n"
-        f"  saved                LoRA adapter, log_history.json, summary.json in {args.output_dir}/"
-    )
+    save_run(trainer, args.output_dir, summary)
+    print_summary(summary, args.output_dir)
     return summary
 
 

@@ -1,4 +1,4 @@
-"""GRPO on a needle-in-a-haystack task with LongStrawGRPOTrainer (the embedded default of `make demo`).
+"""GRPO on a needle-in-a-haystack task with LongStrawGRPOTrainer, on a random-init model (no download).
 
     python examples/grpo_needle.py                          # CPU defaults: a few minutes
     python examples/grpo_needle.py --prompt-tokens 131072   # on a GPU: scale the haystack
@@ -17,13 +17,14 @@ What it does:
 Reward: 1 if the first digit of the completion is the needle, 0.2 if it is another digit, 0 without a digit (the
 0.2 teaches the answer format first). A random-init model learns the format within the CPU default budget; reading
 the needle out of the haystack takes longer (more steps, a larger model, `--needle-copies` > 1 makes it easier).
+`make demo` runs examples/grpo_lockers.py, the same trainer on a real pretrained model.
 """
+# ruff: noqa: E402 (the options are parsed before torch and transformers load, so --help answers at once)
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import random
 import statistics
@@ -31,21 +32,18 @@ import sys
 import time
 import warnings
 
-import torch
-from datasets import Dataset
-from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, TrainerCallback
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.utils import logging as hf_logging
-
-from longstraw_trl import (
-    LongStrawGRPOConfig,
-    LongStrawGRPOTrainer,
-    capture_prompt,
-    generate_from_state,
-    supported_model_types,
+from _common import (
+    add_threads_option,
+    fmt_bytes,
+    mean_of,
+    peak_memory_gib,
+    reward_window,
+    save_run,
+    show_step_progress,
+    state_bytes_per_prompt,
+    step_logs,
+    use_threads,
 )
-from longstraw_trl.toy_tokenizer import build_toy_tokenizer
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 DIGITS = "0123456789"
@@ -111,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument(
         "--bf16", choices=["auto", "yes", "no"], default="auto", help="bf16 mixed precision (auto: CUDA)"
     )
-    train.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    add_threads_option(train)
     train.add_argument(
         "--seed", type=int, default=0, help="seed of the model init, the data and the sampling"
     )
@@ -126,6 +124,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         "their own packages)",
     )
     return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and wrong options end here, before the imports below (torch, transformers: seconds)
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from longstraw_trl import (
+    LongStrawGRPOConfig,
+    LongStrawGRPOTrainer,
+    capture_prompt,
+    generate_from_state,
+    supported_model_types,
+)
+from longstraw_trl.toy_tokenizer import build_toy_tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -229,7 +245,7 @@ def with_reference_weights(model, config: LongStrawGRPOConfig, path: str):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Evaluation, progress, summary
+# Evaluation
 # ----------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def greedy_eval(model, tokenizer, dataset: Dataset, completion_tokens: int) -> dict[str, float]:
@@ -258,62 +274,12 @@ def greedy_eval(model, tokenizer, dataset: Dataset, completion_tokens: int) -> d
     return {"reward": statistics.fmean(rewards), "accuracy": hits / len(dataset)}
 
 
-class StepProgress(TrainerCallback):
-    """One progress bar over optimizer steps, with the latest reward and loss."""
-
-    def __init__(self):
-        self.bar = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        # one bar per run: under a multi-process launch only the first process draws it
-        self.bar = tqdm(
-            total=state.max_steps,
-            desc="GRPO",
-            unit="step",
-            dynamic_ncols=True,
-            disable=not state.is_world_process_zero,
-        )
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.bar is not None and logs and "reward" in logs:
-            self.bar.set_postfix(reward=f"{logs['reward']:.2f}", loss=f"{logs.get('loss', float('nan')):.3f}")
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.update(state.global_step - self.bar.n)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if "tensorboard" in args.report_to and importlib.util.find_spec("tensorboard") is None:
-        raise SystemExit(
-            "--report-to tensorboard needs the tensorboard package: pip install longstraw-trl[tensorboard]"
-        )
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    cuda = torch.cuda.is_available()
+# ----------------------------------------------------------------------------------------------------------------------
+# Training run
+# ----------------------------------------------------------------------------------------------------------------------
+def make_config(args, cuda: bool) -> LongStrawGRPOConfig:
     bf16 = {"auto": cuda and torch.cuda.is_bf16_supported(), "yes": True, "no": False}[args.bf16]
-
-    tokenizer = build_toy_tokenizer(64)
-    train = make_dataset(args.train_prompts, args.prompt_tokens, args.needle_copies, args.seed)
-    held_out = make_dataset(args.eval_prompts, args.prompt_tokens, args.needle_copies, args.seed + 1)
-    os.makedirs(args.output_dir, exist_ok=True)
-
-    config = LongStrawGRPOConfig(
+    return LongStrawGRPOConfig(
         output_dir=args.output_dir,
         report_to=args.report_to,
         use_cpu=not cuda,
@@ -340,6 +306,75 @@ def main(argv=None) -> dict:
         refresh_policy=args.refresh_policy,
         cp_size=args.cp_size,
     )
+
+
+def summarize(
+    args, trainer, model_type: str, before: dict, after: dict, train_seconds: float, cuda: bool
+) -> dict:
+    logs = step_logs(trainer)
+    window = reward_window(logs, most=10)
+    return {
+        "model_type": model_type,
+        "prompt_tokens": args.prompt_tokens,
+        "steps": args.steps,
+        "train_seconds": train_seconds,
+        "reward_window": window,
+        "train_reward_first_steps": mean_of("reward", logs[:window]),
+        "train_reward_last_steps": mean_of("reward", logs[-window:]),
+        "heldout_greedy_before": before,
+        "heldout_greedy_after": after,
+        "chance_accuracy": 1 / len(DIGITS),
+        "state_bytes_per_prompt": state_bytes_per_prompt(logs),
+        "peak_memory_gib": peak_memory_gib(logs),
+        "peak_memory_kind": "cuda max allocated" if cuda else "process peak RSS",
+        "seconds_per_step": {
+            "capture": mean_of("longstraw/capture_seconds", logs),
+            "generation": mean_of("longstraw/generation_seconds", logs),
+            "policy_replay_and_backward": mean_of("longstraw/replay_seconds", logs),
+            "step": mean_of("step_time", logs),
+        },
+    }
+
+
+def print_summary(summary: dict, output_dir: str) -> None:
+    window, before, after = (
+        summary["reward_window"],
+        summary["heldout_greedy_before"],
+        summary["heldout_greedy_after"],
+    )
+    kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in summary["state_bytes_per_prompt"].items())
+    seconds = summary["seconds_per_step"]
+    print(
+        "\nsummary\n"
+        f"  training reward      {summary['train_reward_first_steps']:.3f} (first {window} steps) -> "
+        f"{summary['train_reward_last_steps']:.3f} (last {window} steps)\n"
+        f"  held-out greedy      reward {before['reward']:.3f} -> {after['reward']:.3f}, needle found "
+        f"{before['accuracy']:.0%} -> {after['accuracy']:.0%} (chance {summary['chance_accuracy']:.0%})\n"
+        f"  prompt state         {kinds} per {summary['prompt_tokens']}-token prompt\n"
+        f"  peak memory          {summary['peak_memory_gib']:.2f} GiB ({summary['peak_memory_kind']})\n"
+        f"  time                 {summary['train_seconds']:.0f} s training, per step: capture "
+        f"{seconds['capture']:.3f} s/prompt, generation {seconds['generation']:.3f} s, replay+backward "
+        f"{seconds['policy_replay_and_backward']:.3f} s\n"
+        f"  saved                model, tokenizer, log_history.json, summary.json in {output_dir}/"
+    )
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if "tensorboard" in args.report_to and importlib.util.find_spec("tensorboard") is None:
+        raise SystemExit(
+            "--report-to tensorboard needs the tensorboard package: pip install longstraw-trl[tensorboard]"
+        )
+    use_threads(args.threads)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    cuda = torch.cuda.is_available()
+
+    tokenizer = build_toy_tokenizer(64)
+    train = make_dataset(args.train_prompts, args.prompt_tokens, args.needle_copies, args.seed)
+    held_out = make_dataset(args.eval_prompts, args.prompt_tokens, args.needle_copies, args.seed + 1)
+    os.makedirs(args.output_dir, exist_ok=True)
+    config = make_config(args, cuda)
     if config.process_index != 0:  # transformers' bars (loading, saving weights) on the first process only
         hf_logging.disable_progress_bar()
     model, model_type = build_model(args, len(tokenizer), main_process=config.process_index == 0)
@@ -352,9 +387,7 @@ def main(argv=None) -> dict:
         train_dataset=train,
         processing_class=tokenizer,
     )
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(StepProgress())
+    show_step_progress(trainer)
 
     n_params = sum(p.numel() for p in model.parameters())
     print_once = print if trainer.accelerator.is_main_process else lambda *a, **k: None
@@ -369,59 +402,11 @@ def main(argv=None) -> dict:
     trainer.train()
     train_seconds = time.perf_counter() - start
     after = greedy_eval(trainer.model, tokenizer, held_out, args.completion_tokens)
-
-    logs = [h for h in trainer.state.log_history if "reward" in h]
-    window = max(1, min(10, len(logs) // 4))
-
-    def mean_of(key, rows):
-        values = [r[key] for r in rows if key in r and r[key] is not None]
-        return statistics.fmean(values) if values else float("nan")
-
-    state_bytes = {k.split("/")[-1]: logs[-1][k] for k in logs[-1] if k.startswith("longstraw/state_bytes/")}
-    peak = max((h.get("longstraw/peak_memory_gib") or 0.0) for h in logs)
-    summary = {
-        "model_type": model_type,
-        "prompt_tokens": args.prompt_tokens,
-        "steps": args.steps,
-        "train_seconds": train_seconds,
-        "train_reward_first_steps": mean_of("reward", logs[:window]),
-        "train_reward_last_steps": mean_of("reward", logs[-window:]),
-        "heldout_greedy_before": before,
-        "heldout_greedy_after": after,
-        "chance_accuracy": 1 / len(DIGITS),
-        "state_bytes_per_prompt": state_bytes,
-        "peak_memory_gib": peak,
-        "peak_memory_kind": "cuda max allocated" if cuda else "process peak RSS",
-        "seconds_per_step": {
-            "capture": mean_of("longstraw/capture_seconds", logs),
-            "generation": mean_of("longstraw/generation_seconds", logs),
-            "policy_replay_and_backward": mean_of("longstraw/replay_seconds", logs),
-            "step": mean_of("step_time", logs),
-        },
-    }
+    summary = summarize(args, trainer, model_type, before, after, train_seconds, cuda)
     trainer.save_model(args.output_dir)
-    if not trainer.accelerator.is_main_process:  # one summary per run, also under a multi-process launch
-        return summary
-    with open(os.path.join(args.output_dir, "log_history.json"), "w") as f:
-        json.dump(trainer.state.log_history, f, indent=1)
-    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-
-    kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in state_bytes.items())
-    print(
-        "\nsummary\n"
-        f"  training reward      {summary['train_reward_first_steps']:.3f} (first {window} steps) -> "
-        f"{summary['train_reward_last_steps']:.3f} (last {window} steps)\n"
-        f"  held-out greedy      reward {before['reward']:.3f} -> {after['reward']:.3f}, needle found "
-        f"{before['accuracy']:.0%} -> {after['accuracy']:.0%} (chance {summary['chance_accuracy']:.0%})\n"
-        f"  prompt state         {kinds} per {args.prompt_tokens}-token prompt\n"
-        f"  peak memory          {peak:.2f} GiB ({summary['peak_memory_kind']})\n"
-        f"  time                 {train_seconds:.0f} s training, per step: capture "
-        f"{summary['seconds_per_step']['capture']:.3f} s/prompt, generation "
-        f"{summary['seconds_per_step']['generation']:.3f} s, replay+backward "
-        f"{summary['seconds_per_step']['policy_replay_and_backward']:.3f} s\n"
-        f"  saved                model, tokenizer, log_history.json, summary.json in {args.output_dir}/"
-    )
+    if trainer.accelerator.is_main_process:  # one summary per run, also under a multi-process launch
+        save_run(trainer, args.output_dir, summary)
+        print_summary(summary, args.output_dir)
     return summary
 
 

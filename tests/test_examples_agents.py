@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent_trajectories.py"
+from _examples import load_example
 
 
 def test_decision_points_extend_each_other(capsys):
-    spec = importlib.util.spec_from_file_location("agent_trajectories", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("agent_trajectories")
     summary = example.main(["--steps", "1", "--trajectories", "1", "--actions", "2"])
     (step,) = summary["steps"]
     # three decision points of one trajectory in one batch: the first captured, the next two extend it

@@ -1,27 +1,23 @@
-"""`examples/grpo_needle.py` (the embedded default) at tiny sizes: its advertised options run end to end."""
+"""`examples/grpo_needle.py` (GRPO on a random-init model) at tiny sizes: its advertised options run end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from _examples import EXAMPLES, load_example
 from _spawn import accelerate_launch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_needle.py"
+EXAMPLE = EXAMPLES / "grpo_needle.py"
 TINY = ["--prompt-tokens", "48", "--train-prompts", "4", "--eval-prompts", "1", "--num-generations", "2",
         "--prompts-per-step", "1", "--completion-tokens", "2", "--layers", "4", "--hidden-size", "32"]  # fmt: skip
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("grpo_needle", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
+    return load_example("grpo_needle")
 
 
 def test_beta_trains_against_the_initial_weights(tmp_path, monkeypatch):
