@@ -80,7 +80,9 @@ Where the math lives
 --------------------
 TRL's per-token loss is inline in `GRPOTrainer._compute_loss`; `_per_token_terms` below replicates it line by
 line (same op order, same broadcasting, on a one-row batch). TRL's own static helpers are imported and reused:
-`GRPOTrainer.get_off_policy_mask`, `GRPOTrainer.get_gamma_weights` and `trl.trainer.utils.nanmin/nanmax`.
+`GRPOTrainer.get_off_policy_mask`, `GRPOTrainer.get_gamma_weights` and (for the metrics)
+`trl.trainer.utils.nanmin/nanmax`. `GRPOLossSpec` and the loss types live in `longstraw_trl.loss_spec`, the logged
+metrics in `longstraw_trl.loss_metrics` (both re-exported here).
 
 Padding
 -------
@@ -94,16 +96,16 @@ Pass length-`R` rows if you need TRL's behaviour in that corner too.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from trl import GRPOConfig
 from trl.trainer.grpo_trainer import GRPOTrainer
-from trl.trainer.utils import nanmax, nanmin
+
+from .loss_metrics import ResponseMetrics, add_response_metrics, aggregate_metrics
+from .loss_spec import CLIPPED_LOSS_TYPES, LOSS_TYPES, TOKEN_NORMALIZED_LOSS_TYPES, GRPOLossSpec
 
 __all__ = [
     "LOSS_TYPES",
@@ -121,185 +123,6 @@ __all__ = [
     "loss_lengths",
     "response_loss",
 ]
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-"""Every `loss_type` of TRL 1.16's `GRPOTrainer._compute_loss`."""
-
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-"""Loss types using PPO-style clipped ratios (and logging `clip_ratio/*`)."""
-
-TOKEN_NORMALIZED_LOSS_TYPES = ("cispo", "dapo", "vespo")
-"""Loss types normalized by the global token count `num_items_in_batch` (no separate division by `ga`)."""
-
-_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-_GRPO_DEFAULTS = {
-    f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING
-}
-
-
-@dataclass(frozen=True)
-class GRPOLossSpec:
-    """
-    Everything about the GRPO loss that does not depend on the data: the loss-related fields of a `GRPOConfig`,
-    resolved the way `GRPOTrainer.__init__` resolves them. Build it with [`GRPOLossSpec.from_args`].
-
-    Parameters:
-        loss_type (`str`, *optional*, defaults to `"dapo"`):
-            One of [`LOSS_TYPES`]; TRL's `GRPOConfig.loss_type`.
-        importance_sampling_level (`str`, *optional*, defaults to `"token"`):
-            `"token"` (one ratio per token) or `"sequence"` (GSPO: exp of the masked mean log-ratio per sequence).
-        beta (`float`, *optional*, defaults to `0.0`):
-            KL coefficient. When non-zero, reference log-probs must be passed for every response.
-        epsilon_low (`float`, *optional*, defaults to `0.2`):
-            Lower clipping range, TRL's `args.epsilon` (`trainer.epsilon_low`).
-        epsilon_high (`float`, *optional*, defaults to `0.2`):
-            Upper clipping range, `args.epsilon_high` or, when that is `None`, `args.epsilon`. For `cispo` it is
-            the cap ε_max of the (detached) importance weights.
-        delta (`float` or `None`, *optional*, defaults to `None`):
-            Upper bound of the unclipped ratio in two-sided clipping (INTELLECT-2). `None` disables it.
-        use_bias_correction_kl (`bool`, *optional*, defaults to `True`):
-            Multiply the per-token KL by the (differentiable) importance ratio.
-        sapo_temperature_pos (`float`, *optional*, defaults to `1.0`):
-            SAPO gate temperature for tokens with positive advantage.
-        sapo_temperature_neg (`float`, *optional*, defaults to `1.05`):
-            SAPO gate temperature for tokens with non-positive advantage.
-        vespo_k_pos (`float`, *optional*, defaults to `2.0`):
-            VESPO gamma-weight exponent for non-negative advantages.
-        vespo_lambda_pos (`float`, *optional*, defaults to `3.0`):
-            VESPO gamma-weight decay for non-negative advantages.
-        vespo_k_neg (`float`, *optional*, defaults to `3.0`):
-            VESPO gamma-weight exponent for negative advantages.
-        vespo_lambda_neg (`float`, *optional*, defaults to `2.0`):
-            VESPO gamma-weight decay for negative advantages.
-        off_policy_mask_threshold (`float` or `None`, *optional*, defaults to `None`):
-            DeepSeek-V3.2 off-policy sequence masking threshold on the mean per-token KL(sampler || policy) of a
-            sequence; `None` disables it.
-        vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
-            Whether TRL applies its vLLM importance-sampling correction, i.e. `args.use_vllm and
-            args.vllm_importance_sampling_correction`. When `True`, every response needs its
-            `importance_sampling_ratio` row.
-        max_completion_length (`int` or `None`, *optional*, defaults to `None`):
-            `args.max_completion_length`; the constant denominator of `dr_grpo` (required for it).
-        gradient_accumulation_steps (`int`, *optional*, defaults to `1`):
-            `args.gradient_accumulation_steps`; the default for `batch_loss_context(gradient_accumulation_steps=)`,
-            which should be given the Trainer's `current_gradient_accumulation_steps` instead.
-        steps_per_generation (`int`, *optional*, defaults to `1`):
-            `args.steps_per_generation` (resolved by `GRPOConfig.__post_init__`, defaulting to
-            `gradient_accumulation_steps`); divides the `dapo`/`cispo`/`vespo` normalizer in train mode.
-        entropy_coef (`float`, *optional*, defaults to `0.0`):
-            Entropy bonus coefficient (static), or the initial one under `use_adaptive_entropy` (the coefficient a
-            micro-batch applies is then given to `batch_loss_context(entropy_coef=)`). While the bonus is enabled,
-            every response needs its per-token `entropies_i`.
-        top_entropy_quantile (`float`, *optional*, defaults to `1.0`):
-            Below `1.0`, only the tokens whose entropy is at or above this quantile (over the micro-batch, all
-            processes) enter the policy loss and the entropy bonus: pass the mask to
-            `batch_loss_context(entropy_mask=)` (see [`high_entropy_mask`]).
-        use_adaptive_entropy (`bool`, *optional*, defaults to `False`):
-            TRL's adaptive entropy control (Skywork-OR1): the coefficient is updated once per optimizer step by the
-            caller (see [`adaptive_entropy_coef`]); the bonus is enabled even while the coefficient is zero.
-        router_aux_loss_coef (`float`, *optional*, defaults to `0.0`):
-            Effective MoE load-balancing coefficient (TRL's `trainer.router_aux_loss_coef`). `response_loss` does not
-            include that term; the trainer adds it per response (`longstraw_trl.router_aux`).
-    """
-
-    loss_type: str = "dapo"
-    importance_sampling_level: str = "token"
-    beta: float = 0.0
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    delta: float | None = None
-    use_bias_correction_kl: bool = True
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    off_policy_mask_threshold: float | None = None
-    vllm_importance_sampling_correction: bool = False
-    max_completion_length: int | None = None
-    gradient_accumulation_steps: int = 1
-    steps_per_generation: int = 1
-    entropy_coef: float = 0.0
-    top_entropy_quantile: float = 1.0
-    use_adaptive_entropy: bool = False
-    router_aux_loss_coef: float = 0.0
-
-    def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"Unknown loss type: {self.loss_type!r}. Supported: {', '.join(LOSS_TYPES)}.")
-        if self.importance_sampling_level not in _IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"Unknown importance sampling level: {self.importance_sampling_level!r}. Possible values are "
-                "'token' and 'sequence'."
-            )
-        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' normalizes by `max_completion_length`, which is None.")
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
-
-    @property
-    def entropy_bonus_enabled(self) -> bool:
-        """TRL's `_entropy_bonus_enabled`: a static coefficient, or adaptive control (on even at a zero coefficient)."""
-        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
-
-    @classmethod
-    def from_args(cls, args: Any, *, model: Any = None) -> GRPOLossSpec:
-        """Resolve the loss fields of a `GRPOConfig` (or any object with the same attribute names) like
-        `GRPOTrainer.__init__` does. Attributes missing on `args` take `GRPOConfig`'s defaults.
-
-        Args:
-            args (`GRPOConfig`-like):
-                The training arguments. `steps_per_generation` falls back to `gradient_accumulation_steps` when it
-                is `None` (as `GRPOConfig.__post_init__` resolves it).
-            model (`PreTrainedModel`, *optional*):
-                The policy. When given, the effective MoE auxiliary-loss coefficient is resolved like TRL does
-                (`args.router_aux_loss_coef`, or the model config's own when that is `None`, counted only if the
-                config declares `output_router_logits`).
-        """
-
-        def get(name):
-            return getattr(args, name, _GRPO_DEFAULTS.get(name))
-
-        epsilon = get("epsilon")
-        epsilon_high = get("epsilon_high")
-        gradient_accumulation_steps = get("gradient_accumulation_steps") or 1
-        steps_per_generation = get("steps_per_generation") or gradient_accumulation_steps
-
-        coef = get("router_aux_loss_coef")
-        if model is not None:
-            text_config = model.config.get_text_config()
-            effective = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-            router_aux_loss_coef = effective if hasattr(text_config, "output_router_logits") else 0.0
-        else:
-            router_aux_loss_coef = coef or 0.0
-
-        return cls(
-            loss_type=get("loss_type"),
-            importance_sampling_level=get("importance_sampling_level"),
-            beta=get("beta"),
-            epsilon_low=epsilon,
-            epsilon_high=epsilon_high if epsilon_high is not None else epsilon,
-            delta=get("delta"),
-            use_bias_correction_kl=get("use_bias_correction_kl"),
-            sapo_temperature_pos=get("sapo_temperature_pos"),
-            sapo_temperature_neg=get("sapo_temperature_neg"),
-            vespo_k_pos=get("vespo_k_pos"),
-            vespo_lambda_pos=get("vespo_lambda_pos"),
-            vespo_k_neg=get("vespo_k_neg"),
-            vespo_lambda_neg=get("vespo_lambda_neg"),
-            off_policy_mask_threshold=get("off_policy_mask_threshold"),
-            vllm_importance_sampling_correction=bool(
-                get("use_vllm") and get("vllm_importance_sampling_correction")
-            ),
-            max_completion_length=get("max_completion_length"),
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            steps_per_generation=steps_per_generation,
-            entropy_coef=get("entropy_coef"),
-            top_entropy_quantile=get("top_entropy_quantile"),
-            use_adaptive_entropy=get("use_adaptive_entropy"),
-            router_aux_loss_coef=router_aux_loss_coef,
-        )
 
 
 @dataclass(frozen=True)
@@ -517,37 +340,6 @@ def adaptive_entropy_coef(
     return max(entropy_coef - entropy_coef_delta, entropy_coef_min)
 
 
-@dataclass
-class ResponseMetrics:
-    """
-    One response's share of the metrics TRL logs from `_compute_loss`. Combine the responses of a micro-batch with
-    [`aggregate_metrics`].
-
-    Parameters:
-        sums (`dict[str, torch.Tensor]`):
-            Numerators of TRL's `global_masked_mean` metrics (`kl`, `entropy`, `clip_ratio/low_mean`, ...).
-        counts (`dict[str, torch.Tensor]`):
-            Their denominators (masked token count, or 1 per sequence for sequence-level quantities).
-        seq_values (`dict[str, torch.Tensor]`):
-            Per-sequence values (shape `[1]`) that TRL reduces with `nanmin` / `nanmax` over the micro-batch
-            (`clip_ratio/low_min`, `clip_ratio/high_max`). NaN for a response without loss tokens, as in TRL.
-        policy_loss (`torch.Tensor`):
-            This response's share of TRL's `policy_loss` metric (the loss before the entropy bonus, and for
-            `grpo`/`bnpo`/`dr_grpo`/`sapo`/`luspo` before the division by `ga`). TRL logs it only when the entropy
-            bonus is enabled.
-        bonus_entropy (`torch.Tensor` or `None`):
-            `[sum_t H*m_eff, sum_t m_eff]` of this response (detached; `m_eff` the loss mask times the entropy
-            mask), while the entropy bonus is enabled: summed over an accumulation window and all processes, the
-            entropy TRL's adaptive controller compares with `entropy_target`.
-    """
-
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    counts: dict[str, torch.Tensor] = field(default_factory=dict)
-    seq_values: dict[str, torch.Tensor] = field(default_factory=dict)
-    policy_loss: torch.Tensor | None = None
-    bonus_entropy: torch.Tensor | None = None
-
-
 def _as_row(
     x: torch.Tensor | float | None, length: int, name: str, device, dtype=None
 ) -> torch.Tensor | None:
@@ -650,31 +442,6 @@ def _per_token_terms(
     return per_token_loss, coef_1, per_token_kl, phi_seq
 
 
-def _masked_metric(
-    metrics: ResponseMetrics, name: str, x: torch.Tensor, mask: torch.Tensor, per_seq: bool
-) -> None:
-    """One row's share of TRL's `global_masked_mean(x)`.
-
-    TRL branches on `x.shape[1] == 1`; a row here may be truncated, so the caller says whether TRL's `[B, *]`
-    tensor has one column (`per_seq`).
-    """
-    x = x.detach()
-    if per_seq:  # TRL: `x.sum()` over one value per sequence, counted once per sequence
-        metrics.sums[name] = x.sum()
-        metrics.counts[name] = torch.tensor(float(x.shape[0]), device=x.device)
-    else:
-        metrics.sums[name] = (x * mask).sum()
-        metrics.counts[name] = mask.sum().float()
-
-
-def _seq_metric(
-    metrics: ResponseMetrics, name: str, x: torch.Tensor, mask: torch.Tensor, per_seq: bool
-) -> None:
-    """One row of TRL's `masked_seq_mean(x)` (NaN for a row without loss tokens, as in TRL)."""
-    x = x.detach()
-    metrics.seq_values[name] = x.squeeze(1) if per_seq else (x * mask).sum(-1) / mask.sum(-1)
-
-
 def response_loss(
     spec: GRPOLossSpec,
     ctx: LossNormalizer,
@@ -723,11 +490,66 @@ def response_loss(
     Returns:
         `tuple[torch.Tensor, ResponseMetrics]`: the scalar loss term and the response's metric shares.
     """
-    if ctx.spec != spec:
-        raise ValueError("ctx was built by batch_loss_context for a different GRPOLossSpec.")
     if per_token_logps_i.dim() != 1:
         per_token_logps_i = per_token_logps_i.reshape(-1)
-    length = per_token_logps_i.size(0)
+    _check_response_inputs(
+        spec, ctx, i, per_token_logps_i.size(0), ref_logps_i, importance_sampling_ratio_i, entropies_i
+    )
+    rows = _ResponseRows.of(
+        ctx,
+        i,
+        per_token_logps_i,
+        mask_i,
+        advantage_i,
+        old_logps_i,
+        ref_logps_i,
+        sampling_logps_i,
+        importance_sampling_ratio_i,
+        entropies_i,
+    )
+    per_token_loss, coef_1, per_token_kl, phi_seq = _per_token_terms(
+        spec,
+        rows.logps,
+        rows.old,
+        rows.ref,
+        rows.advantages,
+        rows.mask,
+        sampling_per_token_logps=rows.sampling,
+        importance_sampling_ratio=rows.is_ratio if spec.vllm_importance_sampling_correction else None,
+        entropy_mask=rows.entropy_mask,
+    )
+    loss, policy = _aggregated_loss(spec, ctx, per_token_loss, rows.mask)
+    bonus_entropy = None
+    if spec.entropy_bonus_enabled:
+        loss, bonus_entropy = _with_entropy_bonus(ctx, loss, rows)
+    metrics = ResponseMetrics(policy_loss=policy.detach(), bonus_entropy=bonus_entropy)
+    add_response_metrics(
+        metrics,
+        spec,
+        ctx.mask.size(1),
+        rows.mask,
+        rows.advantages,
+        advantage_i,
+        rows.entropies,
+        coef_1,
+        per_token_kl,
+        phi_seq,
+    )
+    return loss, metrics
+
+
+def _check_response_inputs(
+    spec: GRPOLossSpec,
+    ctx: LossNormalizer,
+    i: int,
+    length: int,
+    ref_logps_i: torch.Tensor | None,
+    importance_sampling_ratio_i: torch.Tensor | None,
+    entropies_i: torch.Tensor | None,
+) -> None:
+    """Refuse a response's inputs that :func:`response_loss` cannot turn into TRL's term, saying what is missing."""
+    if ctx.spec != spec:
+        raise ValueError("ctx was built by batch_loss_context for a different GRPOLossSpec.")
     if not ctx.lengths[i] <= length <= ctx.mask.size(1):
         raise ValueError(
             f"per_token_logps_i of response {i} has {length} positions; it needs between {ctx.lengths[i]} (its last "
@@ -743,34 +565,51 @@ def response_loss(
             "response (entropies_i)."
         )
 
-    device = per_token_logps_i.device
-    logps = per_token_logps_i.reshape(1, -1)
-    mask = _as_row(ctx.mask[i] if mask_i is None else mask_i, length, "mask_i", device)
-    if mask.size(1) != length:
-        raise ValueError(f"mask_i has {mask.size(1)} positions, per_token_logps_i has {length}.")
-    advantages = _as_row(advantage_i, length, "advantage_i", device, dtype=logps.dtype)
-    old = _as_row(old_logps_i, length, "old_logps_i", device)
-    ref = _as_row(ref_logps_i, length, "ref_logps_i", device)
-    sampling = _as_row(sampling_logps_i, length, "sampling_logps_i", device)
-    is_ratio = _as_row(importance_sampling_ratio_i, length, "importance_sampling_ratio_i", device)
-    entropies = _as_row(entropies_i, length, "entropies_i", device)
-    entropy_mask = (
-        None if ctx.entropy_mask is None else _as_row(ctx.entropy_mask[i], length, "entropy_mask", device)
-    )
 
-    per_token_loss, coef_1, per_token_kl, phi_seq = _per_token_terms(
-        spec,
-        logps,
-        old,
-        ref,
-        advantages,
-        mask,
-        sampling_per_token_logps=sampling,
-        importance_sampling_ratio=is_ratio if spec.vllm_importance_sampling_correction else None,
-        entropy_mask=entropy_mask,
-    )
+@dataclass(frozen=True)
+class _ResponseRows:
+    """A response's per-token inputs as TRL's one-row batch slices (`[1, L]` or `[1, 1]`, see `_as_row`)."""
 
-    # TRL's aggregation, restricted to row i (see the module docstring for the micro-batch formulas).
+    logps: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    sampling: torch.Tensor | None
+    is_ratio: torch.Tensor | None
+    entropies: torch.Tensor | None
+    entropy_mask: torch.Tensor | None
+
+    @classmethod
+    def of(
+        cls, ctx, i, logps_i, mask_i, advantage_i, old_i, ref_i, sampling_i, is_ratio_i, entropies_i
+    ) -> _ResponseRows:
+        length, device = logps_i.size(0), logps_i.device
+        logps = logps_i.reshape(1, -1)
+        mask = _as_row(ctx.mask[i] if mask_i is None else mask_i, length, "mask_i", device)
+        if mask.size(1) != length:
+            raise ValueError(f"mask_i has {mask.size(1)} positions, per_token_logps_i has {length}.")
+        entropy_mask = ctx.entropy_mask
+        return cls(
+            logps=logps,
+            mask=mask,
+            advantages=_as_row(advantage_i, length, "advantage_i", device, dtype=logps.dtype),
+            old=_as_row(old_i, length, "old_logps_i", device),
+            ref=_as_row(ref_i, length, "ref_logps_i", device),
+            sampling=_as_row(sampling_i, length, "sampling_logps_i", device),
+            is_ratio=_as_row(is_ratio_i, length, "importance_sampling_ratio_i", device),
+            entropies=_as_row(entropies_i, length, "entropies_i", device),
+            entropy_mask=None
+            if entropy_mask is None
+            else _as_row(entropy_mask[i], length, "entropy_mask", device),
+        )
+
+
+def _aggregated_loss(
+    spec: GRPOLossSpec, ctx: LossNormalizer, per_token_loss: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's aggregation of the per-token loss, restricted to one row (the module docstring's formulas): the loss
+    term and TRL's `policy_loss` share."""
     masked_sum = (per_token_loss * mask).sum(-1)  # [1]
     if spec.loss_type in ("grpo", "sapo"):
         policy = (masked_sum / mask.sum(-1).clamp(min=1.0)).sum() / ctx.num_responses
@@ -786,95 +625,20 @@ def response_loss(
     else:  # "luspo"
         policy = masked_sum.sum() / ctx.num_responses
         loss = policy / ctx.ga_normalizer
-
-    bonus_entropy = None
-    if spec.entropy_bonus_enabled:
-        # TRL: `(entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor`
-        effective_mask = mask if entropy_mask is None else mask * entropy_mask
-        entropy_sum = (entropies * effective_mask).sum()
-        entropy_loss = entropy_sum / ctx.entropy_num_tokens / ctx.ga_normalizer
-        loss = loss - ctx.entropy_coef * entropy_loss
-        bonus_entropy = torch.stack([entropy_sum.detach(), effective_mask.sum().to(entropy_sum.dtype)])
-
-    # TRL's metric helpers treat a `[B, 1]` tensor as one value per sequence. Which tensors have one column in TRL
-    # (a truncated row cannot tell by its shape): all of them when the padded length R is 1; otherwise, with one
-    # advantage per sequence, `phi_seq` and, at sequence level, the clip indicators. (A per-token advantage is
-    # recognised by having more than one element.)
-    one_column = ctx.mask.size(1) == 1
-    per_token_advantages = isinstance(advantage_i, torch.Tensor) and advantage_i.numel() > 1
-    clip_per_seq = one_column or (spec.importance_sampling_level == "sequence" and not per_token_advantages)
-
-    metrics = ResponseMetrics(policy_loss=policy.detach(), bonus_entropy=bonus_entropy)
-    if per_token_kl is not None:
-        _masked_metric(metrics, "kl", per_token_kl, mask, one_column)
-    if entropies is not None:
-        _masked_metric(metrics, "entropy", entropies, mask, one_column)
-    if spec.loss_type in CLIPPED_LOSS_TYPES:
-        is_low_clipped = (coef_1 < 1 - spec.epsilon_low) & (advantages < 0)
-        is_high_clipped = (coef_1 > 1 + spec.epsilon_high) & (advantages > 0)
-        is_region_clipped = is_low_clipped | is_high_clipped
-        _masked_metric(metrics, "clip_ratio/low_mean", is_low_clipped.float(), mask, clip_per_seq)
-        _masked_metric(metrics, "clip_ratio/high_mean", is_high_clipped.float(), mask, clip_per_seq)
-        _masked_metric(metrics, "clip_ratio/region_mean", is_region_clipped.float(), mask, clip_per_seq)
-        _seq_metric(metrics, "clip_ratio/low_min", is_low_clipped.float(), mask, clip_per_seq)
-        _seq_metric(metrics, "clip_ratio/high_max", is_high_clipped.float(), mask, clip_per_seq)
-    elif spec.loss_type == "cispo":
-        is_cispo_clipped = (coef_1 > spec.epsilon_high) & (advantages > 0)
-        _masked_metric(metrics, "cispo_clip_ratio", is_cispo_clipped.float(), mask, clip_per_seq)
-    elif spec.loss_type == "vespo":
-        _masked_metric(metrics, "vespo/phi_seq_mean", phi_seq, mask, one_column or not per_token_advantages)
-
-    return loss, metrics
+    return loss, policy
 
 
-def aggregate_metrics(
-    spec: GRPOLossSpec,
-    metrics: Sequence[ResponseMetrics],
-    *,
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """Combine the responses of one micro-batch into the values TRL's `_compute_loss` appends to `_metrics[mode]`.
-
-    Args:
-        spec (`GRPOLossSpec`):
-            The loss specification.
-        metrics (`Sequence[ResponseMetrics]`):
-            The metrics of every response of the micro-batch (from [`response_loss`]).
-        reduce_sum (`Callable`, *optional*):
-            Cross-process sum, e.g. `lambda t: accelerator.reduce(t, reduction="sum")`. Identity by default.
-        gather (`Callable`, *optional*):
-            Cross-process gather, e.g. `accelerator.gather`. Identity by default.
-
-    Returns:
-        `dict[str, float]`: keyed by TRL's metric names (`policy_loss` only when the entropy bonus is on,
-        `kl` only when `beta != 0`, `entropy` only when entropies were passed, then the loss type's clip metrics).
-        TRL also logs `entropy_coef` (the controller's value, at optimizer-step boundaries) and `aux_loss` (the
-        trainer logs it); those are not here.
-    """
-    reduce_sum = reduce_sum or (lambda t: t)
-    gather = gather or (lambda t: t)
-    if not metrics:
-        return {}
-    out: dict[str, float] = {}
-    if spec.entropy_bonus_enabled:
-        policy_loss = torch.stack([m.policy_loss for m in metrics]).sum()
-        out["policy_loss"] = gather(policy_loss).nanmean().item()
-    names = list(metrics[0].sums)
-    for m in metrics[1:]:
-        if list(m.sums) != names:
-            raise ValueError(
-                "Responses of one micro-batch report different metrics (entropies given for some only?)."
-            )
-    for name in names:
-        local_sum = torch.stack([m.sums[name] for m in metrics]).sum()
-        local_count = torch.stack([m.counts[name] for m in metrics]).sum()
-        totals = reduce_sum(torch.stack([local_sum, local_count.to(local_sum.dtype)]))
-        out[name] = (totals[0] / totals[1].clamp(min=1.0)).item()
-    for name in metrics[0].seq_values:
-        values = gather(torch.cat([m.seq_values[name] for m in metrics]))
-        out[name] = (nanmin(values) if name.endswith("_min") else nanmax(values)).item()
-    return out
+def _with_entropy_bonus(
+    ctx: LossNormalizer, loss: torch.Tensor, rows: _ResponseRows
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss with TRL's entropy bonus, `(entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) /
+    accumulation_factor` times the applied coefficient, taken off; and the row's `[entropy sum, token count]`."""
+    mask = rows.mask
+    effective_mask = mask if rows.entropy_mask is None else mask * rows.entropy_mask
+    entropy_sum = (rows.entropies * effective_mask).sum()
+    entropy_loss = entropy_sum / ctx.entropy_num_tokens / ctx.ga_normalizer
+    loss = loss - ctx.entropy_coef * entropy_loss
+    return loss, torch.stack([entropy_sum.detach(), effective_mask.sum().to(entropy_sum.dtype)])
 
 
 def batch_loss(

@@ -51,6 +51,8 @@ LAYERS = {
     "longstraw_trl.cli": RUNTIME,
     "longstraw_trl.state_cache": STEP,
     "longstraw_trl.loss": STEP,
+    "longstraw_trl.loss_spec": STEP,
+    "longstraw_trl.loss_metrics": STEP,
     "longstraw_trl.prompt_state_manager": STEP,
     "longstraw_trl.streamed_loss": STEP,
     "longstraw_trl.rollout": STEP,
