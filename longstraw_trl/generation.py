@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -37,10 +37,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from longstraw_trl.kernels.runtime.switches import enabled
+from longstraw_trl.kernels.runtime.switches import switch
 
-from .context import ForwardContext, Mode
-from .engine import check_max_position_embeddings, forward_model, vocab_size
+from .context import Mode, ReplayContext
+from .engine import check_positions, forward_model, vocab_size
 from .errors import LongStrawError
 from .host_memory import count_streamed_bytes, streamed_bytes
 from .prompt_state import PromptState
@@ -48,8 +48,8 @@ from .prompt_state import PromptState
 # Decoding checks whether every row has finished (a host synchronisation) once per this many steps; the
 # output is trimmed to what stopping at once would have given.
 DONE_CHECK_INTERVAL = 16
-# LONGSTRAW_DISABLE=cuda_graphs turns the decode step's CUDA graph off (the default is on, on CUDA).
-CUDA_GRAPHS_SWITCH = "cuda_graphs"
+# LONGSTRAW_CUDA_GRAPHS=0 turns the decode step's CUDA graph off (the default is on, on CUDA).
+CUDA_GRAPHS_ENV = "LONGSTRAW_CUDA_GRAPHS"
 
 logger = logging.getLogger(__name__)
 
@@ -341,20 +341,10 @@ def generate_from_state(
     ``model.generate`` on the prompt (see :class:`LogitsProcessing`, which also explains ``prompt_ids`` and
     ``input_length``; the repetition penalty, n-grams and multi-token sequences need ``prompt_ids``).
     """
-    state.check_not_empty()
-    if num_generations < 1 or max_new_tokens < 1:
-        raise LongStrawError("num_generations and max_new_tokens must be >= 1")
-    if do_sample and (temperature is None or temperature <= 0):
-        raise LongStrawError(f"temperature must be > 0 when sampling, got {temperature}")
-    check_max_position_embeddings(model, state.num_tokens + max_new_tokens, "prompt + max_new_tokens")
+    _check_request(state, model, num_generations, max_new_tokens, do_sample, temperature, prompt_ids)
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    if prompt_ids is not None and (prompt_ids.dim() != 1 or prompt_ids.numel() != state.num_tokens):
-        raise LongStrawError(
-            f"prompt_ids must be the state's 1-D prompt of {state.num_tokens} tokens, got shape "
-            f"{tuple(prompt_ids.shape)}"
-        )
     warp = _warpers(temperature, top_k, top_p, min_p) if do_sample else LogitsProcessorList()
     g, device = num_generations, state.device
     process = LogitsProcessing(
@@ -375,35 +365,88 @@ def generate_from_state(
         begin_suppress_tokens,
     )
     eos_t = torch.tensor(eos, device=device, dtype=torch.long)
-
     out = torch.full((g, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    done = torch.zeros(g, dtype=torch.bool, device=device)
     decode = DecodeStep(model, state, g, max_new_tokens, cuda_graphs)
+
+    def scores(step: int, logits: torch.Tensor) -> torch.Tensor:  # generate's order: processors, then warpers
+        return warp(out[:, :step], process(step, out, logits))
+
+    return _decode_tokens(
+        state, decode, out, scores, process.append, eos_t, do_sample, generator, pad_token_id
+    )
+
+
+def _check_request(
+    state: PromptState,
+    model,
+    num_generations: int,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float | None,
+    prompt_ids: torch.Tensor | None,
+) -> None:
+    """Refuse a sampling request :func:`generate_from_state` cannot serve, saying why."""
+    state.check_not_empty()
+    if num_generations < 1 or max_new_tokens < 1:
+        raise LongStrawError("num_generations and max_new_tokens must be >= 1")
+    if do_sample and (temperature is None or temperature <= 0):
+        raise LongStrawError(f"temperature must be > 0 when sampling, got {temperature}")
+    check_positions(model, state.num_tokens + max_new_tokens, "prompt + max_new_tokens")
+    if prompt_ids is not None and (prompt_ids.dim() != 1 or prompt_ids.numel() != state.num_tokens):
+        raise LongStrawError(
+            f"prompt_ids must be the state's 1-D prompt of {state.num_tokens} tokens, got shape "
+            f"{tuple(prompt_ids.shape)}"
+        )
+
+
+def _decode_tokens(
+    state: PromptState,
+    decode: DecodeStep,
+    out: torch.Tensor,
+    scores: Callable[[int, torch.Tensor], torch.Tensor],
+    record: Callable[[torch.Tensor], None],
+    eos_t: torch.Tensor,
+    do_sample: bool,
+    generator: torch.Generator | None,
+    pad_token_id: int,
+) -> torch.Tensor:
+    """The decode loop: each step's logits (``decode``) turned into ``scores(step, logits)``, the next tokens drawn
+    into ``out [G, max_new_tokens]`` (``pad_token_id`` after a row's EOS) and handed to ``record``; stops once every
+    row has finished (checked every ``DONE_CHECK_INTERVAL`` steps), trimmed to what stopping at once would keep."""
+    g, max_new_tokens = out.shape
+    has_eos = eos_t.numel() > 0
+    done = torch.zeros(g, dtype=torch.bool, device=out.device)
     # The first step runs the last prompt token (the state holds the first P - 1), then each new token.
     tokens = state.last_token.view(1, 1).expand(g, 1)
     for step in range(max_new_tokens):
-        scores = warp(out[:, :step], process(step, out, decode(tokens).float()))
-        if do_sample:
-            probs = torch.softmax(scores, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
-        else:
-            nxt = scores.argmax(-1)
-        if state.cp_group is not None:
-            # every CP rank must decode the same tokens (their logits can differ in the last bits)
-            torch.distributed.broadcast(
-                nxt, src=torch.distributed.get_global_rank(state.cp_group, 0), group=state.cp_group
-            )
+        nxt = _draw(scores(step, decode(tokens).float()), do_sample, generator, state.cp_group)
         nxt = torch.where(done, pad_token_id, nxt)
         out[:, step] = nxt
-        process.append(nxt)
-        if eos:
+        record(nxt)
+        if has_eos:
             done |= torch.isin(nxt, eos_t)
             if (step + 1) % DONE_CHECK_INTERVAL == 0 and bool(done.all()):
                 return out[:, : _width(out, step, eos_t)]
         tokens = nxt[:, None]
-    if eos and bool(done.all()):
+    if has_eos and bool(done.all()):
         return out[:, : _width(out, max_new_tokens - 1, eos_t)]
     return out
+
+
+def _draw(
+    scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None, cp_group: Any
+) -> torch.Tensor:
+    """Each row's next token from its processed scores: a ``torch.multinomial`` draw, or greedy; the same tokens on
+    every context-parallel rank."""
+    if do_sample:
+        probs = torch.softmax(scores, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    else:
+        nxt = scores.argmax(-1)
+    if cp_group is not None:
+        # every CP rank must decode the same tokens (their logits can differ in the last bits)
+        torch.distributed.broadcast(nxt, src=torch.distributed.get_global_rank(cp_group, 0), group=cp_group)
+    return nxt
 
 
 def _width(out: torch.Tensor, step: int, eos_t: torch.Tensor) -> int:
@@ -417,13 +460,13 @@ def decode_graphs_by_default(state: PromptState) -> bool:
     """Whether :class:`DecodeStep` replays the decode steps on ``state`` as one CUDA graph when not told: on
     CUDA, without context parallelism (collectives inside: kept eager), when no layer streams state from the
     host during a step (``LayerState.decode_streams``; an offloaded GLM-5 state streams none, its rows read by
-    the GPU from mapped host memory), and unless ``LONGSTRAW_DISABLE=cuda_graphs``."""
+    the GPU from mapped host memory), and unless ``LONGSTRAW_CUDA_GRAPHS=0``."""
     device = state.device
     return (
         device.type == "cuda"
         and state.cp_group is None
         and not any(layer.decode_streams(device) for layer in state.layers.values())
-        and enabled(CUDA_GRAPHS_SWITCH)
+        and switch(CUDA_GRAPHS_ENV)
     )
 
 
@@ -448,7 +491,7 @@ class DecodeStep:
             raise LongStrawError("cuda_graphs=True needs the state on a CUDA device")
         self.model, self.state, self.use_graphs = model, state, cuda_graphs
         self.step = torch.zeros((), dtype=torch.long, device=device)  # tokens decoded so far
-        self.ctx = ForwardContext(Mode.DECODE, state, capacity=capacity, step=self.step)
+        self.ctx = ReplayContext(Mode.DECODE, state, capacity=capacity, step=self.step)
         self.tokens = torch.zeros(num_sequences, 1, dtype=torch.long, device=device)
         self.graph = None
         self.logits: torch.Tensor | None = None
