@@ -58,7 +58,7 @@ import longstraw_trl.kernels.sparse_attention.dsa as sparse
 from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs
 from longstraw_trl.generation import decode_graphs_by_default
 from longstraw_trl.host_memory import registered_host_bytes, streamed_bytes
-from longstraw_trl.kernels.sparse_attention.indexer import index_scores, index_scores_kernel_ok
+from longstraw_trl.kernels.sparse_attention.indexer import index_scores, index_scores_kernel_available
 from longstraw_trl.kernels.sparse_attention.dsa import TOPK_BUFFER_ELEMENTS, indexer_topk
 from longstraw_trl.presets import preset_config
 
@@ -205,7 +205,7 @@ def indexer_probe(config, dev: str, smoke: bool) -> dict:
         by_buffer[elements] = t.seconds / (tq * n) * 1e9
         topk_alone[elements] = t_topk.seconds / (tq * (k + width)) * 1e9
     return {
-        "indexer_kernel": index_scores_kernel_ok(q, keys),
+        "indexer_kernel": index_scores_kernel_available(q, keys),
         "indexer_tflops": kernel_tflops,
         "indexer_topk_ns_per_score": by_buffer[tq * per_buffer],  # at the default buffer size
         "indexer_topk_buffer_elements": TOPK_BUFFER_ELEMENTS,

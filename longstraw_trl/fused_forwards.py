@@ -41,17 +41,17 @@ from transformers.activations import SiLUActivation
 from longstraw_trl.adapters import fused_lora_forwards
 from longstraw_trl.kernels.elementwise import (
     RMSNormVariant,
+    elementwise_available,
     gated_rms_norm,
     gated_rms_norm_fn,
-    gated_rms_norm_reference,
-    kernels_ok,
+    naive_gated_rms_norm,
+    naive_rms_norm,
+    naive_silu_mul,
     rms_norm,
+    rms_norm_available,
     rms_norm_fn,
-    rms_norm_ok,
-    rms_norm_reference,
     silu_mul,
     silu_mul_fn,
-    silu_mul_reference,
 )
 
 _M = "transformers.models"
@@ -153,7 +153,7 @@ def _fused_norm_forward(self, *args, **kwargs) -> torch.Tensor:
     otherwise the stock forward."""
     eps = _eps(self)
     graph = _graph(self)
-    if len(args) != 1 or kwargs or eps is None or graph is None or not rms_norm_ok(args[0], self.weight):
+    if len(args) != 1 or kwargs or eps is None or graph is None or not rms_norm_available(args[0], self.weight):
         return _stock(self, args, kwargs)
     variant = getattr(self, _ATTR)[0]
     return (rms_norm_fn if graph else rms_norm)(args[0], self.weight, eps, variant)
@@ -167,9 +167,9 @@ def _fused_gated_norm_forward(self, *args, **kwargs) -> torch.Tensor:
     if len(args) != 2 or kwargs or eps is None or graph is None:
         return _stock(self, args, kwargs)
     x, gate = args
-    if not (isinstance(gate, torch.Tensor) and gate.shape == x.shape and kernels_ok(gate)):
+    if not (isinstance(gate, torch.Tensor) and gate.shape == x.shape and elementwise_available(gate)):
         return _stock(self, args, kwargs)
-    if not rms_norm_ok(x, self.weight):
+    if not rms_norm_available(x, self.weight):
         return _stock(self, args, kwargs)
     return (gated_rms_norm_fn if graph else gated_rms_norm)(x, gate, self.weight, eps)
 
@@ -178,10 +178,10 @@ def _fused_mlp_forward(self, *args, **kwargs) -> torch.Tensor:
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the activation and product in one kernel (graph-free,
     or differentiable when bound so)."""
     graph = _graph(self)
-    if len(args) != 1 or kwargs or graph is None or not kernels_ok(args[0]) or not _is_silu(self.act_fn):
+    if len(args) != 1 or kwargs or graph is None or not elementwise_available(args[0]) or not _is_silu(self.act_fn):
         return _stock(self, args, kwargs)
     gate, up = self.gate_proj(args[0]), self.up_proj(args[0])
-    if gate.shape != up.shape or not kernels_ok(gate, up):  # e.g. fp64 projections: HF's expression
+    if gate.shape != up.shape or not elementwise_available(gate, up):  # e.g. fp64 projections: HF's expression
         return self.down_proj(self.act_fn(gate) * up)
     return self.down_proj((silu_mul_fn if graph else silu_mul)(gate, up))
 
@@ -224,17 +224,17 @@ def _math_matches(module: nn.Module, kind: str, variant: RMSNormVariant | None) 
                     linear.weight.copy_(randn(*linear.weight.shape, scale=0.3))
                 probe.act_fn = type(module.act_fn)()
                 stock = cls.forward(probe, x)
-                expected = probe.down_proj(silu_mul_reference(probe.gate_proj(x), probe.up_proj(x)))
+                expected = probe.down_proj(naive_silu_mul(probe.gate_proj(x), probe.up_proj(x)))
             else:
                 probe.weight = nn.Parameter(randn(dim, scale=0.5))
                 eps = _eps(probe)
                 if kind == "gated":
                     gate = randn(4, dim, scale=2.0)
                     stock = cls.forward(probe, x, gate)
-                    expected = gated_rms_norm_reference(x, gate, probe.weight, eps)
+                    expected = naive_gated_rms_norm(x, gate, probe.weight, eps)
                 else:
                     stock = cls.forward(probe, x)
-                    expected = rms_norm_reference(x, probe.weight, eps, variant)
+                    expected = naive_rms_norm(x, probe.weight, eps, variant)
         ok = stock.dtype == expected.dtype and torch.equal(stock, expected)
     except Exception:  # noqa: BLE001 - a forward that does not run on the probe is not the kernel's math
         ok = False
@@ -255,7 +255,7 @@ def _fusion(module: nn.Module) -> tuple[str, RMSNormVariant | None] | None:
         if name in _GATED_NORMS and getattr(module, "activation", None) != "silu":
             return None
         kind, variant = ("gated", None) if name in _GATED_NORMS else ("norm", _NORMS[name])
-        on_device = kernels_ok(weight)
+        on_device = elementwise_available(weight)
     elif name in _MLPS:
         projections = [getattr(module, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
         if not all(isinstance(p, nn.Module) for p in projections) or not _is_silu(
@@ -263,7 +263,7 @@ def _fusion(module: nn.Module) -> tuple[str, RMSNormVariant | None] | None:
         ):
             return None
         weight = getattr(projections[0], "weight", None)
-        kind, on_device = "mlp", isinstance(weight, torch.Tensor) and kernels_ok(weight)
+        kind, on_device = "mlp", isinstance(weight, torch.Tensor) and elementwise_available(weight)
     else:
         return None
     if not on_device or not _math_matches(module, kind, variant):

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .kernels.host_gather.gather import gather_rows_kernel, gather_rows_kernel_ok, gather_rows_reference
+from .kernels.host_gather import gather_rows_kernel, gather_rows_kernel_available, naive_gather_rows
 
 
 def storage_device(device: torch.device, offload: str | None) -> torch.device:
@@ -110,10 +110,10 @@ def host_rows_to_device(host: torch.Tensor, rows: torch.Tensor, device: torch.de
     (:func:`kernels.host_gather.gather.gather_rows_kernel`): no host sync, so it can run inside a CUDA graph.
     Otherwise (or with ``LONGSTRAW_DISABLE=host_gather_kernel``) the rows are gathered on the host, into pinned memory
     when ``host`` is pinned (from pageable memory the copy would be a synchronous staged one), and copied."""
-    if gather_rows_kernel_ok(host, rows, device):
+    if gather_rows_kernel_available(host, rows, device):
         out = gather_rows_kernel(host, rows, device)
     else:
-        out = gather_rows_reference(host, rows, device)
+        out = naive_gather_rows(host, rows, device)
     _count_streamed(out)
     return out
 

@@ -42,7 +42,7 @@ from longstraw_trl.context import CTX_KWARG
 from longstraw_trl.errors import LongStrawError
 from longstraw_trl.host_memory import host_rows_to_device
 from longstraw_trl.kernels.attention import merge_partials
-from longstraw_trl.kernels.host_gather import gather_rows_kernel_ok
+from longstraw_trl.kernels.host_gather import gather_rows_kernel_available
 from longstraw_trl.kernels.sparse_attention import (
     indexer_topk,
     prompt_selected_attention,
@@ -95,7 +95,7 @@ class DSAPages(KVPages):
         if len(self.segments) != 1:
             return True
         rows = torch.empty(0, dtype=torch.long, device=device)
-        return not gather_rows_kernel_ok(self.segments[0][0][0], rows, device)
+        return not gather_rows_kernel_available(self.segments[0][0][0], rows, device)
 
     @classmethod
     def planned_bytes_by_kind(
@@ -150,7 +150,7 @@ class DSASelection:
         selection, so they gather their own latent rows without another sync, while the device still runs the
         layers queued before them (GLM-5.2: 21 syncs a decode step instead of 78)."""
         flat = self.prompt_rows.reshape(-1)
-        if gather_rows_kernel_ok(host, flat, device):
+        if gather_rows_kernel_available(host, flat, device):
             return flat
         if self._host_rows is None:
             self._host_rows = flat.cpu()

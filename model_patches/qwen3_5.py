@@ -37,8 +37,7 @@ from torch import nn
 from longstraw_trl.context import CTX_KWARG
 from longstraw_trl.errors import LongStrawError
 from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
-from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule
-from longstraw_trl.kernels.gated_delta_rule import gdn_decode_ok, gdn_decode_step
+from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule, gdn_decode_available, gdn_decode_step
 from longstraw_trl.layer_state import ConvRecurrentState, KVPages, LayerState
 
 from .base import FamilyPatch
@@ -85,7 +84,7 @@ def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Pr
     if (
         ctx.decoding
         and seq_len == 1
-        and gdn_decode_ok(mixed_qkv, a, b, module.conv1d.weight, start.conv, start.recurrent)
+        and gdn_decode_available(mixed_qkv, a, b, module.conv1d.weight, start.conv, start.recurrent)
     ):
         core = _fused_decode(module, ctx, idx, mixed_qkv, a, b, start)
         return _output(module, core, z)

@@ -101,7 +101,9 @@ def test_workers_report_every_entry_and_nothing_waits(monkeypatch):
         entries = [
             _entry("longstraw_trl.kernels.attention.prompt_dq", "_kernel.<locals>.dq_kernel", '{"x": 1}'),
             _entry("longstraw_trl.kernels.attention.prompt_dq", "_kernel.<locals>.missing", '{"x": 2}'),
-            _entry("longstraw_trl.kernels.elementwise.fused", "_kernels.<locals>.rms_norm_kernel", '{"x": 3}'),
+            _entry(
+                "longstraw_trl.kernels.elementwise.fused", "_kernels.<locals>.rms_norm_kernel", '{"x": 3}'
+            ),
         ]
         ahead = compile_ahead.CompileAhead(entries, workers=2, wait_s=60)
         assert ahead.wait(120), ahead.stats()

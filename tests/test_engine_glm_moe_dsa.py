@@ -353,8 +353,8 @@ def test_offloaded_decode_gathers_on_the_device_without_a_host_sync(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     hg._kernel.cache_clear()
     faked = lambda table, rows, device: table.dim() == 2  # noqa: E731
-    monkeypatch.setattr(glm, "gather_rows_kernel_ok", faked)
-    monkeypatch.setattr(host_memory, "gather_rows_kernel_ok", faked)
+    monkeypatch.setattr(glm, "gather_rows_kernel_available", faked)
+    monkeypatch.setattr(host_memory, "gather_rows_kernel_available", faked)
     kernel_calls, host_rows = [], []
     kernel = host_memory.gather_rows_kernel
     monkeypatch.setattr(host_memory, "gather_rows_kernel", lambda *a: kernel_calls.append(1) or kernel(*a))

@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import longstraw_trl.kernels.attention.prompt_response as attn
-from longstraw_trl.kernels.attention import attention_lse, merge_partials, prompt_response_attention
-from longstraw_trl.kernels.logprob.chunked import token_logprobs, token_logprobs_reference
+from longstraw_trl.kernels.attention import (
+    attention_lse,
+    merge_partials,
+    naive,
+    prompt_response,
+    prompt_response_attention,
+    sdpa,
+)
+from longstraw_trl.kernels.attention import window as windowed
+from longstraw_trl.kernels.logprob import naive_token_logprobs, token_logprobs
 
 
 def full_softmax_reference(q, kp, vp, k, v, scale):
@@ -72,7 +79,7 @@ def test_chunked_logprobs_match_full_logits(monkeypatch):
     h = torch.randn(3, 11, 16, generator=gen, requires_grad=True)
     targets = torch.randint(0, 50, (3, 11), generator=gen)
     got = token_logprobs(h, head, targets, temperature=0.7)
-    ref = token_logprobs_reference(h, head, targets, temperature=0.7)
+    ref = naive_token_logprobs(h, head, targets, temperature=0.7)
     assert (got - ref).abs().max() <= 1e-6
     w = torch.randn(3, 11, generator=gen)
     g = torch.autograd.grad((got * w).sum(), (h, head.weight))
@@ -142,19 +149,21 @@ def test_flash_path_matches_math_on_cuda(dtype, forward):
     # The math path is the oracle and gives the same numbers, so a silent fallback would pass the comparison:
     # these inputs must be flash-eligible, the flash backward must pass its self-check (run now, before the
     # math path is disabled: it is its oracle), and then the math path must not run at all.
-    assert attn._flash_ok(q, k) and attn._flash_ok(q, kp), "these inputs should be flash-eligible"
-    assert attn.flash_backward_ok(q), "the flash backward failed its self-check on this PyTorch"
+    assert sdpa._flash_available(q, k) and sdpa._flash_available(q, kp), (
+        "these inputs should be flash-eligible"
+    )
+    assert sdpa.flash_backward_available(q), "the flash backward failed its self-check on this PyTorch"
     if forward == "cudnn":
-        assert attn.cudnn_attention_ok(q), "cuDNN attention failed its self-check on this PyTorch"
-        assert attn.cudnn_backward_ok(q), "cuDNN's backward failed its self-check on this PyTorch"
+        assert sdpa.cudnn_attention_available(q), "cuDNN attention failed its self-check on this PyTorch"
+        assert sdpa.cudnn_backward_available(q), "cuDNN's backward failed its self-check on this PyTorch"
     cudnn_calls, cudnn_grad_calls = [], []
-    cudnn, cudnn_grads = attn._cudnn_lse, attn._cudnn_grads
+    cudnn, cudnn_grads = sdpa._cudnn_lse, sdpa._cudnn_grads
     with pytest.MonkeyPatch.context() as m:
-        for name in ("attention_lse_reference", "attention_grad_reference"):
-            m.setattr(attn, name, _math_path_called(name))
-        m.setattr(attn, "CUDNN_MIN_QUERY_ROWS", 1 if forward == "cudnn" else 1 << 30)
-        m.setattr(attn, "_cudnn_lse", lambda *a: cudnn_calls.append(1) or cudnn(*a))
-        m.setattr(attn, "_cudnn_grads", lambda *a: cudnn_grad_calls.append(1) or cudnn_grads(*a))
+        for name in ("naive_attention_lse", "naive_attention_grads"):
+            m.setattr(sdpa, name, _math_path_called(name))
+        m.setattr(sdpa, "CUDNN_MIN_QUERY_ROWS", 1 if forward == "cudnn" else 1 << 30)
+        m.setattr(sdpa, "_cudnn_lse", lambda *a: cudnn_calls.append(1) or cudnn(*a))
+        m.setattr(sdpa, "_cudnn_grads", lambda *a: cudnn_grad_calls.append(1) or cudnn_grads(*a))
         out = prompt_response_attention(q, k, v, pages, d**-0.5)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -179,7 +188,7 @@ def test_page_grads_on_cuda_match_math(backward, monkeypatch):
     if backward == "flash":
         monkeypatch.setenv("LONGSTRAW_DISABLE", "cudnn_backward")
     else:
-        assert attn.cudnn_backward_ok(torch.empty(1, 1, 1, 256, device="cuda", dtype=torch.bfloat16))
+        assert sdpa.cudnn_backward_available(torch.empty(1, 1, 1, 256, device="cuda", dtype=torch.bfloat16))
     gen = torch.Generator(device="cuda").manual_seed(1)
     b, hq, hkv, t, d, p = 1, 24, 4, 1024, 256, 2048
     q, k, v = (
@@ -203,8 +212,8 @@ def test_page_grads_on_cuda_match_math(backward, monkeypatch):
         return add
 
     calls = []
-    grads_fn = attn._cudnn_grads
-    monkeypatch.setattr(attn, "_cudnn_grads", lambda *a: calls.append(1) or grads_fn(*a))
+    grads_fn = sdpa._cudnn_grads
+    monkeypatch.setattr(sdpa, "_cudnn_grads", lambda *a: calls.append(1) or grads_fn(*a))
     out = prompt_response_attention(q, k, v, pages, d**-0.5, page_grads=sink)
     dout = torch.randn(out.shape, generator=gen, device="cuda", dtype=out.dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -234,29 +243,29 @@ def test_cpu_flash_path_matches_math(dtype, d, t, p):
     def pages():
         return [(kp[0, :, s : s + 16], vp[0, :, s : s + 16]) for s in range(0, p, 16)]
 
-    assert attn._cpu_flash_ok(q, k, v)
+    assert sdpa._cpu_flash_available(q, k, v)
     with pytest.MonkeyPatch.context() as m:
-        for name in ("attention_lse_reference", "attention_grad_reference"):
-            m.setattr(attn, name, _math_path_called(name))
+        for name in ("naive_attention_lse", "naive_attention_grads"):
+            m.setattr(sdpa, name, _math_path_called(name))
         out = prompt_response_attention(q, k, v, pages, scale)
         dout = torch.randn(out.shape, generator=gen).to(dtype)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         # the forward's LSE (natural log) and a causal call with fewer queries than keys (the additive mask)
         lse_q, lse_k = q[:, :2].detach(), k.detach()
-        got_causal = attn.attention_lse(lse_q, lse_k, lse_k, scale, causal=True)
+        got_causal = sdpa.attention_lse(lse_q, lse_k, lse_k, scale, causal=True)
     args = [x.detach().float().requires_grad_() for x in (q, k, v)]
     ref = full_softmax_reference(args[0], kp.float(), vp.float(), args[1], args[2], scale)
     ref_grads = torch.autograd.grad(ref, args, dout.float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, r in zip((out, *grads), (ref, *ref_grads), strict=True):
         assert ((a.float() - r).norm() / r.norm()).item() <= tol
-    ref_causal = attn.attention_lse_reference(lse_q, lse_k, lse_k, scale, causal=True, q_offset=0)
+    ref_causal = naive.naive_attention_lse(lse_q, lse_k, lse_k, scale, causal=True, q_offset=0)
     for a, r in zip(got_causal, ref_causal, strict=True):
         assert (a - r).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
     if t > 1:
         few = lse_q[:, :, -3:]
-        got = attn.attention_lse(few, lse_k, lse_k, scale, causal=True)
-        want = attn.attention_lse_reference(few, lse_k, lse_k, scale, causal=True, q_offset=t - 3)
+        got = sdpa.attention_lse(few, lse_k, lse_k, scale, causal=True)
+        want = naive.naive_attention_lse(few, lse_k, lse_k, scale, causal=True, q_offset=t - 3)
         for a, r in zip(got, want, strict=True):
             assert (a - r).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -265,11 +274,11 @@ def test_cpu_flash_switch_and_guards(monkeypatch):
     """``LONGSTRAW_DISABLE=cpu_flash`` takes the plain math; no keys (the op would divide by zero) and value head dims other
     than the query's never reach the op."""
     q = torch.randn(1, 2, 3, 8)
-    assert attn._cpu_flash_ok(q, q, q)
-    assert not attn._cpu_flash_ok(q, q[:, :, :0], q[:, :, :0])
-    assert not attn._cpu_flash_ok(q, q, torch.randn(1, 2, 3, 4))
+    assert sdpa._cpu_flash_available(q, q, q)
+    assert not sdpa._cpu_flash_available(q, q[:, :, :0], q[:, :, :0])
+    assert not sdpa._cpu_flash_available(q, q, torch.randn(1, 2, 3, 4))
     monkeypatch.setenv("LONGSTRAW_DISABLE", "cpu_flash")
-    assert not attn._cpu_flash_ok(q, q, q)
+    assert not sdpa._cpu_flash_available(q, q, q)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -343,10 +352,10 @@ def test_prompt_response_attention_softcap_and_sinks(softcap, with_sinks, prompt
 def test_window_attention_is_the_banded_softmax(monkeypatch, window, prompt_len, t, variant):
     """Queries see keys ``x - window < y <= x`` over [prompt window | own keys]; query blocks of 3 (several
     blocks, each reading its own key range)."""
-    monkeypatch.setattr(attn, "WINDOW_QUERY_BLOCK", 3)
+    monkeypatch.setattr(windowed, "WINDOW_QUERY_BLOCK", 3)
     q, k, v, kp, vp, sinks = _inputs(window + t, t, prompt_len)
     kw = dict(softcap=2.0 if variant == "softcap" else None, sinks=sinks if variant == "sinks" else None)
-    out = attn.window_attention(q, k, v, kp[0], vp[0], 0.35, window, **kw)
+    out = windowed.window_attention(q, k, v, kp[0], vp[0], 0.35, window, **kw)
     ref = dense_reference(q, kp, vp, k, v, 0.35, window=window, **kw)
     _assert_same(out, ref, (q, k, v) + ((sinks,) if variant == "sinks" else ()))
 
@@ -360,7 +369,7 @@ def test_window_attention_decode_with_fixed_capacity():
         kk, vv = k.clone(), v.clone()
         kk[:, :, filled:], vv[:, :, filled:] = 1e4, -1e4  # weighed by exactly 0
         qi = q[:, :, filled - 1 : filled]
-        got = attn.window_attention(
+        got = windowed.window_attention(
             qi, kk, vv, kp[0], vp[0], 0.35, window, self_length=torch.tensor(filled), sinks=sinks.detach()
         )
         ref = dense_reference(
@@ -372,7 +381,7 @@ def test_window_attention_decode_with_fixed_capacity():
 def test_masked_decode_attention_softcap():
     q, k, v, kp, vp, _ = _inputs(1, 7, 0)
     q, k, v = q.detach()[:, :, 4:5], k.detach(), v.detach()
-    out, _ = attn.masked_decode_attention_lse(q, k, v, 0.35, torch.tensor(5), softcap=2.0)
+    out, _ = prompt_response.masked_decode_attention_lse(q, k, v, 0.35, torch.tensor(5), softcap=2.0)
     ref = dense_reference(q, kp, vp, k[:, :, :5], v[:, :, :5], 0.35, softcap=2.0)
     assert (out - ref).abs().max() <= 1e-5
 
@@ -386,7 +395,7 @@ def test_softcap_takes_the_math_path_on_cuda():
         torch.randn(1, 2, 64, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3)
     )
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(attn, "_cudnn_lse", _math_path_called("_cudnn_lse"))
+        m.setattr(sdpa, "_cudnn_lse", _math_path_called("_cudnn_lse"))
         m.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", _math_path_called("flash"))
         out, _ = attention_lse(q, k, v, 0.125, causal=True, softcap=5.0)
     ref = dense_reference(
@@ -397,7 +406,7 @@ def test_softcap_takes_the_math_path_on_cuda():
 
 def test_window_attention_graph_keeps_no_scores(monkeypatch):
     """Under autograd the window path saves its inputs' views, not a ``[T, block + window]`` score tile a block."""
-    monkeypatch.setattr(attn, "WINDOW_QUERY_BLOCK", 16)
+    monkeypatch.setattr(windowed, "WINDOW_QUERY_BLOCK", 16)
     window, t = 48, 128
     q, k, v, kp, vp, sinks = _inputs(0, t, window - 1)
     saved = []
@@ -407,7 +416,7 @@ def test_window_attention_graph_keeps_no_scores(monkeypatch):
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        out = attn.window_attention(q, k, v, kp[0], vp[0], 0.35, window, sinks=sinks)
+        out = windowed.window_attention(q, k, v, kp[0], vp[0], 0.35, window, sinks=sinks)
     scores_per_block = q.shape[0] * q.shape[1] * 16 * (16 + window - 1)
     assert max(saved) < scores_per_block  # no tile was kept
     assert sum(saved) < 4 * (q.numel() + 2 * q.shape[1] // k.shape[1] * (k.numel() + kp.numel() * q.shape[0]))
@@ -421,7 +430,8 @@ def test_window_attention_graph_keeps_no_scores(monkeypatch):
 def test_prompt_dq_kernel_is_the_softmax_gradient(rows, keys, d):
     """The query-parallel dQ kernel (key splits for few rows, strided pages, ragged tiles) against autograd
     through a dense fp32 softmax over [the page | other keys], given the merged out/lse as the replay has them."""
-    from longstraw_trl.kernels.attention.prompt_dq import prompt_dq, prompt_dq_ok, prompt_dq_reference
+    from longstraw_trl.kernels.attention import naive_prompt_dq
+    from longstraw_trl.kernels.attention.prompt_dq import prompt_dq, prompt_dq_available
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     h, other, scale = 2, 37, d**-0.5
@@ -442,19 +452,17 @@ def test_prompt_dq_kernel_is_the_softmax_gradient(rows, keys, d):
     s_page = torch.cat([s[..., :keys], s[..., keys:].detach()], -1)
     (dq_page,) = torch.autograd.grad(torch.softmax(s_page, -1) @ vals_all, qf, dout.float())
     delta = (dout.float() * out.detach()).sum(-1)
-    assert prompt_dq_ok(q, k)
+    assert prompt_dq_available(q, k)
     got = prompt_dq(q, k, v, lse, delta, dout, scale)
     err = ((got - dq_page).norm() / dq_page.norm()).item()
-    ref_err = (
-        (prompt_dq_reference(q, k, v, lse, delta, dout, scale) - dq_page).norm() / dq_page.norm()
-    ).item()
+    ref_err = ((naive_prompt_dq(q, k, v, lse, delta, dout, scale) - dq_page).norm() / dq_page.norm()).item()
     print(f"prompt_dq rows={rows} keys={keys} d={d}: relative error {err:.2e} (fp32 reference {ref_err:.2e})")
     assert ref_err <= 1e-4 and err <= 1e-2, (err, ref_err)
 
 
 def test_prompt_dq_reference_is_the_softmax_gradient():
     """The torch reference of the dQ kernel against autograd through a dense softmax (CPU, fp32)."""
-    from longstraw_trl.kernels.attention.prompt_dq import prompt_dq_reference
+    from longstraw_trl.kernels.attention import naive_prompt_dq
 
     gen = torch.Generator().manual_seed(1)
     h, rows, keys, other, d = 2, 7, 19, 5, 8
@@ -469,7 +477,7 @@ def test_prompt_dq_reference_is_the_softmax_gradient():
     (dq_page,) = torch.autograd.grad(torch.softmax(s_page, -1) @ vals, q, dout)
     lse = torch.logsumexp(s, -1).detach()
     delta = (dout * out.detach()).sum(-1)
-    torch.testing.assert_close(prompt_dq_reference(q.detach(), k, v, lse, delta, dout, 0.3), dq_page)
+    torch.testing.assert_close(naive_prompt_dq(q.detach(), k, v, lse, delta, dout, 0.3), dq_page)
 
 
 def test_prompt_dq_autotunes_on_a_key_slice_once_per_row_bucket(monkeypatch):

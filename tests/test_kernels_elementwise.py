@@ -31,6 +31,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormG
 from longstraw_trl import capture_prompt, fused_elementwise_forwards, generate_from_state
 from longstraw_trl import fused_forwards as ff
 from longstraw_trl.kernels.elementwise import fused as ew
+from longstraw_trl.kernels.elementwise import naive
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -183,15 +184,15 @@ def test_kernels_on_strided_mixed_and_edge_inputs(interpreter):
         for variant in ("zero_centered", "llama", "gpt_oss"):
             out = ew.rms_norm(x, w, 1e-6, variant)
             assert out.is_contiguous()
-            _assert_matches(out, ew.rms_norm_reference(x, w, 1e-6, variant))
-        _assert_matches(ew.gated_rms_norm(x, gate, w, 1e-6), ew.gated_rms_norm_reference(x, gate, w, 1e-6))
+            _assert_matches(out, naive.naive_rms_norm(x, w, 1e-6, variant))
+        _assert_matches(ew.gated_rms_norm(x, gate, w, 1e-6), naive.naive_gated_rms_norm(x, gate, w, 1e-6))
     assert ew.rms_norm(x, w, 1e-6, "llama").dtype == torch.float32  # w (fp32) * n.to(fp16) promotes
     gate_up = _rand(5, 2 * 48, dtype=torch.float16, scale=3.0)
     g, u = gate_up.chunk(2, dim=-1)
-    _assert_matches(ew.silu_mul(g, u), ew.silu_mul_reference(g, u), min_exact=0.98)
-    _assert_matches(ew.silu_mul(g.float(), u), ew.silu_mul_reference(g.float(), u))  # fp32 x fp16 -> fp32
+    _assert_matches(ew.silu_mul(g, u), naive.naive_silu_mul(g, u), min_exact=0.98)
+    _assert_matches(ew.silu_mul(g.float(), u), naive.naive_silu_mul(g.float(), u))  # fp32 x fp16 -> fp32
     one = _rand(1, 32, dtype=torch.float16)
-    _assert_matches(ew.rms_norm(one, w, 1e-6, "llama"), ew.rms_norm_reference(one, w, 1e-6, "llama"))
+    _assert_matches(ew.rms_norm(one, w, 1e-6, "llama"), naive.naive_rms_norm(one, w, 1e-6, "llama"))
     assert ew.rms_norm(one[:0], w, 1e-6, "llama").shape == (0, 32)
     assert ew.silu_mul(g[:0], u[:0]).shape == (0, 48)
 
@@ -207,7 +208,7 @@ def test_bad_inputs_name_the_problem(interpreter, monkeypatch):
     with pytest.raises(ValueError, match="dtype torch.float64"):
         ew.silu_mul(x.double(), x.double())
     monkeypatch.setattr(ew, "MAX_NORM_DIM", 16)
-    assert not ew.rms_norm_ok(x, w)  # the fused forward keeps HF's for rows this long
+    assert not ew.rms_norm_available(x, w)  # the fused forward keeps HF's for rows this long
     with pytest.raises(ValueError, match="rows of up to 16"):
         ew.rms_norm(x, w, 1e-6, "llama")
 
@@ -509,17 +510,17 @@ def test_mixed_dtype_norm_backward(interpreter):
     w = _rand(32, scale=0.5, seed=2).requires_grad_()
     x, gate = wide[:, :32], wide[:, 32:]
     for variant in ("zero_centered", "llama", "gpt_oss"):
-        ref = _grads(ew.rms_norm_reference, [wide, w], x, w, 1e-6, variant)
+        ref = _grads(naive.naive_rms_norm, [wide, w], x, w, 1e-6, variant)
         out = _grads(ew.rms_norm_fn, [wide, w], x, w, 1e-6, variant)
         _check_grads(out, ref, FP16_GRAD_TOL, variant)
-    ref = _grads(lambda: ew.gated_rms_norm_reference(x, gate, w, 1e-6), [wide, w])
+    ref = _grads(lambda: naive.naive_gated_rms_norm(x, gate, w, 1e-6), [wide, w])
     out = _grads(lambda: ew.gated_rms_norm_fn(x, gate, w, 1e-6), [wide, w])
     _check_grads(out, ref, FP16_GRAD_TOL, "gated")
     # a loss of y.sum(): dy a stride-0 expanded tensor
-    ref = _grads(lambda: ew.rms_norm_reference(x, w, 1e-6, "llama").sum(), [wide, w])
+    ref = _grads(lambda: naive.naive_rms_norm(x, w, 1e-6, "llama").sum(), [wide, w])
     out = _grads(lambda: ew.rms_norm_fn(x, w, 1e-6, "llama").sum(), [wide, w])
     _check_grads(out, ref, FP16_GRAD_TOL, "y.sum()")
-    ref = _grads(lambda: ew.silu_mul_reference(gate.float(), x).sum(), [wide])
+    ref = _grads(lambda: naive.naive_silu_mul(gate.float(), x).sum(), [wide])
     out = _grads(lambda: ew.silu_mul_fn(gate.float(), x).sum(), [wide])
     _check_grads(out, ref, FP16_GRAD_TOL, "silu_mul_fn, y.sum()")
     # no rows: zero gradients
@@ -541,9 +542,9 @@ def test_differentiable_functions_fall_back_to_the_references(monkeypatch):
         x, g = _rand(4, 16, dtype=dtype).requires_grad_(), _rand(4, 16, dtype=dtype, seed=1).requires_grad_()
         w = _rand(16, dtype=dtype, seed=2).requires_grad_()
         cases = [
-            (ew.rms_norm_fn, ew.rms_norm_reference, (x, w, 1e-6, "llama")),
-            (ew.gated_rms_norm_fn, ew.gated_rms_norm_reference, (x, g, w, 1e-6)),
-            (ew.silu_mul_fn, ew.silu_mul_reference, (g, x)),
+            (ew.rms_norm_fn, naive.naive_rms_norm, (x, w, 1e-6, "llama")),
+            (ew.gated_rms_norm_fn, naive.naive_gated_rms_norm, (x, g, w, 1e-6)),
+            (ew.silu_mul_fn, naive.naive_silu_mul, (g, x)),
         ]
         for fused, reference, args in cases:
             for a, b in zip(

@@ -14,11 +14,11 @@ from longstraw_trl.kernels.causal_conv1d import causal_conv1d_with_state
 from longstraw_trl.kernels.gated_delta_rule.chunk import (
     chunk_gated_delta_rule_torch,
     fla_available,
-    fla_backward_allowed,
+    fla_backward_available,
     gated_delta_rule,
     gated_delta_step,
 )
-from longstraw_trl.kernels.gated_delta_rule.naive import recurrent_gated_delta_rule_ref
+from longstraw_trl.kernels.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 
 # the package re-exports the function gated_delta_rule, which shadows the module attribute of that name
@@ -76,8 +76,8 @@ def test_chunk_matches_hf_and_naive(T, l2, with_h0):
     o, s = chunk_gated_delta_rule_torch(q, k, v, g, beta, **kw)
     o_hf, s_hf = hf_chunk(q, k, v, g, beta, **kw)
     o_hfr, s_hfr = hf_recurrent(q, k, v, g, beta, **kw)
-    o_ref, s_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, **kw)
-    o_64, s_64 = recurrent_gated_delta_rule_ref(*(t.double() for t in (q, k, v, g, beta)), **kw)
+    o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+    o_64, s_64 = naive_recurrent_gated_delta_rule(*(t.double() for t in (q, k, v, g, beta)), **kw)
     assert o.dtype == q.dtype and s.dtype == torch.float32
     assert o.shape == o_hf.shape and s.shape == s_hf.shape
     for o_other, s_other in ((o_hf, s_hf), (o_hfr, s_hfr), (o_ref, s_ref), (o_64, s_64)):
@@ -100,7 +100,9 @@ def test_block_size_invariance_and_no_final_state():
 
 def test_chunk_sizes():
     (q, k, v, g, beta), h0 = _inputs(T=90)
-    o_ref, s_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_ref, s_ref = naive_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True
+    )
     for cs in (16, 32, 64):
         o, s = chunk_gated_delta_rule_torch(
             q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=cs
@@ -144,7 +146,7 @@ def test_chaining_equals_one_call(splits):
 def test_decode_step_matches_naive(l2, h0, Hk, Hv):
     """One token at a time through `gated_delta_step` (what decoding uses) equals the naive rule."""
     (q, k, v, g, beta), state = _inputs(T=7, Hk=Hk, Hv=Hv, l2=l2, h0=h0)
-    ref_o, ref_s = recurrent_gated_delta_rule_ref(
+    ref_o, ref_s = naive_recurrent_gated_delta_rule(
         q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2
     )
     s, outs = state, []
@@ -186,7 +188,7 @@ def test_gradients_match_naive_and_state_is_constant(T, l2, checkpoint):
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=l2)
     o, s = chunk_gated_delta_rule_torch(*ins, initial_state=h0, checkpoint=checkpoint, block_size=64, **kw)
     ((o * w_o).sum() + (s * w_s).sum()).backward()
-    o_r, s_r = recurrent_gated_delta_rule_ref(*ref_ins, initial_state=h0.detach().double(), **kw)
+    o_r, s_r = naive_recurrent_gated_delta_rule(*ref_ins, initial_state=h0.detach().double(), **kw)
     ((o_r * w_o.double()).sum() + (s_r * w_s.double()).sum()).backward()
 
     for name, a, b in zip("q k v g beta".split(), ins, ref_ins, strict=True):
@@ -237,10 +239,10 @@ def test_dispatcher_cpu_uses_torch_and_honours_flags(monkeypatch):
     o_t, s_t = chunk_gated_delta_rule_torch(q, k, v, g, beta, **kw)
     assert torch.equal(o, o_t) and torch.equal(s, s_t)
     o2, _ = gated_delta_rule(q, k, v, g, beta, **kw, scale=0.5)
-    o2_r, _ = recurrent_gated_delta_rule_ref(q, k, v, g, beta, **kw, scale=0.5)
+    o2_r, _ = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw, scale=0.5)
     _close(o2, o2_r)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
-    assert fla_backward_allowed() is False
+    assert fla_backward_available() is False
     with pytest.raises(ValueError):
         gated_delta_rule(q, k, v, g, beta, backend="triton")
     if not fla_available():
@@ -405,7 +407,7 @@ def test_gpu_bf16_torch_vs_fla_vs_naive(Hk, Hv):
     (q, k, v, g, beta), h0 = _inputs(B=2, T=333, Hk=Hk, Hv=Hv, K=128, V=128, l2=True, seed=7, device="cuda")
     q, k, v, beta = (t.bfloat16() for t in (q, k, v, beta))
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_ref, s_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, **kw)
+    o_ref, s_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
     results = {"torch": chunk_gated_delta_rule_torch(q, k, v, g, beta, **kw)}
     with torch.no_grad():
         results["auto"] = gated_delta_rule(q, k, v, g, beta, **kw)
@@ -426,7 +428,7 @@ def test_gpu_bf16_torch_vs_fla_vs_naive(Hk, Hv):
     ref_ins = [t.detach().float().requires_grad_(True) for t in (q, k, v, g, beta)]
     o, s = gated_delta_rule(*ins, **kw)
     (o.float().square().sum() + s.sum()).backward()
-    o_r, s_r = recurrent_gated_delta_rule_ref(*ref_ins, **kw)
+    o_r, s_r = naive_recurrent_gated_delta_rule(*ref_ins, **kw)
     (o_r.square().sum() + s_r.sum()).backward()
     for name, a, b in zip("q k v g beta".split(), ins, ref_ins, strict=True):
         assert _rel_l2(a.grad, b.grad) <= 1e-2, f"d{name}: rel L2 {_rel_l2(a.grad, b.grad):.2e}"

@@ -19,13 +19,11 @@ import torch.nn.functional as F
 
 from longstraw_trl.kernels.gated_delta_rule.chunk import (
     fla_available,
-    fla_chunk_backward_ready,
+    fla_chunk_backward_available,
     gated_delta_rule,
 )
-from longstraw_trl.kernels.gated_delta_rule.chunk_backward import (
-    chunk_bwd_dqkwg_reference,
-    chunk_bwd_dqkwg_torch,
-)
+from longstraw_trl.kernels.gated_delta_rule.chunk_backward import chunk_bwd_dqkwg_torch
+from longstraw_trl.kernels.gated_delta_rule.naive import naive_chunk_bwd_dqkwg
 from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 
 gdr_mod = importlib.import_module("longstraw_trl.kernels.gated_delta_rule.chunk")
@@ -77,7 +75,7 @@ def test_dqkwg_torch_matches_autograd_reference(shape, passes):
     """Partial last chunk, grouped value heads, several passes over the chunks, batch > 1."""
     x = _step_inputs(**shape)
     got = chunk_bwd_dqkwg_torch(**x, tokens_per_pass=passes)
-    ref = chunk_bwd_dqkwg_reference(**x)
+    ref = naive_chunk_bwd_dqkwg(**x)
     for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref, strict=True):
         assert a.shape == b.shape, name
         assert _rel_l2(a, b) < 1e-6, f"{name}: rel L2 {_rel_l2(a, b):.2e}"
@@ -128,12 +126,12 @@ def test_dqkwg_torch_matches_fla_kernel_and_serves_fla_dispatch(monkeypatch):
     x = _step_inputs(T=100, H=2, HV=4, K=16, V=16)
     ours = chunk_bwd_dqkwg_torch(**x)
     monkeypatch.setenv(DISABLE_ENV, gdr_mod.GDN_BACKWARD_SWITCH)
-    assert not fla_chunk_backward_ready()
+    assert not fla_chunk_backward_available()
     fla_kernel = chunk_bwd_dqkwg(**x, chunk_size=64)
     for name, a, b in zip(("dq", "dk", "dw", "dg"), ours, fla_kernel, strict=True):
         assert _rel_l2(a, b) < 1e-5, f"{name}: rel L2 {_rel_l2(a, b):.2e}"
     monkeypatch.delenv(DISABLE_ENV)
-    assert fla_chunk_backward_ready()
+    assert fla_chunk_backward_available()
     for a, b in zip(chunk_bwd_dqkwg(**x, chunk_size=64), ours, strict=True):
         assert torch.equal(a, b)
     accepts = gdr_mod._own_dqkwg_accepts
@@ -151,7 +149,7 @@ def test_gpu_dqkwg_real_heads_matches_reference():
         for key, t in x.items()
     }
     got = chunk_bwd_dqkwg_torch(**cuda, tokens_per_pass=64)
-    ref = chunk_bwd_dqkwg_reference(
+    ref = naive_chunk_bwd_dqkwg(
         **{key: (t.cpu().float() if torch.is_tensor(t) else t) for key, t in cuda.items()}
     )
     for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref, strict=True):
@@ -208,7 +206,7 @@ class _CountingStep:
 def _spy(monkeypatch, step):
     from fla.backends import _get_operation_registry
 
-    assert fla_chunk_backward_ready()
+    assert fla_chunk_backward_available()
     backend = _get_operation_registry("common")._backends["longstraw_torch"]
     monkeypatch.setattr(backend, "chunk_bwd_dqkwg", step, raising=False)
     return step

@@ -187,10 +187,10 @@ def test_bad_inputs_are_refused():
 
 def test_ok_needs_cuda_and_no_grad():
     t = torch.zeros(2, requires_grad=True)
-    assert not gdn_decode.gdn_decode_ok(t.detach())  # CPU
-    assert not gdn_decode.gdn_decode_ok()
+    assert not gdn_decode.gdn_decode_available(t.detach())  # CPU
+    assert not gdn_decode.gdn_decode_available()
     if torch.cuda.is_available():
-        assert not gdn_decode.gdn_decode_ok(t.cuda())  # needs a gradient
+        assert not gdn_decode.gdn_decode_available(t.cuda())  # needs a gradient
 
 
 @contextlib.contextmanager
@@ -203,7 +203,7 @@ def _fused_on_cpu(monkeypatch, calls):
         return real(*args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(qwen3_5_patch, "gdn_decode_ok", lambda *ts: not torch.is_grad_enabled())
+        m.setattr(qwen3_5_patch, "gdn_decode_available", lambda *ts: not torch.is_grad_enabled())
         m.setattr(qwen3_5_patch, "gdn_decode_step", counted)
         yield
 
@@ -325,9 +325,9 @@ def test_gpu_in_place_step_under_cuda_graph():
 @needs_cuda
 def test_gpu_ok_and_env_switch(monkeypatch):
     t = torch.zeros(2, device="cuda")
-    assert gdn_decode.gdn_decode_ok(t)
+    assert gdn_decode.gdn_decode_available(t)
     monkeypatch.setenv(DISABLE_ENV, gdn_decode.SWITCH)
-    assert not gdn_decode.gdn_decode_ok(t)
+    assert not gdn_decode.gdn_decode_available(t)
 
 
 @pytest.mark.gpu

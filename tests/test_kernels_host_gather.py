@@ -12,6 +12,7 @@ import torch
 
 import longstraw_trl.kernels.host_gather.gather as hg
 from longstraw_trl import host_memory
+from longstraw_trl.kernels.host_gather import naive_gather_rows
 from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -58,14 +59,16 @@ def test_every_tile_under_the_interpreter(interpreter, tile):
 
 def test_reference_is_plain_indexing():
     table, rows = case()
-    assert torch.equal(hg.gather_rows_reference(table, rows, torch.device("cpu")), indexed(table, rows))
+    assert torch.equal(naive_gather_rows(table, rows, torch.device("cpu")), indexed(table, rows))
 
 
 def test_kernel_serves_only_mapped_tables_and_device_rows():
     table, rows = case()
-    assert not hg.gather_rows_kernel_ok(table, rows, torch.device("cpu"))  # rows on the host: torch path
+    assert not hg.gather_rows_kernel_available(
+        table, rows, torch.device("cpu")
+    )  # rows on the host: torch path
     if torch.cuda.is_available():
-        assert not hg.gather_rows_kernel_ok(table, rows.cuda(), torch.device("cuda"))  # pageable table
+        assert not hg.gather_rows_kernel_available(table, rows.cuda(), torch.device("cuda"))  # pageable table
 
 
 @pytest.mark.gpu
@@ -75,7 +78,7 @@ def test_gpu_kernel_reads_a_pinned_host_table(monkeypatch):
     table, rows = case(n=100_000, d=576, m=8 * 2048)
     table = table.pin_memory()
     rows = rows.cuda()
-    assert hg.gather_rows_kernel_ok(table, rows, rows.device)
+    assert hg.gather_rows_kernel_available(table, rows, rows.device)
     out = hg.gather_rows_kernel(table, rows)
     assert out.is_cuda and torch.equal(out.cpu(), indexed(table, rows))
     for tile in hg.TILES:
@@ -95,7 +98,7 @@ def test_gpu_kernel_reads_a_pinned_host_table(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(static.cpu(), indexed(table, rows))
     monkeypatch.setenv(DISABLE_ENV, hg.SWITCH)
-    assert not hg.gather_rows_kernel_ok(table, rows, rows.device)
+    assert not hg.gather_rows_kernel_available(table, rows, rows.device)
     assert torch.equal(host_memory.host_rows_to_device(table, rows, rows.device), out * 2)
 
 

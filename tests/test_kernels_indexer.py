@@ -16,12 +16,9 @@ import longstraw_trl.kernels.sparse_attention.dsa as sparse
 import longstraw_trl.kernels.sparse_attention.indexer as ix
 from longstraw_trl import generate_from_state, replay_logprobs
 from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
+from longstraw_trl.kernels.sparse_attention import index_scores, naive_index_scores
 from longstraw_trl.kernels.sparse_attention.dsa import indexer_topk, topk_merge
-from longstraw_trl.kernels.sparse_attention.indexer import (
-    index_scores,
-    index_scores_kernel,
-    index_scores_reference,
-)
+from longstraw_trl.kernels.sparse_attention.indexer import index_scores_kernel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -210,8 +207,8 @@ def _check_kernel_case(b, t, h, d, n, key_batch, mask, tile):
 def test_kernel_matches_fp64_reference_on_cuda(b, t, h, d, n, key_batch, mask):
     """The tuned kernel (the dispatch takes it) and the torch path, against the same fp64 reference."""
     q, w, k, ref, mag = _check_kernel_case(b, t, h, d, n, key_batch, mask, None)
-    assert ix.index_scores_kernel_ok(q, k)
-    torch_path = index_scores_reference(q, w, k, d**-0.5).masked_fill(~torch.isfinite(ref), float("-inf"))
+    assert ix.index_scores_kernel_available(q, k)
+    torch_path = naive_index_scores(q, w, k, d**-0.5).masked_fill(~torch.isfinite(ref), float("-inf"))
     assert_scores_close(torch_path, ref, mag)
 
 
@@ -276,7 +273,7 @@ def test_indexer_topk_kernel_equals_torch_path(monkeypatch, b, t, n, key_batch, 
     k = 2048
     got = indexer_topk(q, w, keys, key_pos, q_pos, 128**-0.5, k)
     monkeypatch.setenv(DISABLE_ENV, ix.SWITCH)
-    assert not ix.index_scores_kernel_ok(q, keys)
+    assert not ix.index_scores_kernel_available(q, keys)
     ref_s, ref_p = indexer_topk(q, w, keys, key_pos, q_pos, 128**-0.5, k)
     exact, mag = reference_scores(q, w, keys, 128**-0.5, q_pos, key_pos if masked else None)
     exact, mag = exact.flatten(0, 1), mag.flatten(0, 1)

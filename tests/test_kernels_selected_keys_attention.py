@@ -100,7 +100,9 @@ def test_graph_free_calls_take_the_kernel_and_graphs_do_not(interpreter, monkeyp
     CPU tensors, few query rows, fp32 and the switch."""
     calls = []
     kernel = ska.selected_attention_kernel
-    monkeypatch.setattr(sparse, "selected_attention_kernel_ok", lambda q, tab, rows: not q.requires_grad)
+    monkeypatch.setattr(
+        sparse, "selected_attention_kernel_available", lambda q, tab, rows: not q.requires_grad
+    )
     monkeypatch.setattr(sparse, "selected_attention_kernel", lambda *a: calls.append(1) or kernel(*a))
     q, table, rows = half_case(2, 3, 7, 90, 24, 37, True)
     with torch.no_grad():
@@ -116,14 +118,14 @@ def test_graph_free_calls_take_the_kernel_and_graphs_do_not(interpreter, monkeyp
         sparse.selected_attention(q, few, rows.clamp_max(39), 0.2, 16)
     assert calls == [1]
 
-    assert not ska.selected_attention_kernel_ok(q, table, rows)  # CPU tensors
+    assert not ska.selected_attention_kernel_available(q, table, rows)  # CPU tensors
     if torch.cuda.is_available():
         qc, tc, rc = (x.cuda() for x in half_case(1, 2, 70, 90, 24, 8, True))
-        assert ska.selected_attention_kernel_ok(qc, tc, rc)
-        assert not ska.selected_attention_kernel_ok(qc[:, :, :8], tc, rc[:, :8])  # 8 query rows
-        assert not ska.selected_attention_kernel_ok(qc.float(), tc.float(), rc)
+        assert ska.selected_attention_kernel_available(qc, tc, rc)
+        assert not ska.selected_attention_kernel_available(qc[:, :, :8], tc, rc[:, :8])  # 8 query rows
+        assert not ska.selected_attention_kernel_available(qc.float(), tc.float(), rc)
         monkeypatch.setenv(DISABLE_ENV, ska.SWITCH)
-        assert not ska.selected_attention_kernel_ok(qc, tc, rc)
+        assert not ska.selected_attention_kernel_available(qc, tc, rc)
 
 
 # ----------------------------------------------------------------------------------------------------

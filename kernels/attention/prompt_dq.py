@@ -1,4 +1,4 @@
-"""dQ of queries against read-only prompt keys: a query-parallel Triton kernel, and its plain torch reference.
+"""dQ of queries against read-only prompt keys: a query-parallel Triton kernel (its reference: ``naive_prompt_dq``).
 
 The replay's backward through the prompt pages needs dQ only (the pages are constants). The flash backward op
 computes dQ, dK and dV, parallel over key blocks with dQ accumulated by atomic adds: for a replay (a few
@@ -23,22 +23,6 @@ import torch
 
 from ..runtime.autotune import autotune
 from ..runtime.switches import kernel_builds
-
-
-def prompt_dq_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    dout: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The math of :func:`prompt_dq` in fp32 torch (one matmul over all keys: small problems and tests)."""
-    qf, kf, vf, df = (x.float() for x in (q, k, v, dout))
-    p = torch.exp(scale * qf @ kf.transpose(-1, -2) - lse.float().unsqueeze(-1))
-    ds = p * (df @ vf.transpose(-1, -2) - delta.float().unsqueeze(-1))
-    return scale * ds @ kf
 
 
 @functools.cache
@@ -127,7 +111,7 @@ def _kernel():
     return triton, dq_kernel
 
 
-def prompt_dq_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+def prompt_dq_available(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether :func:`prompt_dq` serves these inputs (CUDA, fp16/bf16, a power-of-two head dim up to 256)."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype):
         return False

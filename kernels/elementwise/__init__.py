@@ -1,31 +1,29 @@
-"""Fused elementwise kernels of the decoder layer (RMSNorm, gated RMSNorm, SiLU-and-multiply), with backwards."""
+"""Fused elementwise kernels of the decoder layer (RMSNorm, gated RMSNorm, SiLU-and-multiply), with backwards
+(``fused``), and their plain torch references (``naive``)."""
 
 from .fused import (
-    RMSNormVariant,
+    elementwise_available,
     gated_rms_norm,
     gated_rms_norm_fn,
-    gated_rms_norm_reference,
-    kernels_ok,
     rms_norm,
+    rms_norm_available,
     rms_norm_fn,
-    rms_norm_ok,
-    rms_norm_reference,
     silu_mul,
     silu_mul_fn,
-    silu_mul_reference,
 )
+from .naive import RMSNormVariant, naive_gated_rms_norm, naive_rms_norm, naive_silu_mul
 
 __all__ = [
     "RMSNormVariant",
+    "elementwise_available",
     "gated_rms_norm",
     "gated_rms_norm_fn",
-    "gated_rms_norm_reference",
-    "kernels_ok",
+    "naive_gated_rms_norm",
+    "naive_rms_norm",
+    "naive_silu_mul",
     "rms_norm",
+    "rms_norm_available",
     "rms_norm_fn",
-    "rms_norm_ok",
-    "rms_norm_reference",
     "silu_mul",
     "silu_mul_fn",
-    "silu_mul_reference",
 ]

@@ -8,7 +8,7 @@ happens here at the same place, all other math in fp32, so the results are those
 summation order of the mean (which reorders, and may flip the rounding of, an output by one unit in the last
 place) and the last bits of ``exp``/``rsqrt``.
 
-Each kernel has its plain torch reference beside it: HF's own math, written out (``*_reference``).
+Each kernel has its plain torch reference beside it in ``naive``: HF's own math, written out (``naive_*``).
 
 RMSNorm variants (``variant``), with ``n = x_fp32 * rsqrt(mean(x_fp32 ** 2) + eps)``:
 
@@ -36,64 +36,29 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Literal
 
 import numpy as np
 import torch
+
+from .naive import RMS_NORM_VARIANTS, RMSNormVariant, naive_gated_rms_norm, naive_rms_norm, naive_silu_mul
 
 try:
     # module-level names: the Triton interpreter (TRITON_INTERPRET=1) finds ``tl`` in the kernels' globals
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-except ImportError:  # no triton: the *_ok checks say so and the callers keep HF's forwards
+except ImportError:  # no triton: the *_available checks say so and the callers keep HF's forwards
     triton = tl = libdevice = None
 
-RMSNormVariant = Literal["zero_centered", "llama", "gpt_oss"]
-_VARIANTS = {"zero_centered": 0, "llama": 1, "gpt_oss": 2}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Where the kernels run. The CPU tests point this at "cpu" with the Triton interpreter on (tests/conftest.py).
 _KERNEL_DEVICE = "cuda"
 
 # One program holds whole rows in registers: rows up to this many elements (hidden sizes of today's models are
-# up to 16384); :func:`rms_norm_ok` is False for longer ones, whose callers keep HF's forward.
+# up to 16384); :func:`rms_norm_available` is False for longer ones, whose callers keep HF's forward.
 MAX_NORM_DIM = 32768
 # Elements a program handles: short rows (per-head norms) get several rows a program.
 _TILE = 4096
-
-
-def _norm_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's ``x_fp32 * rsqrt(mean(x_fp32 ** 2) + eps)``."""
-    xf = x.to(torch.float32)
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, variant: RMSNormVariant
-) -> torch.Tensor:
-    """The math of :func:`rms_norm` in plain torch: HF's forwards, cast for cast."""
-    n = _norm_fp32(x, eps)
-    if variant == "zero_centered":
-        return (n * (1.0 + weight.float())).type_as(x)
-    if variant == "llama":
-        return weight * n.to(x.dtype)
-    if variant == "gpt_oss":
-        return (weight * n).to(x.dtype)
-    raise ValueError(f"unknown RMSNorm variant {variant!r}; expected one of {sorted(_VARIANTS)}")
-
-
-def gated_rms_norm_reference(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """The math of :func:`gated_rms_norm` in plain torch (``Qwen3_5RMSNormGated.forward``)."""
-    out = weight * _norm_fp32(x, eps).to(x.dtype)
-    out = out * torch.nn.functional.silu(gate.to(torch.float32))
-    return out.to(x.dtype)
-
-
-def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The math of :func:`silu_mul` in plain torch (``act_fn(gate_proj(x)) * up_proj(x)``)."""
-    return torch.nn.functional.silu(gate) * up
 
 
 @functools.cache
@@ -312,7 +277,7 @@ _TL_DTYPES = (
 )
 
 
-def kernels_ok(*tensors: torch.Tensor) -> bool:
+def elementwise_available(*tensors: torch.Tensor) -> bool:
     """Whether the kernels serve these tensors: Triton importable, float16 / bfloat16 / float32 tensors on a CUDA
     device."""
     if triton is None:
@@ -320,15 +285,15 @@ def kernels_ok(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == _KERNEL_DEVICE and t.dtype in _DTYPES for t in tensors)
 
 
-def rms_norm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`rms_norm` / :func:`gated_rms_norm` serve ``x`` with ``weight`` (:func:`kernels_ok`, a 1-D
+def rms_norm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` / :func:`gated_rms_norm` serve ``x`` with ``weight`` (:func:`elementwise_available`, a 1-D
     weight of ``x``'s last dim, rows of up to :data:`MAX_NORM_DIM` elements)."""
     return (
         x.dim() > 0
         and weight.shape == (x.shape[-1],)
         and 0 < x.shape[-1] <= MAX_NORM_DIM
         and weight.device == x.device
-        and kernels_ok(x, weight)
+        and elementwise_available(x, weight)
     )
 
 
@@ -399,15 +364,15 @@ def _launch_norm(x, gate, weight, eps, variant_id, out_dtype, p_dtype):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: RMSNormVariant) -> torch.Tensor:
-    """:func:`rms_norm_reference` in one kernel: ``x [..., d]``, ``weight [d]`` (see the module docstring)."""
-    if variant not in _VARIANTS:
-        raise ValueError(f"unknown RMSNorm variant {variant!r}; expected one of {sorted(_VARIANTS)}")
+    """:func:`naive_rms_norm` in one kernel: ``x [..., d]``, ``weight [d]`` (see the module docstring)."""
+    if variant not in RMS_NORM_VARIANTS:
+        raise ValueError(f"unknown RMSNorm variant {variant!r}; expected one of {sorted(RMS_NORM_VARIANTS)}")
     out_dtype = torch.promote_types(weight.dtype, x.dtype) if variant == "llama" else x.dtype
-    return _launch_norm(x, None, weight, eps, _VARIANTS[variant], out_dtype, torch.float32)
+    return _launch_norm(x, None, weight, eps, RMS_NORM_VARIANTS[variant], out_dtype, torch.float32)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`gated_rms_norm_reference` in one kernel: ``x, gate [..., d]``, ``weight [d]``."""
+    """:func:`naive_gated_rms_norm` in one kernel: ``x, gate [..., d]``, ``weight [d]``."""
     if gate.shape != x.shape or gate.device != x.device:
         raise ValueError(
             f"the gate ({tuple(gate.shape)} on {gate.device}) must have the shape and device of the input "
@@ -418,7 +383,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """:func:`silu_mul_reference` in one kernel: ``gate, up [..., n]`` of one shape."""
+    """:func:`naive_silu_mul` in one kernel: ``gate, up [..., n]`` of one shape."""
     if gate.shape != up.shape or gate.device != up.device:
         raise ValueError(
             f"silu_mul needs gate and up of one shape and device, got {tuple(gate.shape)} on {gate.device} "
@@ -539,7 +504,14 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx, _, dw = _norm_backward(
-            x, None, weight, dy, ctx.eps, _VARIANTS[ctx.variant], torch.float32, ctx.needs_input_grad[1]
+            x,
+            None,
+            weight,
+            dy,
+            ctx.eps,
+            RMS_NORM_VARIANTS[ctx.variant],
+            torch.float32,
+            ctx.needs_input_grad[1],
         )
         return dx if ctx.needs_input_grad[0] else None, dw, None, None
 
@@ -610,26 +582,29 @@ class _SiluMulFunction(torch.autograd.Function):
 
 def rms_norm_fn(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: RMSNormVariant) -> torch.Tensor:
     """:func:`rms_norm` with a backward kernel (dx; dweight when ``weight`` requires grad). Inputs the kernels
-    do not take (:func:`rms_norm_ok` False) go through :func:`rms_norm_reference`, differentiated by torch."""
-    if variant not in _VARIANTS:
-        raise ValueError(f"unknown RMSNorm variant {variant!r}; expected one of {sorted(_VARIANTS)}")
-    if not rms_norm_ok(x, weight):
-        return rms_norm_reference(x, weight, eps, variant)
+    do not take (:func:`rms_norm_available` False) go through :func:`naive_rms_norm`, differentiated by torch."""
+    if variant not in RMS_NORM_VARIANTS:
+        raise ValueError(f"unknown RMSNorm variant {variant!r}; expected one of {sorted(RMS_NORM_VARIANTS)}")
+    if not rms_norm_available(x, weight):
+        return naive_rms_norm(x, weight, eps, variant)
     return _RMSNormFunction.apply(x, weight, eps, variant)
 
 
 def gated_rms_norm_fn(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`gated_rms_norm` with a backward kernel (dx, dgate; dweight when ``weight`` requires grad); other
-    inputs through :func:`gated_rms_norm_reference`."""
+    inputs through :func:`naive_gated_rms_norm`."""
     if not (
-        gate.shape == x.shape and gate.device == x.device and kernels_ok(gate) and rms_norm_ok(x, weight)
+        gate.shape == x.shape
+        and gate.device == x.device
+        and elementwise_available(gate)
+        and rms_norm_available(x, weight)
     ):
-        return gated_rms_norm_reference(x, gate, weight, eps)
+        return naive_gated_rms_norm(x, gate, weight, eps)
     return _GatedRMSNormFunction.apply(x, gate, weight, eps)
 
 
 def silu_mul_fn(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """:func:`silu_mul` with a backward kernel (dgate, dup); other inputs through :func:`silu_mul_reference`."""
-    if not (gate.shape == up.shape and gate.dim() > 0 and kernels_ok(gate, up)):
-        return silu_mul_reference(gate, up)
+    """:func:`silu_mul` with a backward kernel (dgate, dup); other inputs through :func:`naive_silu_mul`."""
+    if not (gate.shape == up.shape and gate.dim() > 0 and elementwise_available(gate, up)):
+        return naive_silu_mul(gate, up)
     return _SiluMulFunction.apply(gate, up)

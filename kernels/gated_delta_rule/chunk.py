@@ -37,8 +37,8 @@ from .naive import l2norm
 __all__ = [
     "chunk_gated_delta_rule_torch",
     "fla_available",
-    "fla_backward_allowed",
-    "fla_chunk_backward_ready",
+    "fla_backward_available",
+    "fla_chunk_backward_available",
     "gated_delta_rule",
     "gated_delta_step",
 ]
@@ -286,10 +286,10 @@ def _fla_dqkwg_miscompiled(device: torch.device | None = None) -> bool:
     return tv is not None and major == 9 and (3, 4, 0) <= tv < (3, 7, 1)
 
 
-def fla_backward_allowed(device: torch.device | None = None) -> bool:
+def fla_backward_available(device: torch.device | None = None) -> bool:
     """May fla's chunked backward run on its own kernels only? Conservative: only with
     ``LONGSTRAW_DISABLE=torch_dqkwg``, and never where fla's gated ``chunk_bwd_dqkwg`` is miscompiled (Hopper,
-    ``3.4.0 <= Triton < 3.7.1``). Otherwise a call that needs backward takes :func:`fla_chunk_backward_ready`'s
+    ``3.4.0 <= Triton < 3.7.1``). Otherwise a call that needs backward takes :func:`fla_chunk_backward_available`'s
     path (fla with our torch ``chunk_bwd_dqkwg``) or the torch chunked rule.
     """
     if enabled(TORCH_DQKWG_SWITCH):
@@ -315,7 +315,7 @@ def _own_dqkwg_accepts(*args, **kwargs) -> tuple[bool, str | None]:
     bound = inspect.signature(chunk_bwd_dqkwg_torch).bind(*args, **kwargs).arguments
     if bound.get("g") is None or bound.get("g_gamma") is not None or bound.get("cu_seqlens") is not None:
         return False, "LongStraw's torch chunk_bwd_dqkwg serves gated, equal-length calls only"
-    if fla_backward_allowed(bound["q"].device):
+    if fla_backward_available(bound["q"].device):
         return False, f"{DISABLE_ENV} names {TORCH_DQKWG_SWITCH}, outside fla's miscompile range"
     return True, None
 
@@ -345,7 +345,7 @@ def _register_own_dqkwg() -> bool:
     return True
 
 
-def fla_chunk_backward_ready() -> bool:
+def fla_chunk_backward_available() -> bool:
     """Can a call that needs backward run on fla's chunked forward/backward with our torch ``chunk_bwd_dqkwg``
     in place of fla's guarded Triton kernel? ``gdn_backward`` on (default: not in ``LONGSTRAW_DISABLE``), fla importable with its
     backend registry (the registration happens here, once)."""
@@ -378,7 +378,7 @@ def _fla_call(
     inputs = (q, k, v, g, beta) + ((state,) if state is not None else ())
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     if needs_grad:
-        fla_chunk_backward_ready()  # registers our chunk_bwd_dqkwg (if switched on) before fla's backward runs
+        fla_chunk_backward_available()  # registers our chunk_bwd_dqkwg (if switched on) before fla's backward runs
     if needs_grad or T <= max_tokens:
         o, final = fn(
             q,
@@ -477,7 +477,7 @@ def gated_delta_rule(
     :func:`chunk_gated_delta_rule_torch`); picks fla or the torch chunked rule.
 
     ``backend``: ``"auto"`` (fla on CUDA for bf16/fp16 inputs when no gradient is needed, or when
-    :func:`fla_backward_allowed` or :func:`fla_chunk_backward_ready`; torch otherwise), ``"fla"`` (force; raises
+    :func:`fla_backward_available` or :func:`fla_chunk_backward_available`; torch otherwise), ``"fla"`` (force; raises
     if unavailable), ``"torch"``. Shapes and returns as :func:`chunk_gated_delta_rule_torch`. The initial state is
     never written, and gets a gradient only with ``state_grad`` (both paths).
     """
@@ -498,7 +498,7 @@ def gated_delta_rule(
             and q.dtype in (torch.bfloat16, torch.float16)
             and q.dtype == k.dtype == v.dtype
             and fla_available()
-            and (not needs_grad or fla_backward_allowed(q.device) or fla_chunk_backward_ready())
+            and (not needs_grad or fla_backward_available(q.device) or fla_chunk_backward_available())
         )
     if use_fla:
         if not fla_available():

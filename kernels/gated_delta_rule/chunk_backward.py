@@ -17,11 +17,9 @@ before fla's reverse cumulative sum), with ``v``, ``h``, ``do``, ``dh``, ``dv`` 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-__all__ = ["chunk_bwd_dqkwg_reference", "chunk_bwd_dqkwg_torch"]
+__all__ = ["chunk_bwd_dqkwg_torch"]
 
 TOKENS_PER_PASS = 8192  # chunks processed together: bounds the fp32 intermediates (~[tokens, HV, 128] each)
 
@@ -158,48 +156,3 @@ def chunk_bwd_dqkwg_torch(
         _store(dq, t0, t1, dq_c.sum(3))
         _store(dk, t0, t1, dk_c.sum(3))
     return dq, dk, dw, dg
-
-
-def chunk_bwd_dqkwg_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    h: torch.Tensor,
-    dh: torch.Tensor,
-    w: torch.Tensor,
-    g: torch.Tensor,
-    dv: torch.Tensor,
-    scale: float,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same gradients by autograd of the chunk's formulas (module docstring), one chunk and value head at a
-    time in float64: the plain reference of :func:`chunk_bwd_dqkwg_torch` (slow; tests only)."""
-    B, T, H, K = k.shape
-    HV = v.shape[2]
-    R = HV // H
-    outs = [torch.zeros(B, T, H, K, dtype=torch.float64) for _ in range(2)]
-    dw_ref = torch.zeros(B, T, HV, K, dtype=torch.float64)
-    dg_ref = torch.zeros(B, T, HV, dtype=torch.float64)
-    for b in range(B):
-        for n, t0 in enumerate(range(0, T, chunk_size)):
-            t1 = min(T, t0 + chunk_size)
-            for hv in range(HV):
-                hk = hv // R
-                qi = q[b, t0:t1, hk].double().requires_grad_()
-                ki = k[b, t0:t1, hk].double().requires_grad_()
-                wi = w[b, t0:t1, hv].double().requires_grad_()
-                gi = (g[b, t0:t1, hv].double() * math.log(2)).requires_grad_()  # natural-log units
-                vi, doi, dvi = (x[b, t0:t1, hv].double() for x in (v, do, dv))
-                hi, dhi = h[b, n, hv].double(), dh[b, n, hv].double()
-                mask = torch.ones(t1 - t0, t1 - t0, dtype=torch.bool).tril()
-                scores = torch.where(mask, (qi @ ki.T) * (gi[:, None] - gi[None, :]).exp(), 0.0) * scale
-                o = scale * gi.exp()[:, None] * (qi @ hi) + scores @ vi
-                h_next = gi[-1].exp() * hi + (ki * (gi[-1] - gi).exp()[:, None]).T @ vi
-                loss = (o * doi).sum() + (h_next * dhi).sum() - ((wi @ hi) * dvi).sum()
-                gq, gk, gw, gg = torch.autograd.grad(loss, (qi, ki, wi, gi))
-                outs[0][b, t0:t1, hk] += gq
-                outs[1][b, t0:t1, hk] += gk
-                dw_ref[b, t0:t1, hv] = gw
-                dg_ref[b, t0:t1, hv] = gg
-    return outs[0], outs[1], dw_ref, dg_ref

@@ -19,7 +19,7 @@ the rest is fp32; the output has the input's dtype. flash-linear-attention has t
 its ``causal_conv1d_update`` keeps a ``kernel_size``-wide cache (ours is ``kernel_size - 1``) and its
 ``fused_recurrent_gated_delta_rule`` allocates a new final state per call and copies non-contiguous q/k/v.
 
-``LONGSTRAW_DISABLE=gdn_decode`` makes :func:`gdn_decode_ok` false (the model patch then takes the torch path).
+``LONGSTRAW_DISABLE=gdn_decode`` makes :func:`gdn_decode_available` false (the model patch then takes the torch path).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ try:  # Triton's interpreter (the CPU tests) finds triton.language among the ker
 except ImportError:  # CPU installs without triton: the kernels are never built
     tl = None
 
-__all__ = ["SWITCH", "gdn_decode_ok", "gdn_decode_step"]
+__all__ = ["SWITCH", "gdn_decode_available", "gdn_decode_step"]
 
 SWITCH = "gdn_decode"
 _ACTIVATIONS = (None, "identity", "silu", "swish")
@@ -190,7 +190,7 @@ def _triton_importable() -> bool:
     return True
 
 
-def gdn_decode_ok(*tensors: torch.Tensor | None) -> bool:
+def gdn_decode_available(*tensors: torch.Tensor | None) -> bool:
     """Whether :func:`gdn_decode_step` serves a call on these tensors: all on CUDA, none needing a gradient
     (the kernels are forward only), Triton importable, and ``gdn_decode`` not in ``LONGSTRAW_DISABLE``."""
     if not enabled(SWITCH):

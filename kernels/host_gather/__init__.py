@@ -1,5 +1,6 @@
 """Chosen rows of a pinned host table gathered by the GPU itself (a Triton kernel), and its torch reference."""
 
-from .gather import gather_rows_kernel, gather_rows_kernel_ok, gather_rows_reference
+from .gather import gather_rows_kernel, gather_rows_kernel_available
+from .naive import naive_gather_rows
 
-__all__ = ["gather_rows_kernel", "gather_rows_kernel_ok", "gather_rows_reference"]
+__all__ = ["gather_rows_kernel", "gather_rows_kernel_available", "naive_gather_rows"]

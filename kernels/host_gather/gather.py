@@ -4,7 +4,7 @@
 
 A decode step of an offloaded GLM-5 state needs, per layer, the latent rows its G queries chose (G x top-k of
 them, 1,152 B each), out of a table of a million rows that stays in host memory. The torch path
-(:func:`gather_rows_reference`) must bring the indices to the host first (a host sync every full indexer
+(:func:`naive_gather_rows`) must bring the indices to the host first (a host sync every full indexer
 layer), gather there with the CPU and copy the result over. On CUDA, pinned host memory is mapped into the
 device's address space (unified virtual addressing), so a kernel can read the rows where they are: each
 program loads one index and copies its row over PCIe into device memory, ordered on the compute stream like
@@ -26,23 +26,9 @@ from ..runtime.switches import enabled, kernel_builds
 SWITCH = "host_gather_kernel"
 # a row's columns a program copies at once (GLM-5's latent row, 576 wide, is one block of 1,024, masked)
 MAX_BLOCK_D = 1024
-# (rows a program copies, warps): the first is the default; `bench/host_gather_probe.py` compares them all
+# (rows a program copies, warps): the first is the default; a sweep at rev 6571788 compared them all
 # (more rows a program: more reads over PCIe in flight per program)
 TILES = ((1, 4), (4, 4), (8, 8), (16, 8), (32, 8))
-
-
-def gather_rows_reference(table: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``table[rows]`` on ``device`` (``-1``: a zero row), gathered where ``table`` lives: the indices are
-    copied to the table's device first (from a GPU, a host sync), the rows gathered there (into pinned memory
-    when ``table`` is pinned, so the copy out is asynchronous) and copied to ``device``."""
-    idx = rows.to(table.device)
-    pinned = table.device.type == "cpu" and table.is_pinned()
-    out = torch.empty(
-        (idx.numel(), *table.shape[1:]), dtype=table.dtype, device=table.device, pin_memory=pinned
-    )
-    torch.index_select(table, 0, idx.clamp_min(0), out=out)
-    out[idx < 0] = 0
-    return out.to(device, non_blocking=True)
 
 
 @functools.cache
@@ -69,7 +55,7 @@ def _kernel():
     return triton, gather_rows_kernel
 
 
-def gather_rows_kernel_ok(table: torch.Tensor, rows: torch.Tensor, device: torch.device) -> bool:
+def gather_rows_kernel_available(table: torch.Tensor, rows: torch.Tensor, device: torch.device) -> bool:
     """Whether :func:`gather_rows_kernel` serves: ``rows`` and ``device`` CUDA, ``table`` pinned host memory
     (or on that device) with a contiguous last dim, Triton importable, ``host_gather_kernel`` not in
     ``LONGSTRAW_DISABLE``."""

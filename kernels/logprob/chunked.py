@@ -1,7 +1,7 @@
 """Per-token log-probs (and entropies) from hidden states without materialising ``[N, vocab]`` fp32 logits at once.
 
 Rows are processed in chunks; under autograd each chunk is checkpointed, so backward recomputes its
-logits instead of keeping them. ``token_logprobs_reference`` is the plain full-logits version.
+logits instead of keeping them. ``naive_token_logprobs`` is the plain full-logits version.
 """
 
 from __future__ import annotations
@@ -106,13 +106,6 @@ def token_logprobs(
     if not with_entropy:
         return torch.cat(parts).view(shape)
     return torch.cat([p[0] for p in parts]).view(shape), torch.cat([p[1] for p in parts]).view(shape)
-
-
-def token_logprobs_reference(
-    hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    logits = lm_head(hidden).float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
 
 
 def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:

@@ -21,8 +21,9 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .indexer import index_scores, index_scores_kernel_ok, matmul_fp32
-from .selected_keys import selected_attention_kernel, selected_attention_kernel_ok
+from .indexer import index_scores, index_scores_kernel_available
+from .naive import matmul_fp32
+from .selected_keys import selected_attention_kernel, selected_attention_kernel_available
 
 # One fp32 score tile (queries x heads x keys) stays under this many elements (1 GiB).
 SCORE_TILE_ELEMENTS = 1 << 28
@@ -93,7 +94,7 @@ def indexer_topk(
     n = keys.shape[-2]
     if n == 0:
         return q.new_empty((b, t, 0), dtype=torch.float32), key_pos.new_empty((b, t, 0))
-    fused = index_scores_kernel_ok(q, keys)
+    fused = index_scores_kernel_available(q, keys)
     tq = min(t, max(1, 4096 // b))
     outs_s, outs_p = [], []
     for a in range(0, t, tq):
@@ -209,7 +210,7 @@ def selected_attention(
     tq = max(1, ATTENTION_QUERY_ROWS // b)
     grad = torch.is_grad_enabled() and (q.requires_grad or table.requires_grad)
     dense = table.dim() == 3 and table.shape[1] <= DENSE_ROWS_PER_CHOICE * rows.shape[-1]
-    if not dense and selected_attention_kernel_ok(q, table, rows):
+    if not dense and selected_attention_kernel_available(q, table, rows):
         return selected_attention_kernel(q, table, rows, scale, value_dim)
     block = masked_attention_block if dense else selected_attention_block
     extra = ()

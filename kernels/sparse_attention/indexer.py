@@ -4,7 +4,7 @@
 
 HF's ``GlmMoeDsaIndexer`` computes this as an fp32 ``[B, T, H, L]`` score tensor, a ReLU, and a weighted sum
 over the heads: at a capture chunk that is 32 fp32 intermediates written and read per output score, so the
-torch path (:func:`index_scores_reference`) is bound by memory traffic. The kernel tiles queries x keys, keeps
+torch path (:func:`naive_index_scores`) is bound by memory traffic. The kernel tiles queries x keys, keeps
 the key tile in registers while it loops over the heads (a ``tl.dot`` of bf16 inputs with fp32 accumulation
 per head; the ReLU and the weighted head sum in registers) and writes each score once, optionally with the
 causal mask of :func:`kernels.sparse_attention.indexer_topk` (``key_pos > q_pos`` -> ``-inf``) fused, into
@@ -24,41 +24,9 @@ import torch
 
 from ..runtime.autotune import autotune
 from ..runtime.switches import enabled, kernel_builds
+from .naive import naive_index_scores
 
 SWITCH = "indexer_kernel"
-
-
-def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in fp32 as HF's indexer computes it (``a.float() @ b.float()``). On CUDA with half inputs the
-    half GEMM with an fp32 output gives the same products (exact in fp32) with fp32 accumulation."""
-    # out_dtype GEMMs have no derivative: under autograd the fp32 matmul (differentiable) serves
-    graph = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and not graph:
-        try:
-            shape = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-            a3 = a.expand(*shape, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-            b3 = b.expand(*shape, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-            out = torch.bmm(a3, b3, out_dtype=torch.float32)
-            return out.view(*shape, a.shape[-2], b.shape[-1])
-        except (RuntimeError, TypeError):  # no fp32-output half GEMM in this build
-            pass
-    return torch.matmul(a.float(), b.float())
-
-
-def index_scores_reference(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``q [B, T, H, D]``, ``weights [B, T, H]`` (fp32), ``keys [B or 1, L, D]`` -> ``[B, T, L]`` fp32:
-    ``sum_h weights[h] * relu(scale * q_h . k)``, as HF computes it (fp32 scores, ReLU, then the weighted sum
-    over heads). The heads are folded into the GEMM's rows (keys shared by the batch: the batch too), and the
-    positive ``scale`` into the head weights (``relu(scale * s) = scale * relu(s)``: one pass less over the
-    fp32 scores; equal up to rounding)."""
-    b, t, h, d = q.shape
-    if keys.shape[0] == 1:
-        s = matmul_fp32(q.reshape(1, b * t * h, d), keys.transpose(-1, -2)).view(b, t, h, -1)
-    else:
-        s = matmul_fp32(q.reshape(b, t * h, d), keys.transpose(-1, -2)).view(b, t, h, -1)
-    return torch.matmul((weights.float() * scale).unsqueeze(-2), torch.relu_(s)).squeeze(-2)
 
 
 # (BLOCK_T, BLOCK_L, warps, stages). The key tile (BLOCK_L x D) sits in shared memory for all the heads, the
@@ -160,7 +128,7 @@ def _use_kernel() -> bool:
     return enabled(SWITCH)
 
 
-def index_scores_kernel_ok(q: torch.Tensor, keys: torch.Tensor) -> bool:
+def index_scores_kernel_available(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether :func:`index_scores_kernel` serves these inputs: CUDA, fp16/bf16 queries and keys of one dtype,
     a power-of-two head dim from 16 to 256, Triton importable, and ``indexer_kernel`` not in ``LONGSTRAW_DISABLE``."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and keys.dtype == q.dtype):
@@ -283,13 +251,13 @@ def index_scores(
 ) -> torch.Tensor:
     """fp32 ``[B, T, L]`` indexer scores of ``q [B, T, H, D]`` (head weights ``weights [B, T, H]``) against
     ``keys [B or 1, L, D]``, written into ``out`` if given, ``-inf`` where ``key_pos [L] > q_pos [T]`` if
-    given: the Triton kernel where it serves the inputs (:func:`index_scores_kernel_ok`), else the torch
-    reference (:func:`index_scores_reference`, which materialises ``[B, T, H, L]`` fp32 scores: the caller
+    given: the Triton kernel where it serves the inputs (:func:`index_scores_kernel_available`), else the torch
+    reference (:func:`naive_index_scores`, which materialises ``[B, T, H, L]`` fp32 scores: the caller
     tiles the keys)."""
-    if index_scores_kernel_ok(q, keys):
+    if index_scores_kernel_available(q, keys):
         return index_scores_kernel(q, weights, keys, scale, out, q_pos, key_pos)
     _check(q, weights, keys, scale, out, q_pos, key_pos)
-    s = index_scores_reference(q, weights, keys, scale)
+    s = naive_index_scores(q, weights, keys, scale)
     if out is None:
         out = s
     else:

@@ -147,7 +147,7 @@ def _kernel():
     return triton, selected_attention_kernel
 
 
-def selected_attention_kernel_ok(q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor) -> bool:
+def selected_attention_kernel_available(q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether :func:`selected_attention_kernel` serves these inputs: CUDA, no graph to build, fp16/bf16 ``q``
     and ``table`` of one dtype (an fp32 ``tl.dot`` would round its inputs to tf32), at least
     :data:`MIN_QUERY_ROWS` (batch x query) rows, Triton importable, and
