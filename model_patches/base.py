@@ -15,6 +15,8 @@ from torch import nn
 from longstraw_trl.errors import UnsupportedModelError
 from longstraw_trl.layer_state import KVPages, LayerState, WindowKV
 
+from .planned_bytes import attention_graph_bytes, capture_chunk_bytes, mlp_graph_bytes
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 # RoPE variants whose frequencies depend on the largest position *in the call*: a chunked capture would
 # not reproduce a full forward.
@@ -63,6 +65,23 @@ class FamilyPatch:
         ``ForwardContext.layer_state``. The engine itself knows no layer kind but attention.
         """
         return KVPages
+
+    def planned_layer_graph_bytes(self, config, kind: str, tokens: int, dtype_bytes: int) -> int:
+        """The planner's formula: what autograd keeps for one decoder layer of ``kind`` (a ``layer_types`` entry)
+        over ``tokens`` tokens. By default a GQA attention and its MLP (:mod:`.planned_bytes`)."""
+        return tokens * (attention_graph_bytes(config, dtype_bytes) + mlp_graph_bytes(config, dtype_bytes))
+
+    def planned_capture_bytes(self, config, chunk: int, dtype_bytes: int) -> int:
+        """The planner's formula: a capture chunk's transient activations at their peak, through one layer."""
+        return capture_chunk_bytes(config, chunk, dtype_bytes)
+
+    def planned_segment_layer_bytes(
+        self, config, kind: str, segment: int, resident: int, dtype_bytes: int
+    ) -> int:
+        """The planner's formula: what one layer of ``kind`` holds at the peak of the full gradient's prompt
+        backward over a ``segment`` of prompt tokens after ``resident`` ones. By default its graph over the segment
+        (:meth:`planned_layer_graph_bytes`)."""
+        return self.planned_layer_graph_bytes(config, kind, segment, dtype_bytes)
 
     def logits_transform(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """What the stock ``*ForCausalLM.forward`` does to the head's logits (a final soft-cap, a logit

@@ -49,6 +49,7 @@ from longstraw_trl.kernels.sparse_attention import (
     selected_attention,
     topk_merge,
 )
+from longstraw_trl.kernels.sparse_attention.dsa import ATTENTION_QUERY_ROWS
 from longstraw_trl.layer_state import KVPages, LayerState
 
 from .base import FamilyPatch
@@ -436,6 +437,55 @@ def install_dsa_forward(
     cls.forward = forward
 
 
+def _has_mla_dsa(config) -> bool:
+    """Whether ``config``'s attention is MLA with a DSA indexer (GLM-5, DeepSeek-V3.2)."""
+    return bool(getattr(config, "index_topk", None) and getattr(config, "kv_lora_rank", None))
+
+
+def _capture_bytes(config, chunk: int) -> int:
+    """A capture chunk's transient through an MLA + DSA layer, at its peak: the merge of the attention over the
+    selected prompt rows with the chunk's own (``merge_partials``), where five fp32 ``[H, chunk, kv_lora]`` tensors
+    are alive (both parts, both weighted terms, the merged output), beside the absorbed query ``[H, chunk, kv_lora +
+    rope]``, the q / q_lora / indexer-query projections, three hidden-size activations, this and the previous layer's
+    int64 selections, and the absorbed ``kv_b_proj`` weights. Itemised on the CPU with every tensor's lifetime
+    tracked, and within 0.6% of the 13.52 GiB the GLM-5 slice's train() step added over its weights and state on an
+    H100 at a 16K chunk (``tests/test_planner.py``)."""
+    heads, lat = config.num_attention_heads, config.kv_lora_rank
+    nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+    per_token = (
+        20 * heads * lat
+        + 2 * heads * (lat + nope + 3 * rope)
+        + 2 * (config.q_lora_rank + config.index_n_heads * config.index_head_dim)
+        + 6 * config.hidden_size
+        + 32 * config.index_topk
+        + 4096
+    )
+    return chunk * per_token + 2 * lat * heads * (nope + config.v_head_dim)
+
+
+def _backward_bytes(config, segment: int, resident: int, b: int) -> int:
+    """What an MLA + DSA layer holds at the peak of its backward over a ``segment`` of prompt tokens after
+    ``resident`` ones (the full gradient's prompt backward): per token the absorbed query ``[H, kv_lora + rope]`` and
+    the projected ``q``, both parts' selections (int64 top-k each), both parts' fp32 ``[H, kv_lora]`` outputs kept for
+    the merge's backward and the gradients of the merged output and of a part, and the part's fp32 dQ; beside them
+    one query tile of the selected-keys backward (``selected_attention_dq``: its gathered rows, five fp32 score-sized
+    tensors and the rows' fp32 gradient with its value-half temporary) and the fp32 gradient of the whole latent
+    table. Itemised from that code and measured on the CPU at the real widths (4.85 / 5.20 / 5.89 GiB a segment of
+    512 / 1,024 / 2,048 tokens, 0.68 MiB a token; this term gives 4.84 / 5.24 / 6.04, 0.77 MiB a token and 4.6 GiB
+    beside, ``tests/test_planner.py``)."""
+    heads, lat, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    width, topk = lat + rope, config.index_topk
+    per_token = (
+        4 * heads * lat * 4  # both parts' outputs (the merge saves them) and two gradients of that size
+        + heads * width * (4 + b)  # the part's dQ (fp32) and the absorbed query
+        + heads * config.qk_head_dim * b  # q, saved by its split and the absorbing einsum
+        + 2 * 8 * topk  # the prompt's and the segment's own selected rows
+    )
+    rows, keys = ATTENTION_QUERY_ROWS, min(topk, resident + segment)
+    tile = rows * keys * (width * (b + 4 + 4) + lat * 4) + 5 * heads * rows * keys * 4
+    return segment * per_token + tile + resident * width * 4
+
+
 class DSAPatch(FamilyPatch):
     """Families of MLA + DeepSeek Sparse Attention layers: every layer keeps a :class:`DSAPages`; attention is
     dispatched by :func:`dsa_forward`, installed on the attention class by :meth:`apply`."""
@@ -467,6 +517,23 @@ class DSAPatch(FamilyPatch):
         for module in self.attention_modules(model):
             if not all(hasattr(module, a) for a in ("kv_b_proj", "q_a_proj", "kv_a_proj_with_mqa")):
                 raise self.unsupported(f"an attention layer of type {type(module).__name__}")
+
+    def planned_capture_bytes(self, config, chunk: int, dtype_bytes: int) -> int:
+        """The larger of the shared formula and an MLA + DSA layer's peak (:func:`_capture_bytes`)."""
+        shared = super().planned_capture_bytes(config, chunk, dtype_bytes)
+        return max(shared, _capture_bytes(config, chunk)) if _has_mla_dsa(config) else shared
+
+    def planned_segment_layer_bytes(
+        self, config, kind: str, segment: int, resident: int, dtype_bytes: int
+    ) -> int:
+        """The larger of the layer's graph over the segment and an MLA + DSA layer's backward
+        (:func:`_backward_bytes`) or its forward's merge (:func:`_capture_bytes`)."""
+        graph = super().planned_segment_layer_bytes(config, kind, segment, resident, dtype_bytes)
+        if not _has_mla_dsa(config):
+            return graph
+        return max(
+            graph, _backward_bytes(config, segment, resident, dtype_bytes), _capture_bytes(config, segment)
+        )
 
     #: whether a ``"shared"`` layer reuses the previous full layer's top-k (HF passes it as ``prev_topk_indices``)
     shares_topk = True

@@ -48,6 +48,26 @@ class Mamba2State(ConvRecurrentState):
         return conv_dim * (config.conv_kernel - 1) * dtype_bytes + heads * head_dim * n * 4
 
 
+def block_graph_bytes(config, kind: str, b: int) -> int:
+    """The planner's formula: per token, what autograd keeps for one Nemotron-H block of ``kind`` (its norm's input
+    and output plus its one mixer). An estimate from the tensors the mixers keep, not checked against a device peak
+    (``tests/test_planner.py`` measures the Qwen and GLM families only)."""
+    h = config.hidden_size
+    if kind == MAMBA:  # Mamba-2: in_proj out, conv in/out, gate, gated norm; the SSD scan in fp32
+        heads, p, n, g = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups
+        inner, conv = heads * p, heads * p + 2 * g * n
+        # per token: its row of the chunk's decay and score matrices, x dt, B and C per head
+        scan = (2 * heads * config.chunk_size + inner + 2 * heads * n + 2 * inner) * 4
+        return (2 * h + (inner + conv + heads) + 2 * conv + 3 * inner) * b + scan
+    if kind == ATTENTION:
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        return (2 * h + 3 * (q + 2 * kv) + 2 * q) * b + q * 4
+    if kind == MOE:
+        inter = config.moe_intermediate_size * config.num_experts_per_tok
+        return (2 * h + 3 * inter + 3 * config.moe_shared_expert_intermediate_size) * b
+    return (2 * h + 3 * config.intermediate_size) * b  # mlp: up, act(up), down in
+
+
 def mamba2_forward(module: nn.Module, hidden_states: torch.Tensor, ctx) -> torch.Tensor:
     """HF's ``NemotronHMamba2Mixer.forward`` (its torch path) continuing from (and, per ``ctx.mode``, producing) a
     :class:`Mamba2State`: same math, dtypes and submodules; only the state handling, the conv
@@ -129,6 +149,10 @@ class NemotronHPatch(FamilyPatch):
     def layer_state_type(self, config, layer_idx: int) -> type[LayerState] | None:
         kind = self.layer_types(config)[layer_idx]
         return {MAMBA: Mamba2State, ATTENTION: KVPages}.get(kind)
+
+    def planned_layer_graph_bytes(self, config, kind: str, tokens: int, dtype_bytes: int) -> int:
+        """One mixer a block: :func:`block_graph_bytes`."""
+        return tokens * block_graph_bytes(config, kind, dtype_bytes)
 
     def no_attention_masks(self, model: nn.Module) -> dict:
         # a prepared mapping: HF then builds no causal or recurrent masks (the Mamba-2 replay refuses masks)

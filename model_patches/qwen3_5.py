@@ -41,6 +41,7 @@ from longstraw_trl.kernels.gated_delta_rule import gated_delta_rule, gdn_decode_
 from longstraw_trl.layer_state import ConvRecurrentState, KVPages, LayerState
 
 from .base import FamilyPatch
+from .planned_bytes import attention_graph_bytes, mlp_graph_bytes
 
 LINEAR, FULL = "linear_attention", "full_attention"
 _CONV_ACTIVATIONS = ("silu", "swish")
@@ -69,6 +70,19 @@ class GDNState(ConvRecurrentState):
         hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
         conv = (2 * hk * dk + hv * dv) * (config.linear_conv_kernel_dim - 1) * dtype_bytes
         return conv + hv * dk * dv * 4  # the recurrent state is fp32
+
+
+def gdn_graph_bytes(config, b: int) -> int:
+    """The planner's formula: per token, what autograd keeps for one Gated DeltaNet mixer: the norm's input and
+    output, the projections, the conv's input and output, the gate ``z`` and the gated norm; the chunked delta rule
+    keeps about 6x its fp32 inputs (q and k repeated to the value heads) and one ``[Hv, K, V]`` fp32 state per
+    64-token chunk."""
+    h = config.hidden_size
+    hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+    conv_dim = 2 * hk * dk + hv * dv
+    rule = 6 * (2 * hv * dk + hv * dv) * 4 + hv * dk * dv * 4 // 64
+    return (2 * h + 3 * conv_dim + 3 * hv * dv) * b + rule
 
 
 def gdn_forward(module: nn.Module, hidden_states: torch.Tensor, ctx, project: Projection) -> torch.Tensor:
@@ -214,6 +228,18 @@ class GatedDeltaNetHybridPatch(FamilyPatch):
 
     def layer_state_type(self, config, layer_idx: int) -> type[LayerState]:
         return GDNState if config.layer_types[layer_idx] == LINEAR else KVPages
+
+    #: whether the full-attention layers gate their output (``attn_output_gate``), which the planner counts
+    gated_attention = True
+
+    def planned_layer_graph_bytes(self, config, kind: str, tokens: int, dtype_bytes: int) -> int:
+        """Gated DeltaNet layers by :func:`gdn_graph_bytes`, full attention with its output gate; each with its
+        MLP."""
+        if kind == LINEAR:
+            mixer = gdn_graph_bytes(config, dtype_bytes)
+        else:
+            mixer = attention_graph_bytes(config, dtype_bytes, gated=self.gated_attention)
+        return tokens * (mixer + mlp_graph_bytes(config, dtype_bytes))
 
     def no_attention_masks(self, model: nn.Module) -> dict:
         # a prepared mapping: HF then builds no causal or recurrent masks (the GDN replay refuses masks)
