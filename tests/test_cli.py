@@ -1,17 +1,76 @@
-"""`longstraw plan` on bad input (one line on stderr, exit 2) and its suggestions for a plan that does not fit."""
+"""`longstraw`: its help (at once, before torch loads), `longstraw plan` from the repository root, on bad input (one
+line on stderr, exit 2) and its suggestions for a plan that does not fit."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from transformers import GPT2Config
 
-from longstraw_trl.cli import main
+from longstraw_trl.cli import COMMANDS, main
 
 GiB = 2**30
 SMALL = ["--prompt", "65536", "--layers", "2"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _longstraw(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m longstraw_trl ARGV`` from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "longstraw_trl", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_the_commands_at_once():
+    start = time.perf_counter()
+    proc = _longstraw("--help")
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "usage: longstraw <command> [options]"
+    for name, command in COMMANDS.items():  # one line each, with its summary
+        assert sum(line.split()[:1] == [name] for line in lines) == 1, proc.stdout
+        assert f"  {name}  {command.summary}" in lines, proc.stdout
+    assert seconds < 5, f"longstraw --help took {seconds:.1f} s"  # torch alone takes seconds to import
+
+
+def test_help_imports_no_heavy_module():
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = ['longstraw', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('longstraw_trl', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'trl', 'triton') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout[-2000:]
+
+
+def test_plan_runs_from_the_repository_root():
+    proc = _longstraw("plan", "qwen3-8b", "--prompt", "131072")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "->  FITS" in proc.stdout and "state[kv]" in proc.stdout, proc.stdout
+
+
+def test_unknown_command_names_the_commands(capsys):
+    assert main(["pln"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "unknown command 'pln'; did you mean plan? commands: plan" in err
 
 
 def _error(capsys, argv: list[str]) -> str:
