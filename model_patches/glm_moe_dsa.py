@@ -287,6 +287,41 @@ def _compact_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows.gather(-1, order)
 
 
+def _prompt_part(
+    layer: DSAPages | None,
+    sel: DSASelection,
+    query: torch.Tensor,
+    ctx,
+    idx: int,
+    resident: int,
+    device: torch.device,
+    scale: float,
+    latent_width: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The attention of ``query`` over the prompt rows ``sel`` chose: ``(out, lse)``, both None without a prompt.
+    Every rank takes part, pages or not: the merge over ranks is a collective. In the full gradient the latent rows'
+    gradient goes to the pages' buffers (as K/V pages' dK/dV do)."""
+    if not resident:
+        return None, None
+    grads = ctx.grads.kv(idx) if ctx.grads is not None else None
+    table, rows, table_fn = _prompt_table(layer, sel, device, ctx.decoding, whole=grads is not None)
+    table_grad = None
+    if grads is not None:
+        sink = grads.sink_joined(layer)
+        table_grad = lambda d_latent: sink(d_latent[None], None)  # noqa: E731
+    return prompt_selected_attention(
+        query,
+        rows,
+        table,
+        table_fn,
+        scale,
+        latent_width,
+        ctx.cp.reduce_partial,
+        ctx.cp.reduce_dq,
+        table_grad=table_grad,
+    )
+
+
 def dsa_forward(
     module: nn.Module,
     hidden_states: torch.Tensor,
@@ -363,26 +398,7 @@ def dsa_forward(
         sel = prev
 
     scale = module.scaling
-    out_p = lse_p = None
-    if resident:  # (every rank, pages or not: the merge over ranks is a collective)
-        # the full gradient: the latent rows' gradient goes to the pages' buffers (as K/V pages' dK/dV do)
-        grads = ctx.grads.kv(idx) if ctx.grads is not None else None
-        table, rows, table_fn = _prompt_table(layer, sel, device, ctx.decoding, whole=grads is not None)
-        table_grad = None
-        if grads is not None:
-            sink = grads.sink_joined(layer)
-            table_grad = lambda d_latent: sink(d_latent[None], None)  # noqa: E731
-        out_p, lse_p = prompt_selected_attention(
-            query,
-            rows,
-            table,
-            table_fn,
-            scale,
-            r,
-            ctx.cp.reduce_partial,
-            ctx.cp.reduce_dq,
-            table_grad=table_grad,
-        )
+    out_p, lse_p = _prompt_part(layer, sel, query, ctx, idx, resident, device, scale, r)
     out_s, lse_s = selected_attention(query, self_kv, sel.self_rows, scale, r)
     out, _ = merge_partials(out_p, lse_p, out_s, lse_s)
     ctx.keep_kv(idx, layer, latent.unsqueeze(1), ik.unsqueeze(1))
