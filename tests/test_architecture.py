@@ -55,6 +55,7 @@ LAYERS = {
     "longstraw_trl.planner_terms": RUNTIME,
     "longstraw_trl.presets": RUNTIME,
     "longstraw_trl.cli": RUNTIME,
+    "longstraw_trl.cli_plan": RUNTIME,
     "longstraw_trl.state_cache": STEP,
     "longstraw_trl.loss": STEP,
     "longstraw_trl.loss_spec": STEP,
