@@ -19,6 +19,7 @@ from .planner import (
     DEFAULT_RANKS_PER_HOST,
     GPU_MEMORY_GIB,
     MemoryPlan,
+    PlanInputs,
     PositionCheck,
     check_plannable,
     check_positions,
@@ -277,11 +278,11 @@ def _check_values(a: argparse.Namespace) -> None:
         raise LongStrawError(f"--host-memory must be a positive number of GiB, got {a.host_memory}")
 
 
-def plan_options(a: argparse.Namespace) -> dict:
-    """The planner's keyword arguments that the options describe (the page size apart)."""
-    return dict(
+def plan_inputs(a: argparse.Namespace) -> PlanInputs:
+    """The planner's inputs that the options describe."""
+    return PlanInputs(
         num_generations=a.generations,
-        response_tokens=a.response,
+        max_completion_length=a.response,
         cp_size=a.cp,
         ep_size=a.ep,
         fsdp_size=a.fsdp,
@@ -289,19 +290,20 @@ def plan_options(a: argparse.Namespace) -> dict:
         optimizer=a.optimizer,
         gpu_memory_gib=_parse_gpu(a.gpu),
         capture_chunk_size=a.chunk_size,
-        checkpoint_layers=a.checkpoint_layers,
+        page_size=a.page_size,
+        replay_checkpoint_layers=a.checkpoint_layers,
         prompt_backward_checkpoint_layers=a.prompt_backward_checkpointing,
         replay_batch_tokens=a.replay_batch_tokens,
         gradient_mode=a.gradient_mode,
-        prefix_sharing=a.prefix_sharing,
-        offload=a.offload,
+        prompt_prefix_sharing=a.prefix_sharing,
+        offload_prompt_state=a.offload,
         host_memory_gib=a.host_memory / a.ranks_per_host,
     )
 
 
-def _largest_prompt(a: argparse.Namespace, config, options: dict, preset: bool) -> int:
+def _largest_prompt(a: argparse.Namespace, config, inputs: PlanInputs, preset: bool) -> int:
     """``--max-prompt``: the largest prompt that fits and that the model's positions take (one page if none fits)."""
-    prompt = largest_prompt(config, page_size=a.page_size, **options)
+    prompt = largest_prompt(config, inputs)
     if not a.json:
         print(f"largest prompt that fits: {prompt:,} tokens ({prompt // a.page_size} pages of {a.page_size})")
     limit = None if preset else check_positions(config, prompt, a.response).limit
@@ -317,21 +319,17 @@ def _largest_prompt(a: argparse.Namespace, config, options: dict, preset: bool) 
 def plan(a: argparse.Namespace) -> int:
     """Plan the step ``a`` describes and print the plan; 0 if it runs, 1 otherwise."""
     _check_values(a)
-    options = plan_options(a)
+    inputs = plan_inputs(a)
     config = _load_config(a.model, a.layers)
     # a preset has a model's dimensions, not its released position limit (transformers' default
     # max_position_embeddings): only a config of the model itself says which positions it takes
     preset = a.model in PRESETS
-    prompt = _largest_prompt(a, config, options, preset) if a.max_prompt else a.prompt
-    memory = plan_memory(config, prompt, page_size=a.page_size, **options)
+    prompt = _largest_prompt(a, config, inputs, preset) if a.max_prompt else a.prompt
+    memory = plan_memory(config, prompt, inputs)
     positions = None if preset else check_positions(config, prompt, a.response)
     runs = memory.fits and (positions is None or positions.ok)
     # with --max-prompt a smaller --prompt is no change (and the two flags exclude each other)
-    suggestions = (
-        []
-        if memory.fits
-        else suggest_changes(config, prompt, page_size=a.page_size, vary_prompt=not a.max_prompt, **options)
-    )
+    suggestions = [] if memory.fits else suggest_changes(config, prompt, inputs, vary_prompt=not a.max_prompt)
     if a.json:
         print_json(a, prompt, memory, suggestions, positions, runs)
     else:
