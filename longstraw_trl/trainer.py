@@ -75,6 +75,7 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -134,6 +135,21 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# TRL 1.16 switches activation checkpointing off around its log-prob passes through transformers' deprecated names
+# (`is_gradient_checkpointing`, `gradient_checkpointing_disable` / `_enable`, in trl/models/utils.py), which
+# transformers >= 5.23 answers with a FutureWarning on every run. The calls are TRL's and do what the new names do.
+_TRL_CHECKPOINTING_ALIASES = (
+    r"`(is_gradient_checkpointing|gradient_checkpointing_(enable|disable))` is deprecated"
+)
+
+
+@contextlib.contextmanager
+def _trl_checkpointing_aliases_quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TRL_CHECKPOINTING_ALIASES, category=FutureWarning)
+        yield
+
 
 # transformers' own `generate`, to tell it from a replacement (`_generate_is_injected`)
 _TRANSFORMERS_GENERATE = GenerationMixin.generate
@@ -741,7 +757,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             factory = factories[None] if factories is not None and list(factories) == [None] else factories
             check_prompt_column(eval_dataset, "eval_dataset", factory)
             check_prompts(eval_dataset, "eval_dataset")
-        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        with _trl_checkpointing_aliases_quiet():
+            return super().evaluate(
+                eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+            )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         try:
@@ -762,7 +781,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------------
     def train(self, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            with _trl_checkpointing_aliases_quiet():
+                return super().train(*args, **kwargs)
         finally:
             self.free_prompt_states()
             self._buffered_inputs = None
