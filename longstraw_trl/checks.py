@@ -4,6 +4,7 @@ to change."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -14,12 +15,14 @@ from .config import LongStrawGRPOConfig
 from .errors import LongStrawError, UnsupportedModelError
 from .generation import SamplingParams
 from .parallel_dims import launched_with_fsdp
+from .positions import PositionLimit, check_prompt_lengths
 
 __all__ = [
     "check_datasets",
     "check_launch",
     "check_peft_config",
     "check_prompt_column",
+    "check_prompt_positions",
     "check_prompts",
     "check_router_aux",
     "check_supported",
@@ -213,3 +216,35 @@ def check_datasets(datasets: dict[str, Any], environment_factory: Any = None) ->
     for name, dataset in datasets.items():
         check_prompt_column(dataset, name, environment_factory)
         check_prompts(dataset, name)
+
+
+def check_prompt_positions(
+    dataset: Any,
+    name: str,
+    tokenize: Callable[[list], list],
+    max_completion_length: int,
+    limit: PositionLimit,
+    batch_size: int = 256,
+) -> None:
+    """Refuse now, naming the rows, prompts that with ``max_completion_length`` exceed the model's positions:
+    every prompt of a map-style dataset tokenised once by ``tokenize`` (the trainer's: TRL's tokenisation, chat
+    template included), batch by batch, on the CPU. Streamed datasets are checked batch by batch before their
+    capture (``longstraw_trl.rollout``)."""
+    if dataset is None or limit.limit is None:
+        return
+    if isinstance(dataset, dict):
+        for split, ds in dataset.items():
+            check_prompt_positions(
+                ds, f"{name}[{split!r}]", tokenize, max_completion_length, limit, batch_size
+            )
+        return
+    if not (hasattr(dataset, "select_columns") and hasattr(dataset, "__len__")):
+        return
+    if "prompt" not in (_dataset_columns(dataset) or ()):
+        return
+    column = dataset.select_columns(["prompt"])
+    lengths = []
+    for start in range(0, len(column), batch_size):
+        prompts = column[start : start + batch_size]["prompt"]
+        lengths += [(start + i, len(ids)) for i, ids in enumerate(tokenize(prompts))]
+    check_prompt_lengths(lengths, max_completion_length, limit, name)

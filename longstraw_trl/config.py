@@ -79,9 +79,25 @@ class LongStrawGRPOConfig(GRPOConfig):
         page_size (`int`, *optional*, defaults to `16384`):
             Tokens per K/V page of the full-attention layers (pages are allocated one at a time as the prompt is
             captured and are never copied).
-        offload_prompt_state (`str` or `None`, *optional*, defaults to `None`):
+        offload_prompt_state (`str` or `None`, *optional*, defaults to `"auto"`):
             Where the K/V pages live: `None` keeps them on the model's device; `"cpu"` keeps them in pinned host memory
-            and streams them to the device page by page during generation and replays.
+            and streams them to the device page by page during generation and replays (every decode step then reads
+            the whole prompt state from the host: slower). `"auto"`: the pre-flight plan chooses at the first
+            generation batch (`preflight_plan`): on the device where that plan fits the GPU memory with a margin,
+            else in host memory where that plan fits, else the trainer refuses before any capture, naming the
+            changes that would fit. Without a GPU (and no `preflight_gpu_memory_bytes`), or with
+            `preflight_plan=False`, `"auto"` keeps the state on the device.
+        preflight_plan (`bool`, *optional*, defaults to `True`):
+            Plan the step's memory (`longstraw plan`'s planner, with the real prompt length, `max_completion_length`,
+            `num_generations` and the GPU memory free at that moment) at the first generation batch, and again
+            whenever a batch holds more prompt tokens or generations than planned, before any capture: it resolves
+            `offload_prompt_state="auto"` and refuses (`PreflightError`, with the planner's table and the changes
+            that would fit) a step that does not fit, whatever `offload_prompt_state` says. The choice is logged.
+            Set `False` to skip it (`"auto"` then keeps the state on the device). Made only on a GPU, or with
+            `preflight_gpu_memory_bytes`.
+        preflight_gpu_memory_bytes (`int` or `None`, *optional*, defaults to `None`):
+            GPU memory (bytes) the pre-flight plan may use for the whole step, weights included. `None`: what the
+            device reports free plus what this process already holds, less 5% of the card.
         replay_batch_tokens (`int`, *optional*, defaults to `8192`):
             Responses of one prompt group are replayed together under autograd (one forward and one backward for
             the batch) while the batch's padded tokens (responses x the longest) stay within this budget; the
@@ -250,11 +266,26 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={"help": "Tokens per K/V page of the full-attention layers of the captured prompt state."},
     )
     offload_prompt_state: str | None = field(
+        default="auto",
+        metadata={
+            "help": "Where the K/V pages of the prompt state live: 'auto' (the pre-flight plan chooses: the device "
+            "where the step fits, else host memory), None (the model's device) or 'cpu' (pinned host memory, "
+            "streamed to the device page by page).",
+            "choices": ["auto", "cpu"],
+        },
+    )
+    preflight_plan: bool = field(
+        default=True,
+        metadata={
+            "help": "Plan the step's memory at the first generation batch (and when prompts or generations grow), "
+            "before any capture: resolve offload_prompt_state='auto', refuse a step that does not fit."
+        },
+    )
+    preflight_gpu_memory_bytes: int | None = field(
         default=None,
         metadata={
-            "help": "Where the K/V pages of the prompt state live: None (the model's device) or 'cpu' (pinned host "
-            "memory, streamed to the device page by page).",
-            "choices": ["cpu"],
+            "help": "GPU memory (bytes) the pre-flight plan may use for the whole step; default: what the device "
+            "reports free plus what this process holds, less 5% of the card."
         },
     )
     prompt_cache_gib: float | None = field(
@@ -450,7 +481,12 @@ class LongStrawGRPOConfig(GRPOConfig):
     def _check_prompt_state(self) -> None:
         if self.offload_prompt_state not in OFFLOAD_CHOICES:
             raise LongStrawError(
-                f"offload_prompt_state must be None or 'cpu', got {self.offload_prompt_state!r}."
+                f"offload_prompt_state must be None or 'cpu', or 'auto' (the pre-flight plan chooses), got "
+                f"{self.offload_prompt_state!r}."
+            )
+        if self.preflight_gpu_memory_bytes is not None and not self.preflight_gpu_memory_bytes > 0:
+            raise LongStrawError(
+                f"preflight_gpu_memory_bytes must be None or > 0 bytes, got {self.preflight_gpu_memory_bytes!r}."
             )
         if self.generation_fsdp_gather_gib is not None and not self.generation_fsdp_gather_gib >= 0:
             raise LongStrawError(

@@ -17,8 +17,8 @@ DEFAULT_PAGE_SIZE = 16384
 
 REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
 """`refresh_policy` values (`longstraw_trl.refresh.RefreshPolicy`)."""
-OFFLOAD_CHOICES = (None, "cpu")
-"""`offload_prompt_state` values: the model's device, or pinned host memory."""
+OFFLOAD_CHOICES = ("auto", None, "cpu")
+"""`offload_prompt_state` values: the pre-flight plan's choice, the model's device, or pinned host memory."""
 EP_IMPLEMENTATIONS = ("all_reduce", "all_to_all")
 """transformers' ``ep_implementation`` values that run on a batch shared by the EP group (both run over gloo)."""
 KERNEL_CACHE_SUBDIR = "_longstraw_kernel_cache"
@@ -57,6 +57,21 @@ class GradientMode(str, enum.Enum):
     def full(self) -> bool:
         """Whether the prompt's tokens are back-propagated too."""
         return self is GradientMode.FULL
+
+    def objective(self) -> str:
+        """One line naming this mode's gradient and how it differs from TRL's ``GRPOTrainer`` (the trainer logs it
+        at construction)."""
+        if self.full:
+            return (
+                "gradient_mode='full': TRL's full-sequence GRPO gradient, as GRPOTrainer computes it (the prompt's "
+                "chunks are recomputed under autograd after the replays)"
+            )
+        return (
+            "gradient_mode='response_only': the prompt's state is captured without autograd and held constant, so "
+            "gradients reach the weights through the responses and the last prompt token only; GRPOTrainer also "
+            "back-propagates through the prompt's tokens, so gradients (and grad_norm) differ from TRL's. "
+            "gradient_mode='full' gives TRL's gradient (docs/design.md, 'Objective')"
+        )
 
     def __str__(self) -> str:
         return self.value

@@ -13,6 +13,11 @@ class PromptTooLongError(LongStrawError):
     """The prompt (plus completion) exceeds the model's position limit."""
 
 
+class PreflightError(LongStrawError):
+    """The trainer's pre-flight plan found no setting under which the step fits: raised before the step's first
+    capture, with the planner's table and the changes that would fit (``longstraw_trl.preflight``)."""
+
+
 class LongStrawTrainingError(RuntimeError):
     """Training cannot continue (a reward function failed, a loss is not finite)."""
 

@@ -60,7 +60,8 @@ class CaptureOptions:
         return cls(
             capture_chunk_size=args.capture_chunk_size,
             page_size=args.page_size,
-            offload_prompt_state=args.offload_prompt_state,
+            # "auto": on the device until the trainer's pre-flight plan decides (longstraw_trl.preflight)
+            offload_prompt_state=None if args.offload_prompt_state == "auto" else args.offload_prompt_state,
             prompt_prefix_sharing=args.prompt_prefix_sharing,
             gradient_mode=args.gradient_mode,
             cp_group=cp_group,

@@ -12,6 +12,7 @@ import torch
 
 from .fsdp import fsdp2_units_kept_gathered
 from .generation import SamplingParams, generate_from_state
+from .positions import PositionLimit, check_prompt_lengths
 from .prompt_state import PromptState
 from .prompt_state_manager import PromptStateManager, StepHost
 from .state_cache import prompt_key
@@ -51,6 +52,8 @@ class Rollout:
         temperature: TRL's sampling temperature.
         fsdp_gather_bytes: under FSDP2, the memory a generation may spend keeping units gathered across decode steps
             (:func:`~longstraw_trl.fsdp.fsdp2_units_kept_gathered`; ``None``: what the GPU can still give).
+        position_limit: the model's positions: a prompt (or an agent turn's extended prompt) plus the completion
+            that cannot fit is refused before it is captured (``None``: left to the engine).
     """
 
     def __init__(
@@ -62,11 +65,20 @@ class Rollout:
         pad_to_multiple_of: int | None = None,
         temperature: float = 1.0,
         fsdp_gather_bytes: int | None = None,
+        position_limit: PositionLimit | None = None,
     ):
         self.host, self.prompt_states, self.sampling = host, prompt_states, sampling
         self.fsdp_gather_bytes = fsdp_gather_bytes
         self.eos_token_ids, self.pad_to_multiple_of = eos_token_ids, pad_to_multiple_of
         self.temperature = temperature
+        self.position_limit = position_limit
+
+    def check_positions(self, prompt_lengths: list[int], where: str) -> None:
+        """Refuse, before any capture, prompts that with ``max_completion_length`` (the sampler's
+        ``max_new_tokens``) exceed the model's positions, naming their rows."""
+        if self.position_limit is not None:
+            rows = list(enumerate(prompt_lengths))
+            check_prompt_lengths(rows, self.sampling.max_new_tokens, self.position_limit, where)
 
     def sample_group(
         self, state: PromptState, num_generations: int, prompt_ids=None, input_length: int | None = None
@@ -137,6 +149,10 @@ class Rollout:
         rows: list[list[int]] = []
         seconds, new_tokens = 0.0, 0
         input_length = padded_prompt_length((len(ids) for ids in prompt_ids), self.pad_to_multiple_of)
+        # each rollout's turn extends its state by the tool's tokens, then samples from it: checked before both
+        self.check_positions(
+            [len(ids) for ids in prompt_ids], f"a tool turn's rollouts (global step {self.host.global_step})"
+        )
         for ids in prompt_ids:
             key = prompt_key(ids)
             entry = states.acquire(key, ids, purpose="tool turn")

@@ -63,7 +63,12 @@ Refused at construction (`longstraw_trl.checks`; each with a message saying what
 none (e.g. `glm4_moe`), multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP1,
 Accelerate's own context/tensor parallelism (FSDP2 is supported: docs/fsdp.md), LOMO optimizers, datasets without a
 `prompt` column (unless an `environment_factory` gives the prompts: TRL's environment-owned data) and models
-`patch_model` does not support.
+`patch_model` does not support; prompts that with `max_completion_length` exceed the model's positions (every prompt
+of a map-style dataset, tokenised as TRL does; streamed ones and agent turns before their capture).
+
+Before the first capture (and when a batch holds more prompt tokens or generations than planned), the pre-flight
+plan (`longstraw_trl.preflight`, the planner `longstraw plan` prints) resolves `offload_prompt_state="auto"` and
+refuses a step that fits nowhere (`preflight_plan`).
 
 The MoE router load-balancing loss (`router_aux_loss_coef`, TRL's default being the model config's coefficient) is
 exact: see `longstraw_trl/router_aux.py`.
@@ -72,6 +77,7 @@ exact: see `longstraw_trl/router_aux.py`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -95,6 +101,7 @@ from .checks import (
     check_launch,
     check_peft_config,
     check_prompt_column,
+    check_prompt_positions,
     check_prompts,
     check_router_aux,
     check_supported,
@@ -118,6 +125,8 @@ from .loss import GRPOLossSpec, adaptive_entropy_coef, applied_entropy_coef
 from .model_patches import patch_model, unwrap_model
 from .options import CaptureOptions, LossOptions
 from .parallel_dims import ParallelDims
+from .positions import PositionLimit
+from .preflight import StepPreflight
 from .prompt_state_manager import PromptStateManager, peak_memory_gib
 from .refresh import RefreshPolicy
 from .rewards import named_reward_function, short_repr
@@ -278,6 +287,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self.expert_parallel = self._shard_experts(args)
         self._prepare_fsdp()
         self._build_step(args)
+        self._check_positions({"train_dataset": train_dataset, "eval_dataset": eval_dataset})
+        (logger.info if args.gradient_mode.full else logger.warning)(
+            "LongStrawGRPOTrainer objective: %s", args.gradient_mode.objective()
+        )
         if self.rollout_func is not None:
             self.rollout_func = grouped_rollout_func(self.rollout_func)
         for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
@@ -370,7 +383,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             getattr(self, "pad_to_multiple_of", None),
             self.temperature,
             None if args.generation_fsdp_gather_gib is None else int(args.generation_fsdp_gather_gib * 2**30),
+            PositionLimit.of(self.model),
         )
+        fsdp_size = self.parallel_dims.world if self.parallel_dims.fsdp else 0
+        self.preflight = StepPreflight(self.model, args, self.accelerator.device, fsdp_size)
         self.streamed_loss = StreamedLoss(
             self.loss_spec,
             LossOptions.from_config(args, self.temperature),
@@ -380,6 +396,28 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self.router_aux,
             self.get_high_entropy_mask,
         )
+
+    def _check_positions(self, datasets: dict[str, Any]) -> None:
+        """Every prompt of the datasets, tokenised once as TRL tokenises it, plus `max_completion_length` against
+        the model's positions, naming the rows (an environment renders its prompts itself: they are checked before
+        their capture, `Rollout.check_positions`)."""
+        if self.environment_factories is not None:
+            return
+        tokenize = lambda prompts: super(LongStrawGRPOTrainer, self)._tokenize_prompts(prompts)[0]  # noqa: E731
+        for name, dataset in datasets.items():
+            limit = self.rollout.position_limit
+            check_prompt_positions(dataset, name, tokenize, self.max_completion_length, limit)
+
+    def _plan_before_capture(self, prompt_ids: list, num_generations: int) -> None:
+        """Before this call's captures: its prompts against the model's positions, then the pre-flight plan of its
+        groups (`longstraw_trl.preflight`): where their states live (`offload_prompt_state="auto"`), or a
+        `PreflightError` when nothing fits."""
+        where = f"this generation batch (global step {self.state.global_step})"
+        self.rollout.check_positions([len(ids) for ids in prompt_ids], where)
+        groups = self.prompt_states.group_rows(prompt_ids, num_generations)
+        offload = self.preflight.before_capture([len(ids) for ids in groups], num_generations)
+        options = self.prompt_states.options
+        self.prompt_states.options = dataclasses.replace(options, offload_prompt_state=offload)
 
     def _sampling_params(self) -> SamplingParams:
         """TRL's sampling settings, as the shared-prefix sampler takes them."""
@@ -532,6 +570,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if images is not None or multimodal_fields:
             raise LongStrawError("LongStrawGRPOTrainer does not support images in prompts; use text prompts.")
         tool_turn = self.prompt_states.tool_turn_keys is not None  # TRL's tool loop: one row per rollout
+        if not tool_turn:
+            self._plan_before_capture(prompt_ids, num_generations)
         if self._generate_is_injected():
             # stock's generation call draws the tokens; each group's prompt state is still acquired for the
             # old/reference log-probs and the loss

@@ -55,6 +55,8 @@ LAYERS = {
     "longstraw_trl.planner_terms": RUNTIME,
     "longstraw_trl.presets": RUNTIME,
     "longstraw_trl.cli": RUNTIME,
+    "longstraw_trl.positions": RUNTIME,
+    "longstraw_trl.preflight": RUNTIME,
     "longstraw_trl.cli_plan": RUNTIME,
     "longstraw_trl.state_cache": STEP,
     "longstraw_trl.loss": STEP,

@@ -1,0 +1,229 @@
+"""The trainer's checks before any capture (CPU, tiny model): the pre-flight plan of the first generation batch
+(`offload_prompt_state="auto"`, refusals that name what would fit, the opt-out), prompts against the model's
+positions at construction and before a capture, and the objective stated at construction."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from _trl_helpers import make_tiny_longstraw_trainer, tiny_qwen3_config
+from datasets import Dataset
+
+from longstraw_trl import prompt_state_manager as manager_module
+from longstraw_trl.errors import PreflightError, PromptTooLongError
+from longstraw_trl.planner import GiB, PlanInputs, plan_memory
+from longstraw_trl.preflight import plan_step
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog. " * 2, "a long straw: 1234567890 " * 3]
+# one generation batch, one optimizer step: the first batch's plan and capture, then the loss
+ONE_STEP = dict(max_steps=1, gradient_accumulation_steps=1, per_device_train_batch_size=4, num_generations=2)
+PREFLIGHT_LOGGER = "longstraw_trl.preflight"
+
+
+def _dataset(prompts=PROMPTS, n=2):
+    return Dataset.from_dict({"prompt": [prompts[i % len(prompts)] for i in range(n)]})
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """The `offload` of every capture the trainer starts, in order."""
+    seen = []
+    capture = manager_module.capture_prompt
+
+    def recording(model, prompt_ids, **kwargs):
+        seen.append(kwargs.get("offload"))
+        return capture(model, prompt_ids, **kwargs)
+
+    monkeypatch.setattr(manager_module, "capture_prompt", recording)
+    return seen
+
+
+def _trainer(budget=None, **kwargs):
+    kwargs.setdefault("train_dataset", _dataset())
+    return make_tiny_longstraw_trainer(
+        preflight_gpu_memory_bytes=budget, page_size=16, seed=0, **{**ONE_STEP, **kwargs}
+    )
+
+
+def _peaks() -> tuple[int, int]:
+    """The planned peaks of the tiny model's step, its state on the device and offloaded: one run with a budget
+    that fits both."""
+    trainer = _trainer(budget=1 << 50)
+    trainer.train()
+    decision = trainer.preflight.decision
+    assert decision.offload_prompt_state is None and decision.resident.fits and decision.offloaded.fits
+    assert decision.offloaded.peak < decision.resident.peak  # the offloaded state is off the device
+    return decision.resident.peak, decision.offloaded.peak
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The pre-flight plan
+# ----------------------------------------------------------------------------------------------------------------------
+def test_auto_offloads_only_where_the_state_on_the_device_does_not_fit(captures, caplog):
+    resident, offloaded = _peaks()
+    assert captures and all(offload is None for offload in captures)
+    captures.clear()
+    # between the two peaks: only the offloaded plan fits, and "auto" takes it, logging what and why
+    with caplog.at_level(logging.INFO, logger=PREFLIGHT_LOGGER):
+        trainer = _trainer(budget=(resident + offloaded) // 2)
+        trainer.train()
+    decision = trainer.preflight.decision
+    assert decision.offload_prompt_state == "cpu" and decision.fits and not decision.resident.fits
+    assert captures and all(offload == "cpu" for offload in captures)
+    chosen = [r for r in caplog.records if r.name == PREFLIGHT_LOGGER and "pre-flight plan" in r.getMessage()]
+    assert len(chosen) == 1 and chosen[0].levelno == logging.WARNING, [r.getMessage() for r in chosen]
+    message = chosen[0].getMessage()
+    assert "in host memory (offload_prompt_state='cpu')" in message and "offloaded: peak" in message
+    assert "num_generations=2" in message and "max_completion_length=16" in message
+
+
+def test_without_a_gpu_or_a_budget_auto_keeps_the_state_on_the_device(captures, caplog):
+    with caplog.at_level(logging.INFO, logger=PREFLIGHT_LOGGER):
+        trainer = _trainer()
+        trainer.train()
+    assert trainer.preflight.decision is None and captures and all(offload is None for offload in captures)
+    assert any(
+        "not made (no GPU and no preflight_gpu_memory_bytes)" in r.getMessage() for r in caplog.records
+    )
+
+
+@pytest.mark.parametrize("offload", ["auto", None])
+def test_a_step_that_does_not_fit_is_refused_before_any_capture(offload, captures, tmp_path):
+    """Neither plan fits ("auto"), or the one asked for does not (an explicit choice is not overridden): refused
+    with the planner's table and the changes that fit, before any capture; a checkpoint already there is intact."""
+    trainer = _trainer(budget=1 << 50)
+    inputs = trainer.preflight.plan_inputs(2, 1 << 50)
+    config = tiny_qwen3_config()
+    # a generation batch holds both prompts (one group each), so their states are held together
+    tokens = sum(len(ids) for ids in trainer.processing_class(text=PROMPTS)["input_ids"])
+    offloaded = plan_memory(config, tokens, inputs, offload_prompt_state="cpu").peak
+    budget = (
+        offloaded - 1 if offload == "auto" else (plan_memory(config, tokens, inputs).peak + offloaded) // 2
+    )
+    output_dir = tmp_path / "out"
+    checkpoint = output_dir / "checkpoint-3"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 3}')
+    trainer = _trainer(budget=budget, offload_prompt_state=offload, output_dir=str(output_dir))
+    with pytest.raises(PreflightError) as refused:
+        trainer.train()
+    message = str(refused.value)
+    assert not captures
+    assert "capture peak" in message and "DOES NOT FIT" in message and "Nothing was captured" in message
+    decision = trainer.preflight.decision
+    assert not decision.fits and decision.suggestions and decision.prompt_tokens == tokens
+    assert "Changes that fit" in message and "preflight_plan=False" in message
+    for s in decision.suggestions:  # each named in the config's terms, and each fits the budget
+        assert s.peak <= budget
+        for name, value in s.options.items():
+            assert (f"rank {value}" if name == "lora_rank" else f"{name}={value!r}") in message
+    if offload == "auto":  # the shorter response is among them
+        assert any("max_completion_length" in s.options for s in decision.suggestions)
+    else:  # offloading is what the user did not choose: named, not taken
+        assert "offload_prompt_state='cpu'" in message
+    assert os.listdir(output_dir) == ["checkpoint-3"] and os.listdir(checkpoint) == ["trainer_state.json"]
+    assert (checkpoint / "trainer_state.json").read_text() == '{"global_step": 3}'
+
+
+def test_without_the_preflight_plan_the_over_budget_step_goes_ahead(captures):
+    """The negative control of the refusal: the same budget, with the plan skipped, captures and trains."""
+    trainer = _trainer(budget=1, preflight_plan=False)
+    trainer.train()
+    assert trainer.preflight.decision is None and captures and all(offload is None for offload in captures)
+    assert trainer.state.global_step == 1
+
+
+def test_the_step_is_planned_again_only_when_it_grows():
+    preflight = _trainer(budget=1 << 50).preflight
+    assert preflight.before_capture([100, 60], 2) is None and preflight.planned == (160, 2)
+    first = preflight.decision
+    # within what was planned: not planned again
+    assert preflight.before_capture([90, 50], 2) is None and preflight.decision is first
+    # more prompt tokens, or more generations: planned again
+    preflight.before_capture([200], 2)
+    assert preflight.planned == (200, 2) and preflight.decision is not first
+    preflight.before_capture([10], 4)
+    assert preflight.planned == (200, 4) and preflight.decision.inputs.num_generations == 4
+
+
+def test_plan_step_is_the_decision_longstraw_plan_prints():
+    config = tiny_qwen3_config()
+    inputs = PlanInputs(num_generations=2, max_completion_length=16, dtype_bytes=4, gpu_memory_gib=1024)
+    fits = plan_step(config, 1000, inputs)
+    assert fits.offload_prompt_state is None and fits.fits and not fits.suggestions
+    resident, offloaded = fits.resident.peak, fits.offloaded.peak
+    between = PlanInputs.of(inputs, gpu_memory_gib=(resident + offloaded) / 2 / GiB)
+    assert plan_step(config, 1000, between).offload_prompt_state == "cpu"
+    asked = plan_step(config, 1000, between, offload=None)  # an explicit choice is planned as given
+    assert asked.offload_prompt_state is None and not asked.fits and asked.suggestions
+    with pytest.raises(ValueError, match="offload must be 'auto', None or 'cpu'"):
+        plan_step(config, 1000, inputs, offload="gpu")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Positions, before any capture
+# ----------------------------------------------------------------------------------------------------------------------
+def test_an_over_long_prompt_is_refused_at_construction_naming_the_row():
+    """The tiny model takes 512 positions; the toy tokenizer makes a token of each character."""
+    rows = [PROMPTS[0], PROMPTS[1], "x" * 600, PROMPTS[0], "y" * 700]
+    with pytest.raises(
+        PromptTooLongError,
+        match=r"train_dataset: 2 prompt\(s\) too long for the model: row 2 \(60\d tokens\), row 4 \(70\d tokens\)\. "
+        r"A prompt plus max_completion_length=16 must fit the model's 512 positions \(max_position_embeddings\), "
+        r"which leaves at most 496 prompt tokens\. .*a smaller max_completion_length.*rope_type",
+    ):
+        _trainer(train_dataset=Dataset.from_dict({"prompt": rows}))
+    chats = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "z" * 600}]]}
+    )
+    with pytest.raises(
+        PromptTooLongError, match=r"eval_dataset: 1 prompt\(s\) too long for the model: row 1 \("
+    ):
+        _trainer(eval_dataset=chats)
+
+
+def test_prompt_plus_max_completion_length_over_the_limit_is_refused_at_construction():
+    row = "z" * 480  # fits alone, not with 40 completion tokens
+    _trainer(train_dataset=_dataset([row]), max_completion_length=16)
+    with pytest.raises(
+        PromptTooLongError, match=r"row 0 \(48\d tokens\), row 1 .*max_completion_length=40 .*at most 472"
+    ):
+        _trainer(train_dataset=_dataset([row]), max_completion_length=40)
+
+
+def test_a_streamed_over_long_prompt_is_refused_before_its_capture(captures):
+    from datasets import IterableDataset
+
+    def rows():
+        yield from ({"prompt": p} for p in [PROMPTS[0]] * 2 + ["w" * 600] * 2)
+
+    trainer = _trainer(train_dataset=IterableDataset.from_generator(rows), per_device_train_batch_size=4)
+    with pytest.raises(
+        PromptTooLongError,
+        match=r"this generation batch \(global step 0\): 2 prompt\(s\) too long .*row \d \(600 tokens\)",
+    ):
+        trainer.train()
+    assert not captures
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The objective, stated at construction
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["response_only", "full"])
+def test_the_objective_is_stated_at_construction(mode, caplog):
+    with caplog.at_level(logging.INFO, logger="longstraw_trl.trainer"):
+        _trainer(gradient_mode=mode)
+    lines = [r for r in caplog.records if "LongStrawGRPOTrainer objective" in r.getMessage()]
+    assert len(lines) == 1
+    message = lines[0].getMessage()
+    if mode == "full":
+        assert "TRL's full-sequence GRPO gradient" in message and lines[0].levelno == logging.INFO
+    else:
+        assert lines[0].levelno == logging.WARNING
+        assert (
+            "held constant" in message
+            and "differ from TRL's" in message
+            and "gradient_mode='full'" in message
+        )
