@@ -134,7 +134,7 @@ def check_replay_grads(model, variant: str, lora_targets) -> dict:
     if variant == "lora":
         model = with_lora(model, lora_targets)
     if variant == "hf_gradient_checkpointing":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (29,), generator=gen)
@@ -143,7 +143,7 @@ def check_replay_grads(model, variant: str, lora_targets) -> dict:
     state = capture_prompt(model, prompt, chunk_size=8, page_size=6)
     got = engine_grads(model, state, completion, weights, checkpoint_layers=variant == "checkpoint_layers")
     if variant == "hf_gradient_checkpointing":
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
         model.eval()
     assert_grads_close(got, response_only_reference(model, prompt, completion, weights))
     return got

@@ -148,7 +148,7 @@ def test_differentiable_fused_lora_forwards_train_as_peft(autocast):
     model = _lora(build("qwen3"), seed=6, scale=0.3)  # large adapters: their path shows in every output
     gen = torch.Generator().manual_seed(6)
     bind_autocast_lora_inputs(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
     weights = torch.randn(2, 9, VOCAB, generator=gen)
@@ -289,7 +289,7 @@ def test_bound_expert_lora_trains_as_peft_and_steps_aside_when_disabled():
     results = []
     for bind in (False, True):
         model = lora_glm()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         if bind:
             assert bind_expert_adapters(model) == 2  # one chain a MoE block

@@ -332,7 +332,7 @@ def test_trainer_full_gradient_matches_stock_grpo_trainer(family, lora, loss_typ
     kwargs = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level)
     trl, ours = _trainer_pair(family, lora, **kwargs)
     if checkpointing:
-        ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        ours.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     inputs, ours_inputs = _batch(3, 0.04)
     assert_micro_batch_matches_stock(trl, ours, inputs, ours_inputs)
     assert ours._metrics["train"]["longstraw/prompt_backward_seconds"]

@@ -169,7 +169,7 @@ def test_router_aux_loss_in_full_mode_matches_stock_grpo_trainer():
     ours = make_tiny_longstraw_trainer(
         model=copy.deepcopy(model), gradient_mode="full", capture_chunk_size=8, page_size=6
     )
-    ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ours.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     inputs, _, _ = random_grpo_inputs(AUX_LENGTHS, seed=7, prompt_len=21, max_len=6)
     inputs["prompt_ids"] = inputs["prompt_ids"][:1].expand_as(inputs["prompt_ids"]).clone()
     prompt = inputs["prompt_ids"][0]

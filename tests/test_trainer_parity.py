@@ -157,7 +157,9 @@ def test_hf_gradient_checkpointing_and_layer_checkpointing_keep_parity():
             loss_type="grpo", beta=0.04, replay_checkpoint_layers=variant == "engine"
         )
         if variant == "hf":
-            ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            ours.model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
         loss, grads, _ = ours_loss_and_grads(ours, inputs)
         torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
         assert_grads_close(grads, ref_grads)
@@ -334,7 +336,9 @@ def test_router_aux_loss_matches_trl(loss_type):
             model=copy.deepcopy(model), replay_checkpoint_layers=variant == "checkpoint_layers", **kwargs
         )
         if variant == "hf_gradient_checkpointing":
-            ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            ours.model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
         loss, grads, _ = ours_loss_and_grads(ours, inputs)
         torch.testing.assert_close(loss, full_loss, atol=1e-5, rtol=0)
         assert math.isclose(ours._metrics["train"]["aux_loss"][-1], full_aux, rel_tol=1e-5)
@@ -342,7 +346,7 @@ def test_router_aux_loss_matches_trl(loss_type):
         assert any(".mlp.gate." in n for n in grads)  # the routers are trained by the aux loss
 
     # reentrant checkpointing hides the router logits' graph: refused, not silently dropped
-    ours.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ours.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(LongStrawError, match="use_reentrant"):
         ours_loss_and_grads(ours, inputs)
 
