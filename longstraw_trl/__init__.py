@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import LongStrawError, PromptTooLongError, UnsupportedModelError
+from .errors import LongStrawError, PreflightError, PromptTooLongError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from .config import LongStrawGRPOConfig
@@ -64,6 +64,7 @@ __all__ = [
     "LongStrawGRPOConfig",
     "LongStrawGRPOTrainer",
     "Mamba2State",
+    "PreflightError",
     "PromptState",
     "PromptTooLongError",
     "StateGrads",
