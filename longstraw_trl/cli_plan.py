@@ -27,9 +27,8 @@ from .planner import (
     format_positions,
     format_suggestions,
     largest_prompt,
-    plan_memory,
-    suggest_changes,
 )
+from .preflight import plan_step
 from .presets import PRESETS, preset_config
 
 DESCRIPTION = (
@@ -142,10 +141,11 @@ def _add_hardware_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gpu", default="h200", help=f"one of {', '.join(GPU_MEMORY_GIB)}, or GiB as a number")
     ap.add_argument(
         "--offload",
-        choices=["cpu"],
+        choices=["cpu", "auto"],
         default=None,
         help="keep the prompt state in pinned host memory (the trainer's offload_prompt_state='cpu'); it must fit "
-        "this rank's share of --host-memory",
+        "this rank's share of --host-memory. auto: the trainer's default, its pre-flight plan's choice (on the "
+        "device where that fits, else offloaded where that fits)",
     )
     ap.add_argument(
         "--host-memory",
@@ -296,14 +296,15 @@ def plan_inputs(a: argparse.Namespace) -> PlanInputs:
         replay_batch_tokens=a.replay_batch_tokens,
         gradient_mode=a.gradient_mode,
         prompt_prefix_sharing=a.prefix_sharing,
-        offload_prompt_state=a.offload,
+        offload_prompt_state=None if a.offload == "auto" else a.offload,
         host_memory_gib=a.host_memory / a.ranks_per_host,
     )
 
 
 def _largest_prompt(a: argparse.Namespace, config, inputs: PlanInputs, preset: bool) -> int:
     """``--max-prompt``: the largest prompt that fits and that the model's positions take (one page if none fits)."""
-    prompt = largest_prompt(config, inputs)
+    offloads = [None, "cpu"] if a.offload == "auto" else [inputs.offload_prompt_state]
+    prompt = max(largest_prompt(config, PlanInputs.of(inputs, offload_prompt_state=o)) for o in offloads)
     if not a.json:
         print(f"largest prompt that fits: {prompt:,} tokens ({prompt // a.page_size} pages of {a.page_size})")
     limit = None if preset else check_positions(config, prompt, a.response).limit
@@ -325,14 +326,20 @@ def plan(a: argparse.Namespace) -> int:
     # max_position_embeddings): only a config of the model itself says which positions it takes
     preset = a.model in PRESETS
     prompt = _largest_prompt(a, config, inputs, preset) if a.max_prompt else a.prompt
-    memory = plan_memory(config, prompt, inputs)
+    # the trainer's pre-flight decision (with --offload auto, its choice); with --max-prompt a smaller --prompt is
+    # no change (and the two flags exclude each other)
+    decision = plan_step(config, prompt, inputs, a.offload, vary_prompt=not a.max_prompt)
+    memory, suggestions = decision.plan, decision.suggestions
     positions = None if preset else check_positions(config, prompt, a.response)
     runs = memory.fits and (positions is None or positions.ok)
-    # with --max-prompt a smaller --prompt is no change (and the two flags exclude each other)
-    suggestions = [] if memory.fits else suggest_changes(config, prompt, inputs, vary_prompt=not a.max_prompt)
+    chosen = {"offload_chosen": decision.offload_prompt_state} if a.offload == "auto" else {}
     if a.json:
-        print_json(a, prompt, memory, suggestions, positions, runs)
+        print_json(a, prompt, memory, suggestions, positions, runs, chosen)
     else:
+        if chosen:
+            print(
+                f"offload_prompt_state='auto': the prompt state {decision.placement}, since {decision.reason()}"
+            )
         print_text(a, memory, suggestions, positions)
     return 0 if runs else 1
 
@@ -347,8 +354,10 @@ def print_json(
     suggestions: list,
     positions: PositionCheck | None,
     runs: bool,
+    extra: dict | None = None,
 ) -> None:
     out = memory.as_dict()
+    out.update(extra or {})
     out["prompt_tokens"] = prompt
     if a.max_prompt:
         out["largest_prompt_tokens"] = prompt if memory.fits else 0

@@ -4,6 +4,7 @@ positions at construction and before a capture, and the objective stated at cons
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -227,3 +228,30 @@ def test_the_objective_is_stated_at_construction(mode, caplog):
             and "differ from TRL's" in message
             and "gradient_mode='full'" in message
         )
+
+
+def test_longstraw_plan_with_offload_auto_prints_the_trainers_decision(capsys):
+    """`longstraw plan --offload auto` is the pre-flight decision: the whole Qwen3.6-27B at 262K on an 80 GB card
+    does not fit with its state on the device, and does offloaded."""
+    from longstraw_trl.cli import main
+
+    argv = [
+        "plan",
+        "qwen3.6-27b",
+        "--prompt",
+        "262144",
+        "--response",
+        "1024",
+        "--lora-rank",
+        "64",
+        "--gpu",
+        "h100",
+    ]
+    assert main([*argv, "--offload", "auto", "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["offload_chosen"] == "cpu" and auto["fits"] and auto["host_state"] > 0
+    assert main([*argv, "--json"]) == 1  # the state on the device, as offload_prompt_state=None asks
+    resident = json.loads(capsys.readouterr().out)
+    assert not resident["fits"] and ["--offload", "cpu"] in [s["args"] for s in resident["suggestions"]]
+    assert main([*argv, "--offload", "auto"]) == 0
+    assert "offload_prompt_state='auto': the prompt state in host memory" in capsys.readouterr().out
