@@ -369,6 +369,17 @@ def _cp(opts, rest):
     ]
 
 
+def _real_long(opts, rest):
+    """Gemma-3-270M on the long-facts task, one GPU: one call of real_long.py, stopped cleanly before its timeout; the
+    next call with the same --state-dir goes on where it stopped."""
+    limit = opts.timeout or 560
+    prompt, budget = str(opts.prompt or 16384), str(limit - 45)
+    args = ["--prompt", prompt, "--budget-s", budget, "--state-dir", opts.state_dir]
+    args += ["--cache-dir", opts.cache_dir]
+    env = {"TQDM_DISABLE": "1", "LONGSTRAW_CACHE": opts.cache_dir}
+    return [Step(_py("real_long.py", *args, *rest), "real_long.log", limit, fla=False, tail=24, env=env)]
+
+
 _timeout = (("--timeout",), dict(type=int, help="seconds for the script (default: the suite's)"))
 _prompt = (("--prompt",), dict(type=int, help="prompt tokens P (default: the suite's)"))
 SUITES = {
@@ -473,6 +484,23 @@ SUITES = {
             "on 2 GPUs, fsdp2-cp8 (full fine-tuning at 2M) on 8: peak a rank against the plan.",
             _fsdp,
             (_timeout, _prompt, (("--mode",), dict(default="plain", choices=FSDP_MODES, help="which step"))),
+        ),
+        Suite(
+            "real-long",
+            "Real weights at real length: Gemma-3-270M (LoRA r = 16) on a long-context retrieval task (facts with "
+            "distractors, exact answers, held-out documents) at P = 16K by default (--prompt, up to 32,000) on one GPU: "
+            "stock GRPOTrainer beside LongStrawGRPOTrainer with gradient_mode='full' and the response-only default, "
+            "same data, seeds and steps: held-out accuracy before/after, reward curves, seconds per step by phase, "
+            "peak memory; then the response-only, full and stock gradients' cosines at 4K-32K. Reference: our "
+            "log-probs against the stock forward at the longest length. Resumable: call again with the same "
+            "--state-dir until it prints 'remaining runs: none'.",
+            _real_long,
+            (
+                _timeout,
+                _prompt,
+                (("--state-dir",), dict(default="/tmp/longstraw_real_long", help="its state")),
+                (("--cache-dir",), dict(default="/tmp/longstraw_cache", help="LONGSTRAW_CACHE")),
+            ),
         ),
         Suite(
             "cp",
