@@ -22,7 +22,7 @@ SUITES = sorted(
     [
         "agent_turns", "cold_start", "compare_stock", "cp", "cpu_autocast", "cpu_capture_speed", "demo_lockers",
         "engine", "fsdp", "full_gradient", "full_model", "glm_slice", "learning_curves", "plot_slices", "prefix_tree",
-        "profile", "real_cosine", "real_modes", "trl_grpo_tests",
+        "profile", "real_cosine", "real_long", "real_modes", "trl_grpo_tests",
     ],
     key=len,
     reverse=True,
@@ -89,6 +89,13 @@ def key_figures(data: object) -> str:
     ratio = data.get("first_over_second")  # cold_start: a number, or one per case
     for case, x in ratio.items() if isinstance(ratio, dict) else [("", ratio)] if ratio else []:
         out.append(f"first step / second{' (' + case + ')' if case else ''}: {x:.2f}")
+    for s in data.get("summary") or []:  # real_long: one entry per arm
+        if isinstance(s, dict) and "accuracy_after_mean" in s:
+            step = _f(s["seconds_per_step"], " s")
+            out.append(f"{s['arm']}: held-out {s['accuracy_after_mean']:.1%} after, {step}/step")
+    for t in data.get("table") or []:  # real_cosine (real_long's cosine part): one entry per length
+        if isinstance(t, dict) and "response_only_vs_full" in t:
+            out.append(f"P={t['prompt_tokens']}: cosine {t['response_only_vs_full']['cosine_mean']:.2f}")
     if "step_ratio" in data:  # fsdp
         out.append(f"FSDP2 / plain step: {data['step_ratio']:.3f}")
     return "; ".join(out[:4])
