@@ -243,11 +243,19 @@ def step_summary(steps: list[dict]) -> dict:
 
 
 def logged_curves(trainer) -> dict:
-    """The training reward of every step and the means of LongStraw's logged phase seconds."""
+    """The training reward of every step, the means of LongStraw's logged phase seconds and its prompt tokens
+    captured and reused (a question extending its document's state)."""
     logs = [h for h in trainer.state.log_history if "reward" in h]
     keys = sorted({k for h in logs for k in h if k.startswith("longstraw/") and k.endswith("_seconds")})
     means = {k: sum(h.get(k) or 0.0 for h in logs) / max(len(logs), 1) for k in keys}
-    return {"reward_curve": [h["reward"] for h in logs], "longstraw_phase_seconds": means}
+    tokens = {
+        k: int(sum(h.get(f"longstraw/{k}") or 0 for h in logs)) for k in ("tokens_captured", "tokens_reused")
+    }
+    return {
+        "reward_curve": [h["reward"] for h in logs],
+        "longstraw_phase_seconds": means,
+        "prompt_tokens": tokens,
+    }
 
 
 def remove_checkpoints(run_dir: Path) -> None:
