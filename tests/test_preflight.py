@@ -255,3 +255,28 @@ def test_longstraw_plan_with_offload_auto_prints_the_trainers_decision(capsys):
     assert not resident["fits"] and ["--offload", "cpu"] in [s["args"] for s in resident["suggestions"]]
     assert main([*argv, "--offload", "auto"]) == 0
     assert "offload_prompt_state='auto': the prompt state in host memory" in capsys.readouterr().out
+
+
+def test_an_agent_turn_too_long_for_the_model_is_refused_before_its_extension_is_captured():
+    """A tool turn's rollout (prompt, completion so far, tool output) plus max_completion_length beyond the model's
+    positions: refused naming the row, before its state is looked up or extended."""
+    from types import SimpleNamespace
+
+    from longstraw_trl.generation import SamplingParams
+    from longstraw_trl.positions import PositionLimit
+    from longstraw_trl.rollout import Rollout
+
+    class NoStates:  # the check comes first: nothing of the prompt states is touched
+        tool_turn_keys = set()
+
+        def acquire(self, *args, **kwargs):
+            raise AssertionError("captured before the check")
+
+    host = SimpleNamespace(global_step=3)
+    limit = PositionLimit(512, "max_position_embeddings", 512)
+    rollout = Rollout(host, NoStates(), SamplingParams(max_new_tokens=16), [2], position_limit=limit)
+    with pytest.raises(
+        PromptTooLongError,
+        match=r"a tool turn's rollouts \(global step 3\): 1 prompt\(s\) too long for the model: row 1 \(500 tokens\)",
+    ):
+        rollout.tool_turn([[5] * 400, [5] * 500])
