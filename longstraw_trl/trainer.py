@@ -1,77 +1,7 @@
 """`LongStrawGRPOTrainer`: TRL's `GRPOTrainer` with the prompt captured once per group and the loss streamed per response.
 
-What changes compared to `GRPOTrainer` (TRL 1.16), and what does not
---------------------------------------------------------------------
-TRL runs every one of the `G` sequences `prompt + completion` through the model, with autograd for the loss. Here
-each group (one prompt, `G = num_generations` completions) goes through:
-
-1. **capture**: the prompt is prefilled once, without autograd, into a read-only
-   [`~longstraw_trl.PromptState`] (every capture goes through `PromptStateManager.capture`, `longstraw_trl.prompt_state_manager`);
-2. **generation**: the `G` completions are sampled together from that state (`PromptState.generate`), with TRL's
-   sampling settings, EOS ids and padding;
-3. **rewards and advantages**: TRL's own code, unchanged. The trainer overrides only the hooks TRL's
-   `_generate_and_score_completions` calls for the model work: `_tokenize_prompts` (one tokenization per group),
-   `_generate_single_turn` (steps 1-2) and `_get_per_token_logps_and_entropies` (old-policy and reference log-probs
-   as graph-free replays on the captured states; the reference has its own capture, with the separate `ref_model` or
-   with the PEFT adapters disabled). Reward functions, `_calculate_rewards`, `scale_rewards`,
-   `multi_objective_aggregation`, `mask_truncated_completions`, the old-log-prob condition and every metric TRL logs
-   there are TRL's;
-4. **loss, one response at a time**: `training_step` replays response `i` under autograd on its group's state,
-   builds its loss term with [`longstraw_trl.loss.response_loss`] (the terms sum to TRL's `_compute_loss` value for
-   every loss type), back-propagates it with `accelerator.backward` and frees its graph before the next response.
-   Under DDP, only the last backward of an optimizer step synchronises gradients (the others run under
-   `accelerator.no_sync`).
-
-The gradient is the *response-only* gradient: the prompt state is a constant (see docs/design.md, "Objective").
-
-Prompt states live from generation until the generation batch has been consumed (`steps_per_generation` micro-batches,
-`num_iterations` times); after an optimizer step they are stale, and [`~longstraw_trl.refresh.RefreshPolicy`] decides
-whether to re-capture or reuse them (`refresh_policy`).
-
-Micro-batch layout: a process's generation batch holds whole groups; TRL shuffles its rows before splitting it into
-micro-batches, here the *groups* are shuffled and their rows split in that order, so a micro-batch holds whole
-groups, or parts of at most a few (`longstraw_row_group` maps each row to its prompt; the group's state stays
-cached until the generation batch has been consumed).
-
-A cost inherited from reusing TRL's `_generate_and_score_completions`: while it scores a generation batch of `B`
-completions it still builds its `(B, P)` prompt tensors and `(B, P + R)` sequence tensors (int64, about `32·B·P`
-bytes on the device, e.g. 1 GiB for B = 8 and P = 4M; no model runs on them). The trainer drops the prompt tensors
-from the batch it buffers; each group keeps its prompt ids once, on the CPU, to re-capture it.
-
-Agent training (`tools`, `environment_factory`, `rollout_func`) runs TRL's own code on prompt states: see
-`longstraw_trl.agents` (tool turns extend each rollout's state from its group's prompt state; the loss replays each final
-completion on the group's state with TRL's `tool_mask`).
-
-Entropy options (TRL's semantics): the entropy bonus (`entropy_coef`) back-propagates the replay's differentiable
-per-token entropies (chunked and checkpointed like the log-probs). `use_adaptive_entropy` runs TRL's controller on
-TRL's own attributes (`entropy_coef`, `_last_world_entropy`, `_entropy_window_stats`): the coefficient applied during
-an accumulation window is the one set at its start; at its end the window's token-weighted entropy (on the tokens the
-bonus acts on, summed over processes) moves it by `entropy_coef_delta`. `top_entropy_quantile < 1` needs the
-micro-batch's entropy quantile before the first loss term: every micro-batch first replays its responses without
-autograd (one forward per group, its rows batched), i.e. one extra graph-free replay per response: at most about a
-third of the replay + backward cost (a quarter with gradient checkpointing), 5-15% of it on the CPU test model. The
-mask then comes from TRL's `get_high_entropy_mask`.
-
-Evaluation (`evaluate()`, alone or during training) follows TRL: `num_generations_eval` completions per prompt, no
-accumulation scaling, metrics under `eval_*`; it leaves the training state alone (buffered generation batch, prompt
-states of the training batch, entropy controller).
-
-Refused at construction (`longstraw_trl.checks`; each with a message saying what to change): `use_vllm`,
-`use_transformers_continuous_batching`, generation kwargs the shared-prefix sampler cannot honour (beam search, `typical_p`, `stop_strings`, ...; `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
-`sequence_bias`, `min_length`, `min_new_tokens`, `suppress_tokens` and `begin_suppress_tokens` are honoured),
-`top_entropy_quantile < 1` with `cp_size > 1`, a MoE router auxiliary loss on a model whose HF forward computes
-none (e.g. `glm4_moe`), multimodal processors, prompt-learning PEFT methods, DeepSpeed, FSDP1,
-Accelerate's own context/tensor parallelism (FSDP2 is supported: docs/fsdp.md), LOMO optimizers, datasets without a
-`prompt` column (unless an `environment_factory` gives the prompts: TRL's environment-owned data) and models
-`patch_model` does not support; prompts that with `max_completion_length` exceed the model's positions (every prompt
-of a map-style dataset, tokenised as TRL does; streamed ones and agent turns before their capture).
-
-Before the first capture (and when a batch holds more prompt tokens or generations than planned), the pre-flight
-plan (`longstraw_trl.preflight`, the planner `longstraw plan` prints) resolves `offload_prompt_state="auto"` and
-refuses a step that fits nowhere (`preflight_plan`).
-
-The MoE router load-balancing loss (`router_aux_loss_coef`, TRL's default being the model config's coefficient) is
-exact: see `longstraw_trl/router_aux.py`.
+What it changes compared to `GRPOTrainer` (capture, generation, scoring and the streamed loss on prompt states; the
+hooks it overrides; what it refuses at construction; the pre-flight plan) is described in docs/trainer.md.
 """
 
 from __future__ import annotations
