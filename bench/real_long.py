@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--questions-per-step", type=int, default=2, help="groups per optimizer step")
     ap.add_argument("--questions-per-doc", type=int, default=8, help="training questions per document")
     ap.add_argument("--completion-tokens", type=int, default=16, help="R, max_completion_length")
-    ap.add_argument("--learning-rate", type=float, default=2e-4)
+    ap.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW (LoRA), the demo's")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument(

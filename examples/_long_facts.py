@@ -1,13 +1,17 @@
 """A long-context retrieval task for a base model: many key/value facts with distractors, one question, an exact answer.
 
 A document is a page of staff records grown to a chosen number of tokens: facts "The <attribute> of <First Last> is
-<4 digits>." (each person has two attributes, stated far apart: the other one is the closest distractor), each fact
+<4 digits>." in random order (each person has two attributes: the other one is the closest distractor), each fact
 followed by filler sentences. A question asks for one attribute of one person and starts the answer ("Answer: The
 desk number of Lena Park is"), so the completion is the number; the reward is 1 for the exact number, 0 otherwise.
 
 Documents and questions are plain text for a base model (Gemma-3-270M): the tokenizer adds its BOS token in front of a
 document (as TRL's tokenization of a prompt does), never in front of a question, and a document's tokens are a prefix
 of its questions' prompts (:func:`check_prefix`), so a document's state is captured once and each question extends it.
+
+Measured on a CPU (fp32, greedy, held-out documents, 6 answer tokens): Gemma-3-270M answers 79% ± 6% exactly at 400
+tokens (52 questions), 73% ± 6% at 1K, 61% ± 6% at 2K (64 each), 59% ± 9% at 4K (32): imperfect from the start, and
+falling with length.
 
 Splits are seeded: the training documents of seed ``s`` come from ``1000 + s``, the held-out documents from a seed no
 training split uses (:data:`HELD_OUT_SEED`), the same for every run. Importing this module loads no torch.
