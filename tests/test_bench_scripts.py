@@ -1,7 +1,7 @@
 """The device benchmarks' own dry runs (``--tiny``, CPU): a script that breaks here would waste device time.
 
 Each run writes its JSON to a temporary $OUT; the test reads it back and checks the fields that
-bench/plot.py, the README tables and tests/test_planner.py rely on.
+bench/plot.py, docs/performance.md's tables and tests/test_planner.py rely on.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_compare_stock_dry_run(tmp_path):
 def test_cp_slice_dry_run_two_ranks(tmp_path):
     # --tee 3: every line of a rank's stdout/stderr (C++ included) prefixed "[default<rank>]:", so a failure names
     # the process that printed it (an unprefixed line is torchrun's own); one run on a clean clone aborted with
-    # gloo's "terminate called without an active exception", not reproduced since (issue 29 item 9; the exit
+    # gloo's "terminate called without an active exception", not reproduced since (the exit
     # paths are now covered by bench/common.py's process_group, tested below); --standalone: a free port, so that
     # tests launched side by side (pytest-xdist) do not collide on torchrun's default 29500
     _run(tmp_path, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--tee", "3", "cp_slice.py", "--tiny",
@@ -86,7 +86,7 @@ def _bench_common():
 @pytest.mark.parametrize("fails", [False, True])
 def test_bench_process_group_left_on_every_exit(tmp_path, fails):
     # cp_slice's ranks run inside process_group(): a rank must not reach interpreter shutdown with the group
-    # (and gloo's threads) alive, on success or on an exception (issue 29 item 9); a one-rank gloo group
+    # (and gloo's threads) alive, on success or on an exception; a one-rank gloo group
     process_group = _bench_common().process_group
     store = f"file://{tmp_path / 'store'}"
     try:
@@ -474,7 +474,8 @@ def test_segment_ops_dry_run(tmp_path):
 
 def test_cut_prompt_backward_estimate_recovers_a_whole_measured_one():
     """bench/pb_summary.py's estimate for a step the device command's timeout cut during its prompt backward (the
-    27B's full step at 512K, session 21): applied to the whole 262K step of session 21 cut after its first 16 timed
+    27B's full step at 512K, `full_model_qwen3.6-27b_h100_P524288_offload_full-partial.json`): applied to the whole
+    262K step of `full_model_qwen3.6-27b_h100_P262144_offload.json` cut after its first 16 timed
     segments, it gives the measured total within 1%, and its floors are the ones the run itself reported."""
     sys.path.insert(0, str(BENCH))
     try:

@@ -1,4 +1,4 @@
-"""Building a `LongStrawGRPOConfig` should not warn about names transformers deprecated (issue 29, item 7)."""
+"""Building a `LongStrawGRPOConfig` should not warn about names transformers deprecated."""
 
 from __future__ import annotations
 

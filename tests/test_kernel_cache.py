@@ -1,4 +1,4 @@
-"""Triton's kernel cache follows the run (issue 29: a cold first step of the whole 27B spent 88 of its 105 s
+"""Triton's kernel cache follows the run (a cold first step of the whole 27B spent 88 of its 105 s
 compiling and autotuning; a new process that found the cache again took 8.5 s against 6.2 s warm)."""
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def _assert_matches(out: torch.Tensor, ref: torch.Tensor, min_exact: float = 0.9
 # mean summed in fp64 instead of fp32: Llama at most 2 ulp (99.9998% bit-identical), gated at most 3 ulp
 # (3 of 100.7M outputs; 99.9997%); the zero-centered and gpt_oss forms round once: at most 1 ulp. On the H200 the
 # capture shape failed a 1-ulp bound for Llama and the gated norms, and a 2-ulp bound for the gated norms
-# (session 7); Llama passed at 2 ulp, the gated norms' 3-ulp bound has not run on a GPU yet.
+# (revision 11a2899); Llama passed at 2 ulp, the gated norms' 3-ulp bound has not run on a GPU yet.
 LLAMA_MAX_ULP = 2
 GATED_MAX_ULP = 3
 

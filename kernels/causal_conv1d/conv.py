@@ -105,7 +105,7 @@ class _GradInInputLayout(torch.autograd.Function):
     transposed view of a ``[B, T, C]`` projection. The ``cat`` above otherwise returns it as a slice of the
     ``[B, C, W' + T]`` gradient, whose odd row stride (``T + kernel_size - 1``) sent the projection's input-gradient
     GEMM to an unaligned cuBLAS kernel: 5.6 ms a Gated DeltaNet layer in an 8K-token segment of the 27B on an H100,
-    about 4x an aligned one (session 20)."""
+    about 4x an aligned one (revision 1d31a34)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ def _fla_conv_fn():
         from fla.modules.causal_conv1d import causal_conv1d
     except Exception:  # not installed, or no triton / no GPU build
         return None
-    pin_autotune_choices()  # see kernels/autotune.py
+    pin_autotune_choices()  # see kernels/runtime/autotune.py
     return causal_conv1d
 
 

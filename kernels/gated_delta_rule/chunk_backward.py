@@ -1,10 +1,10 @@
 """The gated ``chunk_bwd_dqkwg`` step of flash-linear-attention's chunked Gated DeltaNet backward, in torch.
 
 fla (0.6.0) refuses its own Triton kernel for this step on Hopper with ``3.4.0 <= Triton < 3.7.1`` (a miscompile
-gives wrong gradients, fla issue #640); the rest of its backward is allowed. The step is local to each 64-token
-chunk once the per-chunk states ``h`` and their gradients ``dh`` are known, so it is a handful of batched matmuls
-over all chunks (fp32 accumulation, no Triton). ``gated_delta_rule`` registers it as an fla backend
-(the ``gdn_backward`` switch).
+gives wrong gradients, https://github.com/fla-org/flash-linear-attention/issues/640); the rest of its backward is
+allowed. The step is local to each 64-token chunk once the per-chunk states ``h`` and their gradients ``dh`` are
+known, so it is a handful of batched matmuls over all chunks (fp32 accumulation, no Triton). ``gated_delta_rule``
+registers it as an fla backend (the ``gdn_backward`` switch).
 
 Per value head ``hv`` (q/k head ``hv // (HV // H)``) and chunk ``n`` of positions ``i, j``, with ``g`` fla's
 chunk-local cumulative log2 decay (``g_i = sum_{t <= i in the chunk} log_decay_t / ln 2``), ``g_L`` its value at
