@@ -10,7 +10,7 @@ the same step twice (``--prompts P P``):
   are read from disk; what it still pays is process-level (CUDA context, cuBLAS / cuDNN plans, Python imports).
 
 With ``--pins``: a ``tune`` process (one step at ``--tune-prompt`` on an empty cache) writes the choices Triton's
-autotuner made as this GPU's pin file (``kernels/autotune_pins/<GPU>.json``, see kernels/autotune.py), then a
+autotuner made as this GPU's pin file (``kernels/runtime/autotune_pins/<GPU>.json``, see kernels/runtime/autotune.py), then a
 ``pinned`` process on another empty cache, as a fresh machine with the pins installed, takes two steps at
 ``--prompt``: its first against its second is what a cold start costs with the pins.
 
@@ -178,7 +178,7 @@ class StepStackSampler:
 
 def child(argv: list[str], dump_pins: str | None) -> None:
     """Run full_model.py in this process with Triton's autotuner instrumented; print the counts last, and with
-    ``dump_pins`` write the autotuners' choices as this GPU's pin file (kernels/autotune.py)."""
+    ``dump_pins`` write the autotuners' choices as this GPU's pin file (kernels/runtime/autotune.py)."""
     stats = {"autotune_configs_benchmarked": 0, "autotune_s": 0.0, "autotuned_kernels": []}
     try:
         from triton.runtime.autotuner import Autotuner
@@ -205,7 +205,7 @@ def child(argv: list[str], dump_pins: str | None) -> None:
     except ImportError:  # the orchestration's own dry run without the library: no sampling
         sampler = None
     recorder = None
-    if dump_pins:  # the pinned process: also the specialisations it compiled (kernels/compile_ahead.py)
+    if dump_pins:  # the pinned process: also the specialisations it compiled (runtime/compile_ahead.py)
         try:
             from longstraw_trl.kernels.runtime.compile_ahead import record_compilations
 
@@ -300,7 +300,7 @@ def main() -> None:
     ap.add_argument(
         "--pins",
         action="store_true",
-        help="instead: a 'tune' process at --tune-prompt writes this GPU's autotune pins into kernels/autotune_pins/ "
+        help="instead: a 'tune' process at --tune-prompt writes this GPU's autotune pins into kernels/runtime/autotune_pins/ "
         "(and $OUT), then a 'pinned' process on another empty cache takes two steps at --prompt",
     )
     ap.add_argument(
@@ -319,7 +319,7 @@ def main() -> None:
     ap.add_argument(
         "--skip-tune",
         action="store_true",
-        help="with --pins: no 'tune' process; the 'pinned' process uses the pins already in kernels/autotune_pins/",
+        help="with --pins: no 'tune' process; the 'pinned' process uses the pins already in kernels/runtime/autotune_pins/",
     )
     ap.add_argument(
         "--offload",

@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 FILES = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py", "test_grpo_trainer.py"]
 
-# Refused by design, each with the reason its error names (README "TRL options").
+# Refused by design, each with the reason its error names (docs/guide.md, "Refused at construction").
 BY_DESIGN = {
     "test_trust_remote_code": "custom-code architecture: LongStraw supports the model types it has patches for",
     "test_train_with_generation_kwargs": "num_beams > 1: beam search is not sampled from one captured prompt state",

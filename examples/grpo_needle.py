@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--cp-size",
         type=int,
         default=1,
-        help="context-parallel ranks per prompt; launch with examples/accelerate/cpN.yaml",
+        help="context-parallel ranks per prompt; launch with examples/accelerate/cp<N>.yaml",
     )
     train.add_argument("--chunk-size", type=int, default=8192, help="capture_chunk_size")
     train.add_argument("--page-size", type=int, default=16384, help="page_size")

@@ -139,7 +139,7 @@ def _expert_adapters(module: nn.Module) -> list[tuple[nn.Module, str]] | None:
     PEFT adapts each fused 3-D expert weight ``W [E, ., .]`` by a ``ParamWrapper`` whose forward forms
     ``W + scaling * lhs @ rhs`` for every expert before the experts run (one wrapper a weight, nested). In a
     decode step of the GLM-5 slice that rebuilt both MoE layers' expert stacks, 146-152 ms a step against 2.8
-    without LoRA (README, Limitations). :func:`_expert_lora_forward` multiplies the activations by the factors
+    without LoRA (docs/guide.md, "Supported models"). :func:`_expert_lora_forward` multiplies the activations by the factors
     instead."""
     try:
         from peft.tuners.lora.layer import ParamWrapper

@@ -88,7 +88,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     every block up to a power of two: the GLM-5 slice's 3.9 GB of offloaded state held 6.7 GB pinned at 1M
     tokens (H200, rev 2b535a7), and a 1.2 GB page segment of GLM-5 took 2 GiB. Here
     the bytes are allocated pageable (numpy, untouched) and registered with CUDA (``cudaHostRegister``,
-    portable and mapped, so kernels can read them: :mod:`kernels.host_gather.gather`); the registration is released
+    portable and mapped, so kernels can read them: :mod:`kernels.host_gather`); the registration is released
     with the tensor's storage. Falls back to the caching allocator if the registration fails."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
@@ -107,7 +107,7 @@ def host_rows_to_device(host: torch.Tensor, rows: torch.Tensor, device: torch.de
     counted in :func:`streamed_bytes`: a decode step's chosen rows of an offloaded table.
 
     With ``rows`` on a CUDA device the GPU reads the rows from the mapped host memory itself
-    (:func:`kernels.host_gather.gather.gather_rows_kernel`): no host sync, so it can run inside a CUDA graph.
+    (:func:`kernels.host_gather.gather_rows_kernel`): no host sync, so it can run inside a CUDA graph.
     Otherwise (or with ``LONGSTRAW_DISABLE=host_gather_kernel``) the rows are gathered on the host, into pinned memory
     when ``host`` is pinned (from pageable memory the copy would be a synchronous staged one), and copied."""
     if gather_rows_kernel_available(host, rows, device):

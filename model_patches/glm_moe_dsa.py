@@ -16,7 +16,7 @@ the module to an identity, so LoRA on it (with ``lora_dropout=0``) and accelerat
 DSA: a ``"full"`` layer's indexer scores every causally visible key (prompt pages, then the call's own
 keys), keeps each query's ``index_topk`` best (HF keeps ``min(index_topk, visible)`` visible keys: its
 causal mask puts the rest at ``-inf``), and attention runs over the selected keys only, the prompt part and
-the response part merged by log-sum-exp (``kernels/sparse_attention.py``). The selection
+the response part merged by log-sum-exp (``kernels/sparse_attention/``). The selection
 (:class:`DSASelection`) travels to the following ``"shared"`` layers the way HF passes it: as the third
 output of the attention, which the decoder stack feeds to the next layer as ``prev_topk_indices``. The
 indexer runs without gradient, as in HF. MoE blocks, norms and the router are the stock modules.

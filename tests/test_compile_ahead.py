@@ -1,4 +1,4 @@
-"""kernels/compile_ahead.py: which manifest entries apply, finding each entry's kernel, and the worker protocol.
+"""kernels/runtime/compile_ahead.py: which manifest entries apply, finding each entry's kernel, and the worker protocol.
 
 Compiling for real needs a GPU (Triton's ``JITFunction.preload`` binds to the active device): the GPU test records
 a kernel's specialisation in one process and checks that a fresh process on an empty cache, compiling ahead, finds

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet backward through fla with our torch ``chunk_bwd_dqkwg`` (kernels/gdn_chunk_backward.py).
+"""The Gated DeltaNet backward through fla with our torch ``chunk_bwd_dqkwg`` (kernels/gated_delta_rule/chunk_backward.py).
 
 CPU: the batched torch step against its plain reference (autograd of each chunk's formulas, float64), and, where
 fla imports, against fla's own Triton kernel run by Triton's interpreter, and through fla's backend dispatch. fla's

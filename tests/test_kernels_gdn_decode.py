@@ -1,4 +1,4 @@
-"""The fused Gated DeltaNet decode step (kernels/gdn_decode.py) against the torch path it replaces.
+"""The fused Gated DeltaNet decode step (kernels/gated_delta_rule/decode.py) against the torch path it replaces.
 
 The reference is the torch decode path of ``gdn_forward``: ``causal_conv1d_with_state``, HF's gating and
 ``gated_delta_step`` (themselves tested against HF and the naive recurrence in test_kernels_gdn.py).

@@ -1,4 +1,4 @@
-"""The fused selected-keys attention kernel (``kernels.selected_keys_attention``) against plain fp64 math.
+"""The fused selected-keys attention kernel (``kernels.sparse_attention.selected_keys``) against plain fp64 math.
 
 The reference is :func:`test_kernels_sparse_attention.reference` (each query's softmax over exactly the rows
 it chose, fp64). The kernel rounds scores and probabilities to the inputs' half dtype where the torch path

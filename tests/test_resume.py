@@ -1,4 +1,4 @@
-"""Checkpoints and resuming (README, "Checkpoints and resuming"): a run SIGKILLed mid-step after a checkpoint, then
+"""Checkpoints and resuming (docs/guide.md, "Checkpoints and resuming"): a run SIGKILLed mid-step after a checkpoint, then
 resumed with `resume_from_checkpoint=True`, once per refresh policy.
 
 Checkpoints hold the refresh policy's state (counters, interval, drift history) and a record of the prompt states

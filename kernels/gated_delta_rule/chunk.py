@@ -8,7 +8,7 @@
 * :func:`gated_delta_step`: one token without autograd (decoding), fixed shapes, CUDA-graph safe.
 * :func:`gated_delta_rule`: dispatcher (one graph-free token: the step). flash-linear-attention on CUDA for
   graph-free calls and for calls that need backward: fla's chunked backward with our torch ``chunk_bwd_dqkwg``
-  (kernels/gdn_chunk_backward.py, registered as an fla backend) in place of the one fla kernel refused on Hopper
+  (``chunk_backward.py``, registered as an fla backend) in place of the one fla kernel refused on Hopper
   with Triton 3.4-3.7.0 (``LONGSTRAW_DISABLE=gdn_backward``: the torch chunked rule;
   ``LONGSTRAW_DISABLE=torch_dqkwg``: fla's own kernel where its Triton allows it); the torch chunked rule otherwise.
 
@@ -280,7 +280,9 @@ def _triton_version() -> tuple[int, ...] | None:
 
 def _fla_dqkwg_miscompiled(device: torch.device | None = None) -> bool:
     """Hopper (sm_90) with ``3.4.0 <= Triton < 3.7.1``: fla's own gated ``chunk_bwd_dqkwg`` raises there (a
-    Triton miscompile gives wrong gradients, fla issue #640, guard relaxed in fla PR #983)."""
+    Triton miscompile gives wrong gradients,
+    https://github.com/fla-org/flash-linear-attention/issues/640; guard relaxed in
+    https://github.com/fla-org/flash-linear-attention/pull/983)."""
     tv = _triton_version()
     major, _ = torch.cuda.get_device_capability(device)
     return tv is not None and major == 9 and (3, 4, 0) <= tv < (3, 7, 1)

@@ -307,7 +307,7 @@ def start_compile_ahead(workers: int | None = None) -> CompileAhead | None:
     workers = workers or max(1, min(8, (os.cpu_count() or 2) // 2))
     ahead = CompileAhead(entries, workers)
     _ACTIVE.append(ahead)
-    logger.info("compiling %d Triton kernel specialisations ahead in %d processes (kernels/compile_ahead.py)",
+    logger.info("compiling %d Triton kernel specialisations ahead in %d processes (kernels/runtime/compile_ahead.py)",
                 len(entries), ahead.stats()["workers"])  # fmt: skip
     return ahead
 

@@ -86,7 +86,7 @@ def indexer_topk(
     (``None``: every key is visible, e.g. prompt keys for later queries). Returns ``(scores, positions)``
     ``[B, T, min(k, L)]`` (in no particular order); a slot with no visible key left has score ``-inf``.
     Scores of up to :data:`TOPK_BUFFER_ELEMENTS` keys x queries are written (by the fused kernel,
-    :mod:`kernels.indexer_scores`, in one launch; by the torch path in tiles of at most
+    :mod:`kernels.sparse_attention.indexer`, in one launch; by the torch path in tiles of at most
     :data:`SCORE_TILE_ELEMENTS` queries x heads x keys) into a buffer behind the running top-k, which is
     merged into it at once.
     """
@@ -204,7 +204,7 @@ def selected_attention(
     (its gathered keys are gathered again in backward instead of kept). A per-sequence table of at most
     :data:`DENSE_ROWS_PER_CHOICE` times as many rows as each query chooses takes
     :func:`masked_attention_block` (the same result; dense scores cost no more than gathered ones there).
-    Without a graph on CUDA the gathered form is the fused kernel (:mod:`kernels.selected_keys_attention`),
+    Without a graph on CUDA the gathered form is the fused kernel (:mod:`kernels.sparse_attention.selected_keys`),
     which reads the chosen rows in place instead of gathering them."""
     b, _, t, _ = q.shape
     tq = max(1, ATTENTION_QUERY_ROWS // b)

@@ -4,7 +4,7 @@
 
 with ``K[r] = table[(b,) r, :]`` and ``V[r] = table[(b,) r, :value_dim]`` (MLA in latent space: key
 ``[c_kv | k_rot]``, value ``c_kv``), and ``lse[b, h, t]`` (``-inf``, with ``out = 0``, for a query with no key).
-The torch reference is :func:`kernels.sparse_attention.selected_attention_block`, which gathers every query's
+The torch reference is :func:`kernels.sparse_attention.dsa.selected_attention_block`, which gathers every query's
 rows into memory (``[rows, k, D]``) before two batched GEMMs and an fp32 softmax: on the H200 that gather, its
 copies and the masking were most of a GLM-5 slice's capture (``bench/results/profile_glm-5-3L_h200_P65536_capture.txt``).
 
@@ -115,7 +115,7 @@ def _kernel():
         qe = tl.load(q_rows + DV + offs_e[None, :], mask=in_h[:, None] & in_e[None, :], other=0.0)
         tab = TAB + b * stride_tb
         row_ptr = ROWS + b * stride_rb + t * stride_rt
-        # (tl.full, not tl.zeros: see kernels/indexer_scores.py, Triton's CPU interpreter)
+        # (tl.full, not tl.zeros: see kernels/sparse_attention/indexer.py, Triton's CPU interpreter)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         total = tl.full([BLOCK_H], 0.0, tl.float32)
         acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, tl.float32)
