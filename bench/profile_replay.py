@@ -79,7 +79,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
     model = get_peft_model(model, lora)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     prompt = torch.randint(0, config.vocab_size, (args.prompt,), device="cuda")
     completions = {

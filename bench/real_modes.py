@@ -1,6 +1,6 @@
 """Stock GRPOTrainer, gradient_mode="full" and the default response-only mode on the locker task, same budget (CPU).
 
-    python bench/real_modes.py --seeds 0 1 2 --steps 6 --out bench/results/real_modes_smollm2_cpu.json
+    python bench/real_modes.py --seeds 0 1 2 --steps 6 --threads 1 --out bench/results/real_modes_smollm2_cpu.json
 
 Every run: SmolLM2-135M-Instruct, LoRA r=16 on every linear layer, fp32, one thread, the task of
 examples/grpo_lockers.py (``--facts`` facts per document), the same data order and seed for the three trainers; it
@@ -24,6 +24,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import grpo_lockers as demo  # noqa: E402
+from _common import use_threads  # noqa: E402
 
 from longstraw_trl.pretrained import load_pretrained  # noqa: E402
 
@@ -102,7 +103,7 @@ def main(argv=None):
             args = demo.parse_args(
                 rest + ["--seed", str(seed), "--output-dir", f"/tmp/longstraw_real_modes_{mode}"]
             )
-            torch.set_num_threads(args.threads)
+            use_threads(args.threads)
             torch.manual_seed(seed)
             model, tokenizer = load_pretrained(args.model)
             n_docs = -(-args.steps * args.questions_per_step // args.questions_per_doc)

@@ -226,7 +226,10 @@ def _plan_whole_model_run(data: dict, run: dict, **options):
         # measured one response at a time
         ("full_model_qwen3.6-27b_h200_P524288_replay-serial", dict(replay_batch_tokens=0)),
         # the 8 responses replayed together under TRL's gradient checkpointing (`longstraw plan` defaults)
-        ("full_model_qwen3.6-27b_h200_P524288_replay-batched", dict(checkpoint_layers=True, replay_batch_tokens=8192)),
+        (
+            "full_model_qwen3.6-27b_h200_P524288_replay-batched",
+            dict(checkpoint_layers=True, replay_batch_tokens=8192),
+        ),
     ],
 )
 def test_plan_reproduces_the_whole_model_peak(name, replay_options):
@@ -363,7 +366,7 @@ def test_full_gradient_plan_refuses_an_unknown_mode():
 
 def test_plan_reproduces_the_whole_model_full_gradient_peak():
     """`gradient_mode="full"` through `train()` on the whole Qwen3.6-27B (LoRA r=64, P = 64K, TRL's checkpointing;
-    `bench/results/full_model_qwen3.6-27b_h200_P65536.json`, session 10): the step's peak is the prompt backward's
+    `bench/results/full_model_qwen3.6-27b_h200_P65536.json`, H200): the step's peak is the prompt backward's
     segment (every layer's checkpointed input over a 16K chunk, one layer's graph, the K/V handed back with their
     gradients), within 10%; the response-only step of the same run too."""
     data = json.loads((RESULTS[0].parent / "full_model_qwen3.6-27b_h200_P65536.json").read_text())
@@ -372,7 +375,7 @@ def test_plan_reproduces_the_whole_model_full_gradient_peak():
         peak = plan.peak
         if run["gradient_mode"] == "full":
             assert plan.peak == plan.prompt_backward_peak > plan.replay_peak
-            # the run predates keeping each layer's page attention for its recompute (session 16): without that term
+            # the run predates keeping each layer's page attention for its recompute (1c974e0): without that term
             assert plan.prompt_backward_page_parts > 0
             peak -= plan.prompt_backward_page_parts
         assert abs(peak / GiB - run["peak_gib"]) <= 0.10 * run["peak_gib"], (
@@ -476,7 +479,7 @@ def test_fsdp_with_ep_per_rank_bytes_equal_fully_shard_and_ep_storage():
 
 def test_plan_of_fsdp2_at_world_size_one_against_the_device():
     """The whole 27B's warm-up step (P = 48K, R = 32, LoRA r=64, TRL's checkpointing), unwrapped and under FSDP2 at
-    world size 1, in one device call (H100, session 17, `bench/results/fsdp_qwen3.6-27b_h100_P65536.json`):
+    world size 1, in one device call (H100, `bench/results/fsdp_qwen3.6-27b_h100_P65536.json`):
     the unwrapped peak within 10% of its plan, FSDP2's plan at most 15% over its peak, and FSDP2's measured overhead (0.4 GiB, the capture's peak) no more than
     planned and within 1.5 GiB of it (two gathered layers, 1.5 GiB; the plan had counted the root's embedding and
     head there too: 6.2 GiB)."""
@@ -522,7 +525,7 @@ def test_prompt_backward_checkpointing_is_planned_on_its_own():
 
 def test_a_full_gradient_plan_that_does_not_fit_names_a_smaller_capture_chunk():
     """The full mode's prompt backward holds a chunk's graph and kept page parts: on an 80 GB card the 27B at 262K
-    (LoRA, state on the host, the H100 run of session 18 that ran out of memory with 16K chunks) fits only with a
+    (LoRA, state on the host, an H100 run on 2026-12-06 that ran out of memory with 16K chunks) fits only with a
     smaller chunk, and that is the suggestion, the largest chunk that fits (re-planned)."""
     from longstraw_trl.planner import suggest_changes
 
@@ -546,9 +549,9 @@ def test_a_full_gradient_plan_that_does_not_fit_names_a_smaller_capture_chunk():
 
 @pytest.mark.parametrize("prompt", [131072, 262144])
 def test_glm5_capture_chunk_is_what_the_slice_measured(prompt):
-    """The GLM-5 slice's train() step on an H100 (session 19, `bash bench/run_device.sh glm-train`, 16K chunks): its
-    capture peak less its allocation at train begin (weights and adapters) and its state is the capture chunk's
-    transient, 13.52 GiB at both P; the planner's capture chunk is within 2% of it (it planned 2.25 GiB before), and
+    """The GLM-5 slice's train() step on an H100 (`full_model.py --preset glm-5 --layers 3`, 16K chunks; the result
+    file read below): its capture peak less its allocation at train begin (weights and adapters) and its state is the
+    capture chunk's transient, 13.52 GiB at both P; the planner's capture chunk is within 2% of it (it planned 2.25 GiB before), and
     its state is the measured one exactly."""
     name = f"full_model_glm-5-3L_h100_P{prompt}.json"
     data = json.loads((RESULTS[0].parent / name).read_text())
@@ -589,7 +592,7 @@ def test_glm5_prompt_backward_segment_is_what_it_allocates():
     """The full mode's prompt backward over a GLM-5 segment (checkpointed layers, LoRA r = 64 on the attention), at
     GLM-5's attention widths (64 heads, a 512 + 64 latent; a narrower residual, 8 experts and a 512 top-k, to run on
     the CPU): the planner's segment graph covers what the segment allocates at its peak, within 10% above it. It
-    plans 0.41 GiB where the segment takes 1.46 without the MLA + DSA backward term (its forward's merge only) (at the real widths, session 21:
+    plans 0.41 GiB where the segment takes 1.46 without the MLA + DSA backward term (its forward's merge only) (at the real widths, on the CPU at 7ada649:
     4.84 / 5.24 GiB planned, 4.85 / 5.20 measured at 512 / 1,024 tokens)."""
     segment, prompt_tokens = 512, 1025
     config = preset_config(
@@ -601,7 +604,7 @@ def test_glm5_prompt_backward_segment_is_what_it_allocates():
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     model = get_peft_model(model, LoraConfig(r=64, lora_alpha=128, target_modules=targets))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     prompt = torch.randint(0, 500, (prompt_tokens,))
     state = capture_prompt(model, prompt, chunk_size=segment, page_size=1 << 14, keep_boundaries=True)
@@ -631,7 +634,7 @@ def test_glm5_prompt_backward_segment_is_what_it_allocates():
 
 
 def test_lora_adapters_are_planned_in_fp32_as_peft_keeps_them():
-    """The whole 27B's response-only step at 262K on an H100 (session 21, state on the host, 8K chunks, R = 32) peaked
+    """The whole 27B's response-only step at 262K on an H100 (state on the host, 8K chunks, R = 32) peaked
     at 57.6 GiB in its optimizer step, 2.6 GiB over the 55.0 it was planned: PEFT keeps a bf16 model's adapters in fp32,
     so their gradients and AdamW's two states take 4 bytes a parameter where the plan had counted 2 (0.47 B adapter
     parameters: 0.87 + 1.74 GiB). Planned in fp32 the step is covered, within 3%; the memory at train begin (weights
