@@ -684,7 +684,8 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         page_size=args.page,
         dtype_bytes=plan_dtype_bytes,
         fsdp_size=fsdp_size,
-        **plan_options(trainer.args),  # the trainer's config: chunk, checkpointing, gradient mode, offload, CP, EP
+        # the trainer's config: chunk, checkpointing, gradient mode, offload, CP, EP
+        **plan_options(trainer.args),
     )
     return {
         "ok": True,
@@ -974,7 +975,7 @@ def main() -> None:
         "page_size": args.page,
         "graph_free_fused_kernels": args.fused_kernels,
         "autograd_fused_kernels": args.autograd_fused_kernels,
-        # the kernel switches set for this run (README, "Kernel switches"); unset: every fast path on
+        # the kernel switches set for this run (docs/guide.md, "Kernel switches"); unset: every fast path on
         "kernel_switches": {
             k: v for k, v in os.environ.items() if k.startswith("LONGSTRAW_") and k != "LONGSTRAW_REV"
         },

@@ -58,8 +58,8 @@ import longstraw_trl.kernels.sparse_attention.dsa as sparse
 from longstraw_trl import capture_prompt, generate_from_state, replay_logprobs
 from longstraw_trl.generation import decode_graphs_by_default
 from longstraw_trl.host_memory import registered_host_bytes, streamed_bytes
-from longstraw_trl.kernels.sparse_attention.indexer import index_scores, index_scores_kernel_available
 from longstraw_trl.kernels.sparse_attention.dsa import TOPK_BUFFER_ELEMENTS, indexer_topk
+from longstraw_trl.kernels.sparse_attention.indexer import index_scores, index_scores_kernel_available
 from longstraw_trl.presets import preset_config
 
 
@@ -581,9 +581,7 @@ def main() -> None:
             print(case_line(results[-1]), flush=True)
         path = write_result(name, payload)
     references = []
-    for (
-        f
-    ) in args.gpu_reference:  # (a reference file that is not there: none)
+    for f in args.gpu_reference:  # (a reference file that is not there: none)
         if Path(f).is_file():
             references += json.loads(Path(f).read_text())["results"]
         else:

@@ -56,7 +56,7 @@ from longstraw_trl.kernels.elementwise import (
 
 _M = "transformers.models"
 
-# RMSNorm classes by variant (HF's forwards: see longstraw_trl/kernels/elementwise.py).
+# RMSNorm classes by variant (HF's forwards: see kernels/elementwise/naive.py).
 _NORMS: dict[str, RMSNormVariant] = {
     **{
         f"{_M}.{family}.modeling_{family}.{name}": "zero_centered"
@@ -153,7 +153,13 @@ def _fused_norm_forward(self, *args, **kwargs) -> torch.Tensor:
     otherwise the stock forward."""
     eps = _eps(self)
     graph = _graph(self)
-    if len(args) != 1 or kwargs or eps is None or graph is None or not rms_norm_available(args[0], self.weight):
+    if (
+        len(args) != 1
+        or kwargs
+        or eps is None
+        or graph is None
+        or not rms_norm_available(args[0], self.weight)
+    ):
         return _stock(self, args, kwargs)
     variant = getattr(self, _ATTR)[0]
     return (rms_norm_fn if graph else rms_norm)(args[0], self.weight, eps, variant)
@@ -178,10 +184,18 @@ def _fused_mlp_forward(self, *args, **kwargs) -> torch.Tensor:
     """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the activation and product in one kernel (graph-free,
     or differentiable when bound so)."""
     graph = _graph(self)
-    if len(args) != 1 or kwargs or graph is None or not elementwise_available(args[0]) or not _is_silu(self.act_fn):
+    if (
+        len(args) != 1
+        or kwargs
+        or graph is None
+        or not elementwise_available(args[0])
+        or not _is_silu(self.act_fn)
+    ):
         return _stock(self, args, kwargs)
     gate, up = self.gate_proj(args[0]), self.up_proj(args[0])
-    if gate.shape != up.shape or not elementwise_available(gate, up):  # e.g. fp64 projections: HF's expression
+    if gate.shape != up.shape or not elementwise_available(
+        gate, up
+    ):  # e.g. fp64 projections: HF's expression
         return self.down_proj(self.act_fn(gate) * up)
     return self.down_proj((silu_mul_fn if graph else silu_mul)(gate, up))
 
