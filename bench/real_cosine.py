@@ -109,7 +109,7 @@ def compare(a: dict, b: dict) -> dict:
     """Cosine and norm ratio |a| / |b| of two gradients, over all parameters and by module (q/k/v/o/mlp)."""
 
     def pair(names):
-        x, y = torch.cat([a[n] for n in names]), torch.cat([b[n] for n in names])
+        x, y = torch.cat([a[n] for n in names]).double(), torch.cat([b[n] for n in names]).double()
         cos = torch.nn.functional.cosine_similarity(x, y, dim=0).item()
         return {"cosine": cos, "norm_ratio": (x.norm() / y.norm()).item()}
 

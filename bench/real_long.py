@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--completion-tokens", type=int, default=16, help="R, max_completion_length")
     ap.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW (LoRA), the demo's")
     ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, default=0.5, help="sampling (see examples/_long_facts.py)")
     ap.add_argument(
         "--save-steps", type=int, default=5, help="a checkpoint every N steps (and at a budget stop)"
     )

@@ -18,11 +18,11 @@ from longstraw_trl import capture_prompt, extend_state, generate_from_state
 
 
 def sample_group(model, tokenizer, state, row: dict, opts, device):
-    """G sampled completions of the row's question (temperature 1), their exact-answer rewards, the question's ids."""
+    """G sampled completions of the row's question (at the training temperature), their exact-answer rewards."""
     q_ids = torch.tensor(task.question_ids(tokenizer, row["question"]), device=device)
     with torch.no_grad():
         full = extend_state(state, model, q_ids)
-        ids = generate_from_state(full, model, opts.num_generations, opts.completion_tokens, temperature=1.0,
+        ids = generate_from_state(full, model, opts.num_generations, opts.completion_tokens, temperature=opts.temperature,
                                   do_sample=True, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     texts = [tokenizer.decode(r, skip_special_tokens=True) for r in ids]
     rewards = torch.tensor(task.exact_reward(texts, [row["answer"]] * len(texts)))
