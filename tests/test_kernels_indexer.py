@@ -19,6 +19,7 @@ from longstraw_trl.kernels.runtime.switches import DISABLE_ENV
 from longstraw_trl.kernels.sparse_attention import index_scores, naive_index_scores
 from longstraw_trl.kernels.sparse_attention.dsa import indexer_topk, topk_merge
 from longstraw_trl.kernels.sparse_attention.indexer import index_scores_kernel
+from longstraw_trl.kernels.sparse_attention.naive import matmul_fp32
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -248,7 +249,7 @@ def test_matmul_fp32_half_gemm_on_cuda():
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(1, 640, 128, generator=gen, device="cuda").bfloat16()
     keys = torch.randn(1, 3001, 128, generator=gen, device="cuda").bfloat16()
-    got = ix.matmul_fp32(a, keys.transpose(-1, -2))
+    got = matmul_fp32(a, keys.transpose(-1, -2))
     ref = a.double() @ keys.double().transpose(-1, -2)
     mag = a.double().abs() @ keys.double().abs().transpose(-1, -2)
     assert got.dtype == torch.float32 and got.shape == (1, 640, 3001)
