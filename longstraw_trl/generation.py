@@ -37,10 +37,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from longstraw_trl.kernels.runtime.switches import switch
+from longstraw_trl.kernels.runtime.switches import enabled
 
-from .context import Mode, ReplayContext
-from .engine import check_positions, forward_model, vocab_size
+from .context import ForwardContext, Mode
+from .engine import check_max_position_embeddings, forward_model, vocab_size
 from .errors import LongStrawError
 from .host_memory import count_streamed_bytes, streamed_bytes
 from .prompt_state import PromptState
@@ -48,8 +48,8 @@ from .prompt_state import PromptState
 # Decoding checks whether every row has finished (a host synchronisation) once per this many steps; the
 # output is trimmed to what stopping at once would have given.
 DONE_CHECK_INTERVAL = 16
-# LONGSTRAW_CUDA_GRAPHS=0 turns the decode step's CUDA graph off (the default is on, on CUDA).
-CUDA_GRAPHS_ENV = "LONGSTRAW_CUDA_GRAPHS"
+# LONGSTRAW_DISABLE=cuda_graphs turns the decode step's CUDA graph off (the default is on, on CUDA).
+CUDA_GRAPHS_SWITCH = "cuda_graphs"
 
 logger = logging.getLogger(__name__)
 
@@ -391,7 +391,7 @@ def _check_request(
         raise LongStrawError("num_generations and max_new_tokens must be >= 1")
     if do_sample and (temperature is None or temperature <= 0):
         raise LongStrawError(f"temperature must be > 0 when sampling, got {temperature}")
-    check_positions(model, state.num_tokens + max_new_tokens, "prompt + max_new_tokens")
+    check_max_position_embeddings(model, state.num_tokens + max_new_tokens, "prompt + max_new_tokens")
     if prompt_ids is not None and (prompt_ids.dim() != 1 or prompt_ids.numel() != state.num_tokens):
         raise LongStrawError(
             f"prompt_ids must be the state's 1-D prompt of {state.num_tokens} tokens, got shape "
@@ -460,13 +460,13 @@ def decode_graphs_by_default(state: PromptState) -> bool:
     """Whether :class:`DecodeStep` replays the decode steps on ``state`` as one CUDA graph when not told: on
     CUDA, without context parallelism (collectives inside: kept eager), when no layer streams state from the
     host during a step (``LayerState.decode_streams``; an offloaded GLM-5 state streams none, its rows read by
-    the GPU from mapped host memory), and unless ``LONGSTRAW_CUDA_GRAPHS=0``."""
+    the GPU from mapped host memory), and unless ``LONGSTRAW_DISABLE=cuda_graphs``."""
     device = state.device
     return (
         device.type == "cuda"
         and state.cp_group is None
         and not any(layer.decode_streams(device) for layer in state.layers.values())
-        and switch(CUDA_GRAPHS_ENV)
+        and enabled(CUDA_GRAPHS_SWITCH)
     )
 
 
@@ -491,7 +491,7 @@ class DecodeStep:
             raise LongStrawError("cuda_graphs=True needs the state on a CUDA device")
         self.model, self.state, self.use_graphs = model, state, cuda_graphs
         self.step = torch.zeros((), dtype=torch.long, device=device)  # tokens decoded so far
-        self.ctx = ReplayContext(Mode.DECODE, state, capacity=capacity, step=self.step)
+        self.ctx = ForwardContext(Mode.DECODE, state, capacity=capacity, step=self.step)
         self.tokens = torch.zeros(num_sequences, 1, dtype=torch.long, device=device)
         self.graph = None
         self.logits: torch.Tensor | None = None

@@ -55,9 +55,9 @@ LAYERS = {
     "longstraw_trl.planner_terms": RUNTIME,
     "longstraw_trl.presets": RUNTIME,
     "longstraw_trl.cli": RUNTIME,
+    "longstraw_trl.cli_plan": RUNTIME,
     "longstraw_trl.positions": RUNTIME,
     "longstraw_trl.preflight": RUNTIME,
-    "longstraw_trl.cli_plan": RUNTIME,
     "longstraw_trl.state_cache": STEP,
     "longstraw_trl.loss": STEP,
     "longstraw_trl.loss_spec": STEP,
@@ -281,7 +281,7 @@ def test_agents_and_tests_use_the_trainers_public_surface():
     assert not uses, "\n".join(uses)
 
 
-# The TRL 1.16 hooks LongStrawGRPOTrainer overrides (README, "TRL hooks"), with the parameters it was written
+# The TRL 1.16 hooks LongStrawGRPOTrainer overrides (docs/design.md, "TRL hooks"), with the parameters it was written
 # against: a TRL release that renames or reorders one must fail here, not train on something else.
 TRL_HOOKS = {
     "_tokenize_prompts": ["self", "prompts"],
