@@ -52,6 +52,7 @@ class Step:
     tail: int = 12  # lines of the log printed at the end
     cwd: str = "bench"
     env: dict[str, str] = field(default_factory=dict)
+    path: tuple[str, ...] = ()  # ahead of the installed packages on PYTHONPATH (a baseline checkout)
 
 
 @dataclass
@@ -147,11 +148,44 @@ def _full_model(opts, rest):
         args += ["--tag", _result_tag(args)]
     steps = [Step(_py("full_model.py", *args), "full_model.log", opts.timeout or 590, tail=8)]
     out = os.environ.get("OUT", "/tmp/out")
+    if (
+        opts.baseline
+    ):  # the same step from another checkout first, in its own process, its files in $OUT/baseline
+        tree = Path(opts.baseline).resolve()
+        if not opts.dry_run:
+            link_subpackages(tree)
+        steps.insert(0, _baseline_step(tree, steps[0], f"{out}/baseline", opts.baseline_rev))
     # the full gradient's prompt backward: seconds against both floors, its segments (an estimate if cut)
     steps.append(
         Step(_py("pb_summary.py", f"{out}/full_model_*.json"), "full_model_summary.txt", 60, tail=40)
     )
     return steps
+
+
+def link_subpackages(tree: Path) -> None:
+    """Make the checkout ``tree`` importable from PYTHONPATH alone: setup.cfg's package_dir installs kernels/ and
+    model_patches/ as longstraw_trl.kernels / .model_patches, which a checkout reaches through links in longstraw_trl/
+    (this revision carries the kernels one; an older checkout gets both)."""
+    for sub in ("kernels", "model_patches"):
+        link = tree / "longstraw_trl" / sub
+        if (tree / sub).is_dir() and not link.exists():
+            link.symlink_to(Path("..") / sub)
+
+
+def _baseline_step(tree: Path, step: Step, out: str, revision: str | None) -> Step:
+    """``step`` run from the checkout ``tree`` (another revision's files, e.g. ``git archive <rev> | tar -x``), with
+    ``tree`` first on PYTHONPATH, its result files under ``out`` and ``revision`` recorded in them."""
+    env = dict(step.env, OUT=out, **({"LONGSTRAW_REV": revision} if revision else {}))
+    return Step(
+        step.argv,
+        "baseline_" + step.log,
+        step.timeout,
+        step.fla,
+        step.tail,
+        str(tree / "bench"),
+        env,
+        (str(tree),),
+    )
 
 
 def _full_gradient(opts, rest):
@@ -420,7 +454,22 @@ SUITES = {
             "replays, prompt backward, optimizer) beside its floor from rates measured in the process; peak against "
             "`longstraw plan`. --stock: stock TRL on the same model until it runs out of memory.",
             _full_model,
-            (_timeout, (("--stock",), dict(action="store_true", help="stock TRL's GRPOTrainer instead"))),
+            (
+                _timeout,
+                (("--stock",), dict(action="store_true", help="stock TRL's GRPOTrainer instead")),
+                (
+                    ("--baseline",),
+                    dict(
+                        metavar="DIR",
+                        help="a checkout of another revision: its step runs first, in its own process on the same "
+                        "GPU (results in $OUT/baseline/), so that the two revisions' phases compare side by side",
+                    ),
+                ),
+                (
+                    ("--baseline-rev",),
+                    dict(metavar="REV", help="the baseline checkout's git revision, recorded"),
+                ),
+            ),
         ),
         Suite(
             "full-gradient",
@@ -607,8 +656,7 @@ def set_up(out: Path, install: bool) -> dict[str, str]:
 def run_step(step: Step, env: dict[str, str], out: Path) -> int:
     """``timeout <s> <argv>``, lines that mention warnings dropped, into ``$OUT/<log>``; the last lines printed."""
     env = dict(env, **step.env)
-    if step.fla:
-        env["PYTHONPATH"] = f"{SITE}:{FLA}"
+    env["PYTHONPATH"] = ":".join([*step.path, SITE, *([FLA] if step.fla else [])])
     tail: collections.deque[str] = collections.deque(maxlen=step.tail)
     cwd = ROOT / step.cwd
     with open(out / step.log, "w") as log:
@@ -637,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = suite.build(opts, script_args)
     if opts.dry_run:
         for step in steps:
-            path = f"{SITE}:{FLA}" if step.fla else SITE
+            path = ":".join([*step.path, SITE, *([FLA] if step.fla else [])])
             print(f"(cd {step.cwd} && PYTHONPATH={path} timeout {step.timeout} {shlex.join(step.argv)})")
         return 0
     if not os.environ.get("LONGSTRAW_REV"):

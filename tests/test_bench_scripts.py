@@ -568,3 +568,22 @@ def test_result_file_names_carry_suite_model_gpu_and_prompt():
         f = index.parse_name(path.name)
         assert f["suite"] and f["gpu"], path.name
         assert f["P"] or f["gpu"] == "cpu" or path.suffix == ".png" or f["variant"] == "gloo-check", path.name
+
+
+def test_full_model_suite_runs_a_baseline_checkout_first(tmp_path, capsys):
+    """`full-model --baseline DIR`: the same step from the checkout DIR first, DIR first on PYTHONPATH and its files
+    in $OUT/baseline with the given revision; then this checkout's step; links let DIR import its subpackages."""
+    run = _load_bench("run")
+    for sub in ("longstraw_trl", "kernels", "model_patches", "bench"):
+        (tmp_path / sub).mkdir()
+    opts = run.parse(["full-model", "--baseline", str(tmp_path), "--baseline-rev", "abc1234"])[1]
+    steps = run.SUITES["full-model"].build(opts, ["--prompts", "2048"])
+    base, ours = steps[0], steps[1]
+    assert base.argv == ours.argv and base.cwd == str(tmp_path / "bench") and ours.cwd == "bench"
+    assert base.path == (str(tmp_path),) and ours.path == ()
+    assert base.env["OUT"].endswith("/baseline") and base.env["LONGSTRAW_REV"] == "abc1234"
+    assert (tmp_path / "longstraw_trl" / "kernels").resolve() == (tmp_path / "kernels").resolve()
+    assert (tmp_path / "longstraw_trl" / "model_patches").resolve() == (tmp_path / "model_patches").resolve()
+    assert run.main(["full-model", "--dry-run", "--baseline", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"(cd {tmp_path}/bench && PYTHONPATH={tmp_path}:/tmp/site:/tmp/fla ")
