@@ -949,7 +949,7 @@ def main() -> None:
         model,
         tokenizer,
         args,
-        args.warmup_prompt or 1024,
+        args.warmup_prompt or min(args.prompts),  # without a warm-up this trainer only wraps the model
         args.warmup_response,
         peft_config=lora,
         gradient_mode=args.gradient_modes[-1],

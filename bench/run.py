@@ -288,10 +288,6 @@ def _agents(opts, rest):
     return [Step(_py("prefix_tree.py", *rest), "prefix_tree.log", opts.timeout or 470, tail=30)]
 
 
-def _profile(opts, rest):
-    return [Step(_py("profile_replay.py", *rest), "profile.log", opts.timeout or 400, tail=45)]
-
-
 FSDP_MODES = ("plain", "world1", "cp2", "fsdp2-cp2", "fsdp2-cp8")
 
 
@@ -518,13 +514,6 @@ SUITES = {
             "turns each on a 512K prompt, each turn extending the rollout's state.",
             _agents,
             (_timeout, (("--turns",), dict(action="store_true", help="tool turns (agent_turns.py)"))),
-        ),
-        Suite(
-            "profile",
-            "Where a replay + backward, a decode or a capture spends its time (the whole model or a slice, LoRA, "
-            "torch.profiler): the top CUDA kernels and the GPU-busy share of the wall time.",
-            _profile,
-            (_timeout,),
         ),
         Suite(
             "fsdp",
