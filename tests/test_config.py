@@ -122,6 +122,8 @@ REFUSALS = [
     ({"refresh_max_interval": -1}, "refresh_interval and refresh_max_interval must be >= 0"),
     ({"refresh_probe_period": 0}, "refresh_probe_period must be >= 1"),
     ({"refresh_drift_threshold": -0.5}, "refresh_drift_threshold must be >= 0"),
+    ({"preflight_gpu_memory_bytes": 0}, "preflight_gpu_memory_bytes must be None or > 0 bytes"),
+    ({"preflight_gpu_memory_bytes": -(2**30)}, "preflight_gpu_memory_bytes must be None or > 0 bytes"),
 ]
 # Per process: TRL checks the same over all processes, so these are reached only with more than one (two here).
 PER_PROCESS_REFUSALS = [
