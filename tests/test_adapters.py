@@ -83,6 +83,7 @@ def test_trainer_casts_in_capture_and_generation_only(enabled, monkeypatch):
     from transformers import Qwen3ForCausalLM
 
     import longstraw_trl.prompt_state_manager as trainer_module
+    import longstraw_trl.rollout as rollout_module
 
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.bfloat16)
     trainer = make_tiny_longstraw_trainer(
@@ -103,10 +104,13 @@ def test_trainer_casts_in_capture_and_generation_only(enabled, monkeypatch):
 
     monkeypatch.setattr(trainer_module, "capture_prompt", spy("capture", trainer_module.capture_prompt))
     state = trainer.prompt_states.capture(trainer.model, torch.tensor([3, 4, 5, 6]))
-    monkeypatch.setattr(state, "generate", spy("generate", state.generate))
-    monkeypatch.setattr(state, "logprobs", spy("logprobs", state.logprobs))
+    monkeypatch.setattr(
+        rollout_module, "generate_from_state", spy("generate", rollout_module.generate_from_state)
+    )
     completions = trainer.rollout.sample_group(state, 2)
-    replay_logprobs(state, trainer.model, completions)
+    spy("logprobs", replay_logprobs)(
+        state, trainer.model, completions
+    )  # scoring, outside capture and generation
     cast = torch.bfloat16 if enabled else torch.float32
     assert seen == {"capture": {cast}, "generate": {cast}, "logprobs": {torch.float32}}
     assert all(p.dtype == torch.float32 for p in params)

@@ -335,7 +335,7 @@ def test_gpu_ok_and_env_switch(monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_gpu_generate_fused_equals_torch_path(monkeypatch, family, cuda_graphs):
-    """Greedy ``state.generate`` on CUDA (fp32 tiny hybrid: the two paths differ only at rounding level, far
+    """Greedy ``generate_from_state`` on CUDA (fp32 tiny hybrid: the two paths differ only at rounding level, far
     from any argmax tie) takes the fused step (counted) and gives the torch path's tokens."""
     from _models import build_hybrid
 

@@ -65,7 +65,7 @@ def _generate_on_one_seed(ours, stock, rows, seed: int = 3):
 
 
 def test_completions_equal_state_generate_and_stock_trl():
-    """With one seed: the trainer's completions are `state.generate`'s draws, and stock GRPOTrainer's too."""
+    """With one seed: the trainer's completions are `generate_from_state`'s draws, and stock GRPOTrainer's too."""
     ours = make_tiny_longstraw_trainer(**SAMPLING)
     stock = make_tiny_grpo_trainer(**SAMPLING)
     rows = [{"prompt": PROMPTS[1]}] * 4
