@@ -296,7 +296,12 @@ def run_case(
     streamed = streamed_bytes()
     with Timer() as t_cap:
         state = capture_prompt(
-            model, prompt, chunk_size=args.chunk, page_size=args.page, offload=storage, progress=False
+            model,
+            prompt,
+            chunk_size=args.chunk,
+            page_size=args.page,
+            offload_prompt_state=storage,
+            progress=False,
         )
     cap_peak = peak_gib()
     cap_streamed, streamed = streamed_bytes() - streamed, streamed_bytes()

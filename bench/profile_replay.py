@@ -59,7 +59,9 @@ def main() -> None:
         default=[1],
         help="responses replayed together under autograd (one backward for all); the first is profiled",
     )
-    ap.add_argument("--offload", action="store_true", help='the prompt state in host memory (offload="cpu")')
+    ap.add_argument(
+        "--offload", action="store_true", help='the prompt state in host memory (offload_prompt_state="cpu")'
+    )
     ap.add_argument(
         "--glm-slice",
         action="store_true",
@@ -101,12 +103,16 @@ def main() -> None:
 
     offload = "cpu" if args.offload else None
     with Timer() as t_cap, graph_free():
-        state = capture_prompt(model, prompt, chunk_size=args.chunk, progress=False, offload=offload)
+        state = capture_prompt(
+            model, prompt, chunk_size=args.chunk, progress=False, offload_prompt_state=offload
+        )
 
     def run(phase: str) -> None:
         if phase == "capture":
             with graph_free():
-                capture_prompt(model, prompt, chunk_size=args.chunk, progress=False, offload=offload)
+                capture_prompt(
+                    model, prompt, chunk_size=args.chunk, progress=False, offload_prompt_state=offload
+                )
             return
         if phase == "decode":
             with graph_free():

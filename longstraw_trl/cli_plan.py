@@ -123,6 +123,7 @@ def _add_step_options(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--prefix-sharing",
+        dest="prompt_prefix_sharing",
         action=argparse.BooleanOptionalAction,
         default=False,
         help="add the GDN / window states that prompt_prefix_sharing=True keeps at every "
@@ -141,6 +142,7 @@ def _add_hardware_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gpu", default="h200", help=f"one of {', '.join(GPU_MEMORY_GIB)}, or GiB as a number")
     ap.add_argument(
         "--offload",
+        dest="offload_prompt_state",
         choices=["cpu", "auto"],
         default=None,
         help="keep the prompt state in pinned host memory (the trainer's offload_prompt_state='cpu'); it must fit "
@@ -295,15 +297,15 @@ def plan_inputs(a: argparse.Namespace) -> PlanInputs:
         prompt_backward_checkpoint_layers=a.prompt_backward_checkpointing,
         replay_batch_tokens=a.replay_batch_tokens,
         gradient_mode=a.gradient_mode,
-        prompt_prefix_sharing=a.prefix_sharing,
-        offload_prompt_state=None if a.offload == "auto" else a.offload,
+        prompt_prefix_sharing=a.prompt_prefix_sharing,
+        offload_prompt_state=None if a.offload_prompt_state == "auto" else a.offload_prompt_state,
         host_memory_gib=a.host_memory / a.ranks_per_host,
     )
 
 
 def _largest_prompt(a: argparse.Namespace, config, inputs: PlanInputs, preset: bool) -> int:
     """``--max-prompt``: the largest prompt that fits and that the model's positions take (one page if none fits)."""
-    offloads = [None, "cpu"] if a.offload == "auto" else [inputs.offload_prompt_state]
+    offloads = [None, "cpu"] if a.offload_prompt_state == "auto" else [inputs.offload_prompt_state]
     prompt = max(largest_prompt(config, PlanInputs.of(inputs, offload_prompt_state=o)) for o in offloads)
     if not a.json:
         print(f"largest prompt that fits: {prompt:,} tokens ({prompt // a.page_size} pages of {a.page_size})")
@@ -328,11 +330,11 @@ def plan(a: argparse.Namespace) -> int:
     prompt = _largest_prompt(a, config, inputs, preset) if a.max_prompt else a.prompt
     # the trainer's pre-flight decision (with --offload auto, its choice); with --max-prompt a smaller --prompt is
     # no change (and the two flags exclude each other)
-    decision = plan_step(config, prompt, inputs, a.offload, vary_prompt=not a.max_prompt)
+    decision = plan_step(config, prompt, inputs, a.offload_prompt_state, vary_prompt=not a.max_prompt)
     memory, suggestions = decision.plan, decision.suggestions
     positions = None if preset else check_positions(config, prompt, a.response)
     runs = memory.fits and (positions is None or positions.ok)
-    chosen = {"offload_chosen": decision.offload_prompt_state} if a.offload == "auto" else {}
+    chosen = {"offload_chosen": decision.offload_prompt_state} if a.offload_prompt_state == "auto" else {}
     if a.json:
         print_json(a, prompt, memory, suggestions, positions, runs, chosen)
     else:

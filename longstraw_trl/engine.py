@@ -235,7 +235,7 @@ def capture_prompt(
     prompt_ids: torch.Tensor,
     chunk_size: int | None = None,
     page_size: int | None = None,
-    offload: str | None = None,
+    offload_prompt_state: str | None = None,
     cp_group=None,
     progress: bool | None = None,
     keep_boundaries: bool = False,
@@ -252,7 +252,7 @@ def capture_prompt(
             grows with the chunk, never with the prompt.
         page_size: tokens per K/V page (default 16384): the unit of context-parallel ownership and of
             offload streaming. Resident K/V is stored contiguously whatever the page size.
-        offload: ``None`` keeps K/V on the model's device; ``"cpu"`` keeps it in pinned host memory and
+        offload_prompt_state: ``None`` keeps K/V on the model's device; ``"cpu"`` keeps it in pinned host memory and
             streams it to the device a page at a time.
         cp_group: a ``torch.distributed`` group: pages are spread round-robin over its ranks.
         progress: show a progress bar (default: only for prompts of 128K tokens or more).
@@ -272,8 +272,8 @@ def capture_prompt(
     if chunk_size <= 0 or page_size <= 0:
         raise LongStrawError("chunk_size and page_size must be positive")
     device = model_device(model)
-    storage_device(device, offload)  # validates `offload`
-    state = PromptState({}, device, offload, cp_group, page_size, chunk_size)
+    storage_device(device, offload_prompt_state)  # validates `offload_prompt_state`
+    state = PromptState({}, device, offload_prompt_state, cp_group, page_size, chunk_size)
     _prefill(state, model, prompt_ids[:-1], 0, chunk_size, progress, keep_boundaries)
     state.num_tokens = prompt_ids.numel()
     state.last_token = prompt_ids[-1].to(device)

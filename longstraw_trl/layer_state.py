@@ -123,8 +123,8 @@ class LayerState(ABC):
         """:meth:`planned_bytes` split as :meth:`nbytes_by_kind` splits :meth:`nbytes`."""
         return {cls.kind: cls.planned_bytes(config, layer_idx, tokens_on_rank, dtype_bytes)}
 
-    # --- offload (``offload="cpu"``; the planner's ``--offload cpu``) --------------------------------------
-    #: whether ``offload="cpu"`` keeps this kind in host memory (False: it stays on the device regardless)
+    # --- offload (``offload_prompt_state="cpu"``; the planner's ``--offload cpu``) ------------------------
+    #: whether ``offload_prompt_state="cpu"`` keeps this kind in host memory (False: it stays on the device regardless)
     offloadable: ClassVar[bool] = False
 
     @classmethod

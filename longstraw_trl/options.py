@@ -142,6 +142,6 @@ def plan_options(args: Any) -> dict[str, Any]:
         prompt_backward_checkpoint_layers=args.prompt_backward_checkpoint_layers,
         replay_batch_tokens=args.replay_batch_tokens,
         gradient_mode=GradientMode.parse(args.gradient_mode).value,
-        prefix_sharing=args.prompt_prefix_sharing,
-        offload=args.offload_prompt_state,
+        prompt_prefix_sharing=args.prompt_prefix_sharing,
+        offload_prompt_state=args.offload_prompt_state,
     )

@@ -91,7 +91,9 @@ class PlanInputs:
                 f"gradient_mode must be 'response_only' or 'full', got {self.gradient_mode!r}"
             ) from None
         if self.offload_prompt_state not in (None, "cpu"):
-            raise LongStrawError(f"offload must be None or 'cpu', got {self.offload_prompt_state!r}")
+            raise LongStrawError(
+                f"offload_prompt_state must be None or 'cpu', got {self.offload_prompt_state!r}"
+            )
 
     @classmethod
     def of(cls, inputs: PlanInputs | None = None, **options: Any) -> PlanInputs:

@@ -65,9 +65,10 @@ class MemoryPlan:
     #: ``gradient_mode="full"`` with layer checkpointing: every attention layer's page attention over the segment
     #: (fp32 out and LSE), kept from its first forward for its recompute, which then does not attend to the pages again
     prompt_backward_page_parts: int = 0
-    #: ``offload="cpu"``: the part of the state kept in pinned host memory (the rest stays on the device)
+    #: ``offload_prompt_state="cpu"``: the part of the state kept in pinned host memory (the rest stays on the device)
     host_state: int = 0
-    #: ``offload="cpu"``: device bytes the running layer holds of its streamed-back state (the largest layer's)
+    #: ``offload_prompt_state="cpu"``: device bytes the running layer holds of its streamed-back state (the largest
+    #: layer's)
     offload_workspace: int = 0
     #: FSDP2 (``fsdp_size >= 1``): the gathered parameters a rank holds besides its shard: the root module's (embedding,
     #: final norm, head: FSDP2 keeps the root gathered from forward to backward) and two decoder layers' (the running
@@ -80,11 +81,11 @@ class MemoryPlan:
     #: FSDP2: the unsharded gradients the replays accumulate under ``no_sync`` (no reduce-scatter per response) until
     #: the optimizer step's last backward reduce-scatters them into the sharded :attr:`gradients`
     fsdp_unsharded_gradients: int = 0
-    #: ``gradient_mode="full"`` with ``offload="cpu"``: the part of :attr:`gradient_buffers` in host memory (the
-    #: offloaded pages' dK/dV buffers live beside the pages)
+    #: ``gradient_mode="full"`` with ``offload_prompt_state="cpu"``: the part of :attr:`gradient_buffers` in host
+    #: memory (the offloaded pages' dK/dV buffers live beside the pages)
     host_gradient_buffers: int = 0
-    #: ``gradient_mode="full"`` with ``offload="cpu"``: the part of :attr:`kept_boundaries` in host memory (all of
-    #: it: the kept states wait there until their segment is recomputed)
+    #: ``gradient_mode="full"`` with ``offload_prompt_state="cpu"``: the part of :attr:`kept_boundaries` in host
+    #: memory (all of it: the kept states wait there until their segment is recomputed)
     host_kept_boundaries: int = 0
     #: host memory this rank may pin for :attr:`host_bytes` (its share of the host's)
     host_memory: int = int(DEFAULT_HOST_MEMORY_GIB / DEFAULT_RANKS_PER_HOST * GiB)
@@ -97,7 +98,7 @@ class MemoryPlan:
 
     @property
     def device_state(self) -> int:
-        """The prompt state the device holds: all of it, less what ``offload="cpu"`` keeps on the host."""
+        """The prompt state the device holds: all of it, less what ``offload_prompt_state="cpu"`` keeps on the host."""
         return self.state - self.host_state
 
     @property

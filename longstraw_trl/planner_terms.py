@@ -143,9 +143,9 @@ def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 1
 def offload_bytes(
     config, prompt_tokens: int, cp_size: int = 1, page_size: int = 16384, dtype_bytes: int = 2
 ) -> tuple[int, int]:
-    """``(host bytes, device workspace)`` per rank with ``offload="cpu"``: the state of every offloadable layer
-    kind (``LayerState.offloadable``: K/V pages, MLA latent and indexer keys; GDN and window states stay on the
-    device) in host memory, and the most that one running layer streams back
+    """``(host bytes, device workspace)`` per rank with ``offload_prompt_state="cpu"``: the state of every
+    offloadable layer kind (``LayerState.offloadable``: K/V pages, MLA latent and indexer keys; GDN and window states
+    stay on the device) in host memory, and the most that one running layer streams back
     (``LayerState.planned_offload_workspace``)."""
     resident, on_rank = _tokens(prompt_tokens, cp_size, page_size)
     host = workspace = 0
@@ -175,14 +175,14 @@ def full_gradient_bytes(
     page_size: int = 16384,
     dtype_bytes: int = 2,
     chunk_size: int = 8192,
-    offload: str | None = None,
+    offload_prompt_state: str | None = None,
 ) -> tuple[int, int, int, int, int]:
     """``(gradient buffers, kept boundary states, page-gradient workspace, host gradient buffers, host kept
     boundary states)`` per rank for ``gradient_mode="full"``: a ``"buffer"`` kind (K/V pages) accumulates fp32
-    dK/dV of its own size (beside its pages: in host memory when ``offload="cpu"`` offloads the kind), and one
-    layer's dK/dV are computed in fp32 on the device at a time; a ``"leaf"`` kind (GDN) keeps a gradient of its
-    size on the device and a copy of the state at every capture-chunk boundary (in host memory with
-    ``offload="cpu"``). The first two include the host parts. Raises
+    dK/dV of its own size (beside its pages: in host memory when ``offload_prompt_state="cpu"`` offloads the
+    kind), and one layer's dK/dV are computed in fp32 on the device at a time; a ``"leaf"`` kind (GDN) keeps a
+    gradient of its size on the device and a copy of the state at every capture-chunk boundary (in host memory with
+    ``offload_prompt_state="cpu"``). The first two include the host parts. Raises
     :class:`~longstraw_trl.errors.UnsupportedModelError` for a layer kind without a full gradient."""
     resident, on_rank = _tokens(prompt_tokens, cp_size, page_size)
     boundaries = _boundaries(resident, chunk_size)
@@ -193,7 +193,7 @@ def full_gradient_bytes(
             fp32 = cls.planned_grad_bytes(config, i, on_rank if cls.sharded else resident, dtype_bytes)
             buffers += fp32
             workspace = max(workspace, fp32)
-            if offload == "cpu" and cls.offloadable:
+            if offload_prompt_state == "cpu" and cls.offloadable:
                 host_buffers += fp32
         elif cls.grad_kind == "leaf":
             buffers += n
@@ -202,7 +202,7 @@ def full_gradient_bytes(
             raise UnsupportedModelError(
                 f"gradient_mode='full' has no full gradient for the {cls.__name__} of layer {i} ({config.model_type})"
             )
-    return buffers, kept, workspace, host_buffers, kept if offload == "cpu" else 0
+    return buffers, kept, workspace, host_buffers, kept if offload_prompt_state == "cpu" else 0
 
 
 def shared_prefix_boundary_bytes(

@@ -149,7 +149,7 @@ def plan_step(
     config,
     prompt_tokens: int,
     inputs: PlanInputs,
-    offload: str | None = "auto",
+    offload_prompt_state: str | None = "auto",
     vary_prompt: bool = True,
     vary_response: bool = False,
 ) -> PreflightDecision:
@@ -160,8 +160,8 @@ def plan_step(
         prompt_tokens: the prompt tokens the step holds.
         inputs: the step's other plan inputs; ``gpu_memory_gib`` is the GPU memory the step may use and
             ``host_memory_gib`` the host memory a rank may pin (its ``offload_prompt_state`` is replaced).
-        offload: ``"auto"`` (on the device where that fits, else in host memory where that fits), ``None`` or
-            ``"cpu"`` (planned as given).
+        offload_prompt_state: ``"auto"`` (on the device where that fits, else in host memory where that fits),
+            ``None`` or ``"cpu"`` (planned as given).
         vary_prompt: when nothing fits, also suggest a shorter prompt.
         vary_response: when nothing fits, also suggest a shorter response (``max_completion_length``).
 
@@ -170,23 +170,28 @@ def plan_step(
         ``suggestions`` are the changes that would (:func:`~longstraw_trl.planner_suggestions.suggest_changes`,
         plus a shorter response with ``vary_response``).
     """
-    if offload not in ("auto", None, "cpu"):
-        raise LongStrawError(f"offload must be 'auto', None or 'cpu', got {offload!r}")
+    if offload_prompt_state not in ("auto", None, "cpu"):
+        raise LongStrawError(
+            f"offload_prompt_state must be 'auto', None or 'cpu', got {offload_prompt_state!r}"
+        )
     resident = offloaded = None
-    if offload == "auto":
+    if offload_prompt_state == "auto":
         resident = plan_memory(config, prompt_tokens, inputs, offload_prompt_state=None)
         offloaded = plan_memory(config, prompt_tokens, inputs, offload_prompt_state="cpu")
         chosen, plan = (None, resident) if resident.fits or not offloaded.fits else ("cpu", offloaded)
     else:
-        chosen, plan = offload, plan_memory(config, prompt_tokens, inputs, offload_prompt_state=offload)
-    decision = PreflightDecision(offload, chosen, plan, prompt_tokens, inputs, resident, offloaded)
+        chosen = offload_prompt_state
+        plan = plan_memory(config, prompt_tokens, inputs, offload_prompt_state=chosen)
+    decision = PreflightDecision(
+        offload_prompt_state, chosen, plan, prompt_tokens, inputs, resident, offloaded
+    )
     if plan.fits:
         return decision
     as_planned = PlanInputs.of(inputs, offload_prompt_state=chosen)
     decision.suggestions = suggest_changes(config, prompt_tokens, as_planned, vary_prompt=vary_prompt)
     if vary_response:
         shorter = _shorter_response(
-            config, prompt_tokens, as_planned, [chosen, "cpu"] if offload == "auto" else [chosen]
+            config, prompt_tokens, as_planned, [chosen, "cpu"] if offload_prompt_state == "auto" else [chosen]
         )
         if shorter is not None:
             decision.suggestions.append(shorter)
@@ -337,7 +342,7 @@ class StepPreflight:
         """The planner's inputs of this trainer's step: its config's options, the model's dtype and adapters, the
         budget and this rank's share of the host's available memory."""
         options = plan_options(self.args)
-        options.pop("offload")
+        options.pop("offload_prompt_state")
         options["num_generations"] = num_generations
         lora_rank, adapter_bytes = _adapters(self.model)
         host = host_memory_available()

@@ -131,7 +131,7 @@ class PromptStateManager:
                 prompt_ids,
                 chunk_size=self.options.capture_chunk_size,
                 page_size=self.options.page_size,
-                offload=self.options.offload_prompt_state,
+                offload_prompt_state=self.options.offload_prompt_state,
                 cp_group=self.options.cp_group,
                 # sharing: the boundaries are where a later prompt may branch off this one's fixed-size states
                 keep_boundaries=self.options.keep_boundaries and role == "policy",

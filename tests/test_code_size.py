@@ -24,11 +24,14 @@ def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     return [
         f"{node.name} ({node.end_lineno - node.lineno + 1})"
         for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > limit
     ]
 
 
-@pytest.mark.parametrize("path", _sources("longstraw_trl", "model_patches"), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path", _sources("longstraw_trl", "model_patches"), ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_functions_are_short(path):
     assert long_functions(path) == []
 

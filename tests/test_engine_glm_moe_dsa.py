@@ -290,7 +290,7 @@ def test_offloaded_state_of_three_pages_equals_resident(monkeypatch):
     prompt = torch.randint(0, VOCAB, (25,), generator=gen)  # 24 resident tokens: 3 pages of 8
     ids, mask = padded_completions([7, 5], gen)
     resident = capture_prompt(model, prompt, chunk_size=16, page_size=8)
-    offloaded = capture_prompt(model, prompt, chunk_size=16, page_size=8, offload="cpu")
+    offloaded = capture_prompt(model, prompt, chunk_size=16, page_size=8, offload_prompt_state="cpu")
     layer = offloaded.layers[0]
     assert layer.offloaded and len(list(layer.stream(torch.device("cpu")))) == 3
     assert offloaded.nbytes_by_kind() == resident.nbytes_by_kind()
@@ -346,7 +346,7 @@ def test_offloaded_decode_gathers_on_the_device_without_a_host_sync(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, VOCAB, (25,), generator=gen)
     resident = capture_prompt(model, prompt, chunk_size=16, page_size=8)
-    offloaded = capture_prompt(model, prompt, chunk_size=16, page_size=8, offload="cpu")
+    offloaded = capture_prompt(model, prompt, chunk_size=16, page_size=8, offload_prompt_state="cpu")
     cpu = torch.device("cpu")
     assert all(layer.decode_streams(cpu) for layer in offloaded.layers.values())  # no kernel on the CPU
     assert not any(layer.decode_streams(cpu) for layer in resident.layers.values())

@@ -68,7 +68,7 @@ def test_offload_cpu_streams_pages_and_gives_same_logprobs():
     prompt = torch.randint(0, VOCAB, (19,))
     comps = torch.randint(0, VOCAB, (2, 5))
     a = capture_prompt(model, prompt, chunk_size=8, page_size=8)
-    b = capture_prompt(model, prompt, chunk_size=8, page_size=8, offload="cpu")
+    b = capture_prompt(model, prompt, chunk_size=8, page_size=8, offload_prompt_state="cpu")
     dev = torch.device("cpu")
     resident = [blk for layer in a.layers.values() for blk in layer.stream(dev)]
     streamed = [blk for layer in b.layers.values() for blk in layer.stream(dev)]
@@ -81,7 +81,7 @@ def test_offload_cpu_streams_pages_and_gives_same_logprobs():
         streamed_bytes() - before == b.nbytes()
     )  # one pass over every offloaded page, counted; none resident
     with pytest.raises(ValueError, match="offload"):
-        capture_prompt(model, prompt, offload="disk")
+        capture_prompt(model, prompt, offload_prompt_state="disk")
 
 
 @pytest.mark.gpu
@@ -91,7 +91,7 @@ def test_offload_on_cuda_keeps_pages_on_the_host():
     prompt = torch.randint(0, VOCAB, (40,)).cuda()
     comps = torch.randint(0, VOCAB, (2, 5)).cuda()
     a = capture_prompt(model, prompt, chunk_size=16, page_size=8)
-    b = capture_prompt(model, prompt, chunk_size=16, page_size=8, offload="cpu")
+    b = capture_prompt(model, prompt, chunk_size=16, page_size=8, offload_prompt_state="cpu")
     for layer in b.layers.values():
         for k, v, _ in layer.segments:
             assert k.device.type == "cpu" and k.is_pinned() and v.is_pinned()

@@ -193,7 +193,7 @@ def test_offloaded_state_keeps_mamba2_on_the_device_and_scores_the_same():
     model = build_nemotron_h()
     prompt, comps, _ = _data(prompt_len=83)
     resident = capture_prompt(model, prompt, chunk_size=30, page_size=16)
-    offloaded = capture_prompt(model, prompt, chunk_size=30, page_size=16, offload="cpu")
+    offloaded = capture_prompt(model, prompt, chunk_size=30, page_size=16, offload_prompt_state="cpu")
     assert not Mamba2State.offloadable
     assert (
         replay_logprobs(offloaded, model, comps) - replay_logprobs(resident, model, comps)

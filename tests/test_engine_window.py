@@ -164,7 +164,7 @@ def test_offload_equals_resident(family):
     prompt = torch.randint(0, VOCAB, (40,))
     comps = torch.randint(0, VOCAB, (2, 12))
     a = capture_prompt(model, prompt, chunk_size=8, page_size=8)
-    b = capture_prompt(model, prompt, chunk_size=8, page_size=8, offload="cpu")
+    b = capture_prompt(model, prompt, chunk_size=8, page_size=8, offload_prompt_state="cpu")
     assert (replay_logprobs(a, model, comps) - replay_logprobs(b, model, comps)).abs().max() <= 1e-5
     streamed = {
         i: [k.shape[1] for k, _ in layer.stream(torch.device("cpu"))] for i, layer in b.layers.items()

@@ -68,7 +68,9 @@ def test_prompt_backward_gives_the_stock_full_sequence_gradient(family, variant)
         model = with_lora(model, [t for t in LORA_TARGETS if family == "qwen3_5" or "proj_" not in t])
     prompt, comps, weights = _data()
     ref = stock_full_grads(model, prompt, comps, weights)
-    got = engine_full_grads(model, prompt, comps, weights, offload="cpu" if variant == "offload" else None)
+    got = engine_full_grads(
+        model, prompt, comps, weights, offload_prompt_state="cpu" if variant == "offload" else None
+    )
     assert_grads_close(got, ref)
 
 
@@ -186,7 +188,9 @@ def test_reverse_block_replay_with_lora_and_offload():
     model = with_lora(_model("qwen3_5"), LORA_TARGETS)
     prompt, comps, weights = _data()
     ref = stock_full_grads(model, prompt, comps, weights)
-    assert_grads_close(engine_full_grads(model, prompt, comps, weights, block_size=3, offload="cpu"), ref)
+    assert_grads_close(
+        engine_full_grads(model, prompt, comps, weights, block_size=3, offload_prompt_state="cpu"), ref
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -380,7 +384,9 @@ def test_full_gradient_on_cuda_bf16(family, offload, monkeypatch):
     ref = stock_full_grads(model, prompt, comps, weights)
     monkeypatch.undo()
     model = model.cuda().to(torch.bfloat16)
-    got = engine_full_grads(model, prompt.cuda(), comps.cuda(), weights.cuda(), block_size=4, offload=offload)
+    got = engine_full_grads(
+        model, prompt.cuda(), comps.cuda(), weights.cuda(), block_size=4, offload_prompt_state=offload
+    )
     for name, g in ref.items():
         rel = ((got[name].float().cpu() - g).norm() / g.norm().clamp_min(1e-12)).item()
         assert rel <= 5e-2, f"{name}: relative L2 {rel:.2e}"

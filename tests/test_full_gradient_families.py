@@ -88,7 +88,7 @@ ENGINE_CASES = {
     "glm_moe_dsa": dict(prompt_path="model.layers.1.self_attn.kv_a_proj_with_mqa.weight"),
     # offloaded latent pages: the prompt part reads them whole (its rows index them), the buffers live on the host
     "glm_moe_dsa-offload": dict(
-        offload="cpu", prompt_path="model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+        offload_prompt_state="cpu", prompt_path="model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
     ),
 }
 
@@ -233,13 +233,13 @@ def test_full_gradient_on_cuda_bf16(family, offload):
     ref = stock_full_grads(model, prompt, comps, weights)
     cuda = (prompt.cuda(), comps.cuda(), weights.cuda())
     fp32 = copy.deepcopy(model).cuda()
-    got = engine_full_grads(fp32, *cuda, block_size=4, offload=offload)
+    got = engine_full_grads(fp32, *cuda, block_size=4, offload_prompt_state=offload)
     for name, g in ref.items():
         rel = _rel(got[name].float().cpu(), g)
         assert rel <= 1e-4, f"fp32 {name}: relative L2 {rel:.2e}"
     bf16 = model.cuda().to(torch.bfloat16)
     stock = stock_full_grads(copy.deepcopy(bf16), *cuda)
-    got = engine_full_grads(bf16, *cuda, block_size=4, offload=offload)
+    got = engine_full_grads(bf16, *cuda, block_size=4, offload_prompt_state=offload)
     for name, g in ref.items():
         rel, stock_rel = _rel(got[name].float().cpu(), g), _rel(stock[name].float().cpu(), g)
         assert rel <= max(0.1, 2 * stock_rel), (

@@ -1,6 +1,6 @@
 """The planner's full-gradient memory (``longstraw plan --gradient-mode full [--offload cpu]``) against the tensors a
 capture and a replay really hold (tiny Qwen3.5 hybrid, fp32 on CPU): the dK/dV buffers beside the K/V pages, the GDN
-states kept at every capture-chunk boundary, and, with ``offload="cpu"``, which of them the host holds."""
+states kept at every capture-chunk boundary, and, with ``offload_prompt_state="cpu"``, which of them the host holds."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _measured(model, offload):
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, VOCAB, (PROMPT,), generator=gen)
     state = capture_prompt(
-        model, prompt, chunk_size=CHUNK, page_size=PAGE, keep_boundaries=True, offload=offload
+        model, prompt, chunk_size=CHUNK, page_size=PAGE, keep_boundaries=True, offload_prompt_state=offload
     )
     grads = StateGrads(state)
     completion = torch.randint(0, VOCAB, (1, 5), generator=gen)
@@ -59,7 +59,7 @@ def test_full_gradient_plan_counts_the_buffers_and_kept_states_where_they_live()
         dtype_bytes=2,
     )
     qwen = preset_config("qwen3.6-27b", 8)
-    resident, off = (plan_memory(qwen, **kwargs, offload=o) for o in (None, "cpu"))
+    resident, off = (plan_memory(qwen, **kwargs, offload_prompt_state=o) for o in (None, "cpu"))
     assert off.host_kept_boundaries == off.kept_boundaries == resident.kept_boundaries > 0
     assert 0 < off.host_gradient_buffers < off.gradient_buffers  # the pages' dK/dV; the GDN leaves stay
     moved = off.host_gradient_buffers + off.host_kept_boundaries
@@ -78,8 +78,8 @@ def test_full_gradient_plan_counts_the_buffers_and_kept_states_where_they_live()
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_offloaded_kept_states_wait_in_host_memory_on_cuda():
-    """On a GPU with ``offload="cpu"`` the kept GDN boundary states are pinned host tensors, and the prompt backward
-    (which brings each back to the device) gives the gradient of a resident capture."""
+    """On a GPU with ``offload_prompt_state="cpu"`` the kept GDN boundary states are pinned host tensors, and the
+    prompt backward (which brings each back to the device) gives the gradient of a resident capture."""
     from _reference import param_grads
 
     from longstraw_trl.engine import prompt_backward

@@ -317,7 +317,7 @@ def test_glm_on_cuda_kernel_torch_path_offload_and_cuda_graph_decode(monkeypatch
         torch_lp = replay_logprobs(capture_prompt(model, prompt, chunk_size=128, page_size=64), model, ids)
     assert (kernel_lp - torch_lp).abs().max() <= 2e-2, (kernel_lp - torch_lp).abs().max()
 
-    offloaded = capture_prompt(model, prompt, chunk_size=128, page_size=64, offload="cpu")
+    offloaded = capture_prompt(model, prompt, chunk_size=128, page_size=64, offload_prompt_state="cpu")
     assert offloaded.layers[0].segments[0][0].is_pinned()
     assert torch.equal(replay_logprobs(offloaded, model, ids), kernel_lp)
     grads = []

@@ -82,7 +82,11 @@ def test_loss_options_from_config(tmp_path):
 def test_plan_options_follow_the_config(tmp_path):
     config = _config(tmp_path, gradient_mode="full", offload_prompt_state="cpu", prompt_prefix_sharing=True)
     plan = plan_options(config)
-    assert plan["gradient_mode"] == "full" and plan["offload"] == "cpu" and plan["prefix_sharing"] is True
+    assert (
+        plan["gradient_mode"] == "full"
+        and plan["offload_prompt_state"] == "cpu"
+        and plan["prompt_prefix_sharing"] is True
+    )
     assert plan["capture_chunk_size"] == config.capture_chunk_size and plan["num_generations"] == 4
     # the replay's layers are recomputed under either checkpointing option
     namespace = SimpleNamespace(

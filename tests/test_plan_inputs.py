@@ -45,7 +45,11 @@ def test_refusals_name_the_option():
 def test_the_inputs_object_plans_as_the_keywords_do():
     config = preset_config("qwen3.6-27b", 8)
     keywords = dict(
-        lora_rank=64, gradient_mode="full", offload="cpu", checkpoint_layers=True, gpu_memory_gib=20
+        lora_rank=64,
+        gradient_mode="full",
+        offload_prompt_state="cpu",
+        checkpoint_layers=True,
+        gpu_memory_gib=20,
     )
     inputs = PlanInputs.of(**keywords)
     assert plan_memory(config, 1 << 18, inputs) == plan_memory(config, 1 << 18, **keywords)

@@ -281,7 +281,9 @@ def test_glm5_plan_that_does_not_fit_names_ep_and_offload():
     assert not plan.fits and ["--offload", "cpu"] in [s.args for s in suggestions]
     (offload,) = [s for s in suggestions if s.args == ["--offload", "cpu"]]
     assert offload.host_bytes == plan.state  # all of GLM-5's state is offloadable
-    assert plan_memory(config, 1 << 22, lora_rank=64, gpu_memory_gib=39.4, ep_size=8, offload="cpu").fits
+    assert plan_memory(
+        config, 1 << 22, lora_rank=64, gpu_memory_gib=39.4, ep_size=8, offload_prompt_state="cpu"
+    ).fits
     text = format_suggestions(suggestions, plan.gpu_bytes)
     line = next(x for x in text.splitlines() if x.strip().startswith("--offload cpu "))
     assert line.endswith(
@@ -290,12 +292,12 @@ def test_glm5_plan_that_does_not_fit_names_ep_and_offload():
 
 
 def test_offload_moves_the_state_to_the_host_and_keeps_the_running_layers_pages():
-    """`offload="cpu"`: the host holds each offloadable kind's bytes (K/V pages; GDN states stay on the device),
-    both peaks lose them and gain the running layer's streamed-back bytes: two pages of a K/V layer, a GLM-5
+    """`offload_prompt_state="cpu"`: the host holds each offloadable kind's bytes (K/V pages; GDN states stay on the
+    device), both peaks lose them and gain the running layer's streamed-back bytes: two pages of a K/V layer, a GLM-5
     layer's latent twice (its pages and the table they are joined into)."""
     page = 16384
     qwen = preset_config("qwen3.6-27b", 8)
-    resident, off = (plan_memory(qwen, 1 << 20, lora_rank=64, offload=o) for o in (None, "cpu"))
+    resident, off = (plan_memory(qwen, 1 << 20, lora_rank=64, offload_prompt_state=o) for o in (None, "cpu"))
     assert (
         off.host_state == resident.state_by_kind["kv"] and off.device_state == resident.state_by_kind["gdn"]
     )
@@ -305,11 +307,11 @@ def test_offload_moves_the_state_to_the_host_and_keeps_the_running_layers_pages(
     assert resident.capture_peak - off.capture_peak == off.host_state - two_pages
     assert resident.replay_peak - off.replay_peak == off.host_state - two_pages
     glm = preset_config("glm-5", 3)
-    off = plan_memory(glm, 1 << 20, lora_rank=64, offload="cpu")
+    off = plan_memory(glm, 1 << 20, lora_rank=64, offload_prompt_state="cpu")
     latent = (glm.kv_lora_rank + glm.qk_rope_head_dim) * 2 * ((1 << 20) - 1)
     assert off.host_state == off.state and off.device_state == 0 and off.offload_workspace == 2 * latent
     with pytest.raises(LongStrawError, match="offload"):
-        plan_memory(glm, 1 << 20, offload="nvme")
+        plan_memory(glm, 1 << 20, offload_prompt_state="nvme")
 
 
 def test_planned_host_bytes_are_what_the_glm_slice_registered():
@@ -321,7 +323,7 @@ def test_planned_host_bytes_are_what_the_glm_slice_registered():
     config = preset_config("glm-5", data["layers"])
     config.indexer_types = data["indexer_types"]
     p = host["prompt_tokens"]
-    plans = [plan_memory(config, p, lora_rank=64, offload=o) for o in (None, "cpu")]
+    plans = [plan_memory(config, p, lora_rank=64, offload_prompt_state=o) for o in (None, "cpu")]
     assert plans[1].host_state == host["registered_host_bytes"] == host["state_bytes_host"]
     saved_planned = (plans[0].capture_peak - plans[1].capture_peak) / GiB
     saved_measured = gpu["capture_peak_gib"] - host["capture_peak_gib"]
@@ -535,7 +537,7 @@ def test_a_full_gradient_plan_that_does_not_fit_names_a_smaller_capture_chunk():
         response_tokens=32,
         lora_rank=64,
         gradient_mode="full",
-        offload="cpu",
+        offload_prompt_state="cpu",
         checkpoint_layers=True,
         gpu_memory_gib=80,
         capture_chunk_size=16384,
@@ -643,7 +645,7 @@ def test_lora_adapters_are_planned_in_fp32_as_peft_keeps_them():
     data = json.loads((RESULTS[0].parent / name).read_text())
     step = data["longstraw"][0]
     assert step["gradient_mode"] == "response_only"
-    options = dict(checkpoint_layers=True, offload="cpu", gpu_memory_gib=80)
+    options = dict(checkpoint_layers=True, offload_prompt_state="cpu", gpu_memory_gib=80)
     plan = _plan_whole_model_run(data, step, **options)
     assert step["peak_gib"] <= plan.peak / GiB <= 1.03 * step["peak_gib"], plan.peak / GiB
     assert abs(plan.weights / GiB - step["allocated_at_train_begin_gib"]) <= 0.2

@@ -247,7 +247,7 @@ def test_kept_boundary_states_count_once_in_the_byte_budget():
     planned = shared_prefix_boundary_bytes(model.config, first.numel(), dtype_bytes=4, chunk_size=CHUNK)
     assert planned == sum(layer.nbytes() for layer in kept) > 0
     plan = plan_memory(
-        model.config, first.numel(), capture_chunk_size=CHUNK, dtype_bytes=4, prefix_sharing=True
+        model.config, first.numel(), capture_chunk_size=CHUNK, dtype_bytes=4, prompt_prefix_sharing=True
     )
     assert plan.kept_boundaries == planned
     # beyond the pinned branch, the first prompt costs only what the branch does not share

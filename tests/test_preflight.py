@@ -29,12 +29,12 @@ def _dataset(prompts=PROMPTS, n=2):
 
 @pytest.fixture
 def captures(monkeypatch):
-    """The `offload` of every capture the trainer starts, in order."""
+    """The `offload_prompt_state` of every capture the trainer starts, in order."""
     seen = []
     capture = manager_module.capture_prompt
 
     def recording(model, prompt_ids, **kwargs):
-        seen.append(kwargs.get("offload"))
+        seen.append(kwargs.get("offload_prompt_state"))
         return capture(model, prompt_ids, **kwargs)
 
     monkeypatch.setattr(manager_module, "capture_prompt", recording)
@@ -157,10 +157,12 @@ def test_plan_step_is_the_decision_longstraw_plan_prints():
     resident, offloaded = fits.resident.peak, fits.offloaded.peak
     between = PlanInputs.of(inputs, gpu_memory_gib=(resident + offloaded) / 2 / GiB)
     assert plan_step(config, 1000, between).offload_prompt_state == "cpu"
-    asked = plan_step(config, 1000, between, offload=None)  # an explicit choice is planned as given
+    asked = plan_step(
+        config, 1000, between, offload_prompt_state=None
+    )  # an explicit choice is planned as given
     assert asked.offload_prompt_state is None and not asked.fits and asked.suggestions
-    with pytest.raises(ValueError, match="offload must be 'auto', None or 'cpu'"):
-        plan_step(config, 1000, inputs, offload="gpu")
+    with pytest.raises(ValueError, match="offload_prompt_state must be 'auto', None or 'cpu'"):
+        plan_step(config, 1000, inputs, offload_prompt_state="gpu")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
