@@ -92,13 +92,23 @@ def stock_choices():
     record: dict[int, torch.Tensor] = {}
     stocks = {cls: cls.forward for cls in (hf.GlmMoeDsaIndexer, ds.DeepseekV32Indexer)}
 
+    # the cache argument is `past_key_values` up to transformers 5.24, `cache` from 5.25: passed on as given
     def spy(
-        self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, past_key_values=None
+        self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, *cache, **kw_cache
     ):
         out = stocks[type(self)](
-            self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, past_key_values
+            self,
+            hidden_states,
+            q_resid,
+            position_embeddings,
+            attention_mask,
+            position_ids,
+            *cache,
+            **kw_cache,
         )
-        assert past_key_values is None, "run the stock forward with use_cache=False"
+        assert all(c is None for c in (*cache, *kw_cache.values())), (
+            "run the stock forward with use_cache=False"
+        )
         s = _hf_index_scores(self, hidden_states, q_resid, position_embeddings, attention_mask)
         top = s.topk(min(self.index_topk + 1, s.shape[-1]), dim=-1).values
         for i in range(self.index_topk, s.shape[-1]):  # queries that see more than topk keys
