@@ -120,16 +120,19 @@ def test_fsdp2_wraps_only_the_layer_classes_the_model_has():
     """Accelerate's transformer-based wrap policy takes the model's ``_no_split_modules``; Qwen3.5's text model lists
     the vision tower's block too, which Accelerate cannot find (the whole 27B under FSDP2 failed with it on an
     H100). The trainer names only the classes the model has; a user's own choice is kept."""
+    import accelerate
     from _models import build_hybrid
     from accelerate.utils import FullyShardedDataParallelPlugin
+    from packaging.version import Version
 
     from longstraw_trl.fsdp import fit_fsdp_wrap_classes
 
     model = build_hybrid("qwen3_5")
     assert "Qwen3_5VisionBlock" in model._no_split_modules
     stock = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
-    with pytest.raises(ValueError, match="Qwen3_5VisionBlock"):
-        stock.set_auto_wrap_policy(model)
+    if Version(accelerate.__version__) < Version("1.16"):  # 1.16 drops the classes a model lacks by itself
+        with pytest.raises(ValueError, match="Qwen3_5VisionBlock"):
+            stock.set_auto_wrap_policy(model)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
     assert fit_fsdp_wrap_classes(plugin, model) == ["Qwen3_5VisionBlock"]
     assert plugin.transformer_cls_names_to_wrap == ["Qwen3_5DecoderLayer"]
