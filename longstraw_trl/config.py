@@ -344,7 +344,7 @@ class LongStrawGRPOConfig(GRPOConfig):
     compile_ahead: bool = field(
         default=True,
         metadata={
-            "help": "Compile this GPU's recorded Triton kernel specialisations (kernels/compile_manifest) in worker "
+            "help": "Compile this GPU's recorded Triton kernel specialisations (kernels/runtime/compile_manifest) in worker "
             "processes while the trainer sets up, rather than one by one inside the first step."
         },
     )

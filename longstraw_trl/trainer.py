@@ -759,7 +759,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint plus the refresh policy's state and a record of the prompt states it leaves out
-        (`longstraw_trl.checkpoint`; README, "Checkpoints and resuming")."""
+        (`longstraw_trl.checkpoint`; docs/guide.md, "Checkpoints and resuming")."""
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(
