@@ -58,6 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--completion-tokens", type=int, default=16, help="R, max_completion_length")
     ap.add_argument("--learning-rate", type=float, default=5e-4, help="AdamW (LoRA), the demo's")
     ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument(
+        "--stock-rows-per-forward",
+        type=int,
+        default=2,
+        help="stock GRPOTrainer's per_device_train_batch_size (gradient accumulation makes up the step's rows): at "
+        "16K tokens its SDPA over 16 rows asks for 64 GiB",
+    )
     ap.add_argument("--temperature", type=float, default=0.5, help="sampling (see examples/_long_facts.py)")
     ap.add_argument(
         "--save-steps", type=int, default=5, help="a checkpoint every N steps (and at a budget stop)"
@@ -134,8 +141,10 @@ def run_check(state: State, model, tokenizer, args) -> None:
     dtypes = ("fp32", "bf16") if args.device == "cuda" else ("fp32",)
     rows = [logprob_check(model, tokenizer, args.check_length, d) for d in dtypes]
     for r in rows:
-        print(f"check P={r['prompt_tokens']} {r['dtype']}: max |dlogp| {r['max_abs_logprob_diff']:.2e} "
-              f"(bound {r['bound']:g}: {'ok' if r['within_bound'] else 'OVER'})", flush=True)  # fmt: skip
+        against = (f"; to fp32: ours {r['ours_vs_fp32']:.2e}, stock bf16 {r['stock_bf16_vs_fp32']:.2e}"
+                   if "ours_vs_fp32" in r else "")  # fmt: skip
+        print(f"check P={r['prompt_tokens']} {r['dtype']}: max |dlogp| to stock {r['max_abs_logprob_diff']:.2e}"
+              f"{against} (bound {r['bound']:g}: {'ok' if r['within_bound'] else 'OVER'})", flush=True)  # fmt: skip
     state.put("check", rows)
 
 
@@ -226,6 +235,8 @@ def run_extra(trainer, clock, peak: float, args) -> dict:
     window = max(1, min(5, len(rewards) // 4))
     return {**curves, "steps_done": trainer.state.global_step, "seconds_per_step": rt.step_summary(clock.steps),
             "step_phases": clock.steps, "peak_memory_gib": peak,
+            "rows_per_forward": trainer.args.per_device_train_batch_size,
+            "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
             "peak_memory_kind": "torch.cuda.max_memory_allocated" if args.device == "cuda" else "process peak RSS",
             "reward_first": statistics.fmean(rewards[:window]) if rewards else float("nan"),
             "reward_last": statistics.fmean(rewards[-window:]) if rewards else float("nan")}  # fmt: skip

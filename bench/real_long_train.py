@@ -154,6 +154,20 @@ def grpo_kwargs(opts, seed: int, run_dir: Path) -> dict:
     }
 
 
+def stock_batching(kwargs: dict, opts) -> dict:
+    """Stock GRPOTrainer's micro-batches: ``--stock-rows-per-forward`` rows a forward, accumulated to the step's rows
+    (the same generation batch and optimizer step as the LongStraw arms; DAPO normalises over the whole batch)."""
+    rows, micro = (
+        kwargs["per_device_train_batch_size"],
+        min(opts.stock_rows_per_forward, kwargs["per_device_train_batch_size"]),
+    )
+    if micro < 1 or rows % micro:
+        raise SystemExit(
+            f"--stock-rows-per-forward {opts.stock_rows_per_forward} must divide the step's {rows} rows"
+        )
+    return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": rows // micro}
+
+
 def build_trainer(
     arm: str, opts, model, tokenizer, rows: list[dict], seed: int, run_dir: Path, clock: PhaseClock
 ):
@@ -167,7 +181,7 @@ def build_trainer(
                   processing_class=tokenizer, peft_config=demo.lora_config(lora_args))  # fmt: skip
     kwargs = grpo_kwargs(opts, seed, run_dir)
     if arm == "stock":
-        trainer = GRPOTrainer(args=GRPOConfig(**kwargs), **common)
+        trainer = GRPOTrainer(args=GRPOConfig(**{**kwargs, **stock_batching(kwargs, opts)}), **common)
     else:
         config = LongStrawGRPOConfig(**kwargs, gradient_mode=arm, refresh_policy="recapture")
         trainer = LongStrawGRPOTrainer(args=config, **common)

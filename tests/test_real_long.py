@@ -23,7 +23,7 @@ from longstraw_trl.toy_tokenizer import build_toy_tokenizer  # noqa: E402
 TINY = ["--model", "tiny-gemma3", "--device", "cpu", "--threads", "1", "--prompt", "300", "--seeds", "0"]
 SMALL = ["--num-generations", "2", "--questions-per-step", "1", "--questions-per-doc", "2", "--completion-tokens", "4",
          "--eval-docs", "1", "--eval-questions", "2", "--cosine-lengths", "300", "--cosine-groups", "1",
-         "--cosine-tries", "1"]  # fmt: skip
+         "--cosine-tries", "1", "--stock-rows-per-forward", "1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,12 @@ def test_three_objectives_one_step_each_and_the_records(tmp_path, monkeypatch):
         assert run["heldout_after"]["questions"] == 2 and "accuracy_stderr" in run["heldout_after"]
         assert run["peak_memory_gib"] > 0 and run["lora"].startswith("r=16")
     assert "document_capture" in data["runs"][2]["step_phases"][0]  # LongStraw: the document captured once
+    # stock: one row a forward, accumulated to the step's two rows; LongStraw: the step's rows at once
+    assert [(r["rows_per_forward"], r["gradient_accumulation_steps"]) for r in data["runs"]] == [
+        (1, 2),
+        (2, 1),
+        (2, 1),
+    ]
     assert [s["arm"] for s in data["summary"]] == ["stock", "full", "response_only"]
     cosine = json.loads((tmp_path / "out" / "real_cosine_tiny-gemma3_cpu_P300-300.json").read_text())
     (row,) = cosine["rows"]
