@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .constants import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE
+from .constants import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, PREFIX_SHARING_MODES, PrefixSharing
 from .errors import LongStrawError, UnsupportedModelError
 from .planner import (
     DEFAULT_HOST_MEMORY_GIB,
@@ -124,10 +124,19 @@ def _add_step_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--prefix-sharing",
         dest="prompt_prefix_sharing",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="add the GDN / window states that prompt_prefix_sharing=True keeps at every "
-        "capture-chunk boundary",
+        nargs="?",
+        choices=list(PREFIX_SHARING_MODES),
+        const=PrefixSharing.ALL.value,
+        default=PrefixSharing.BATCH.value,
+        help="the trainer's prompt_prefix_sharing (default: batch); 'all' (the flag alone) adds the GDN / window "
+        "states it keeps at every capture-chunk boundary",
+    )
+    ap.add_argument(
+        "--no-prefix-sharing",
+        dest="prompt_prefix_sharing",
+        action="store_const",
+        const=PrefixSharing.OFF.value,
+        help="--prefix-sharing off",
     )
     ap.add_argument(
         "--replay-batch-tokens",

@@ -20,6 +20,7 @@ from .constants import (
     OFFLOAD_CHOICES,
     REFRESH_POLICIES,
     GradientMode,
+    PrefixSharing,
 )
 from .errors import LongStrawError
 
@@ -182,21 +183,29 @@ class LongStrawGRPOConfig(GRPOConfig):
             prompt whose prefix is cached (an agent's history grown by some turns) is extended from it instead of
             captured again; the least recently used states go first. The planner does not count these bytes: set 0
             when a plan is at the edge of the device's memory.
-        prompt_prefix_sharing (`bool`, *optional*, defaults to `False`):
-            Capture a common prefix of prompts once, whether or not one prompt is a whole prefix of the other (two
-            decision points of one trajectory whose last turn renders differently, sibling prompts of one history):
-            a generation batch's prompts through their prompt trie (each shared trunk captured once, its K/V pages
-            shared by the branches, no copy), later prompts from any cached state they share a prefix with. Policy
-            captures then keep the fixed-size layers' states (GDN, sliding windows) at every capture-chunk boundary,
-            so a later prompt that branches inside a chunk re-prefills at most that chunk (per boundary: the model's
-            GDN state bytes, e.g. 144 MiB for Qwen3.6-27B, counted in `prompt_cache_gib`; `longstraw plan
-            --prefix-sharing` adds them). A common prefix shorter
-            than `capture_chunk_size` is not shared (a chat template's system turn). `False` (the default): only a
-            prompt that extends a whole cached prompt reuses it, and nothing is kept at boundaries (unless
-            `gradient_mode="full"`). Off by default because of those kept states: about 9 GiB on the device for the
-            whole Qwen3.6-27B at 512K with 8K chunks, 18 GiB at 1M (they stay on the device with
-            `offload_prompt_state="cpu"`), which the 1M step on one H200 has no room for. Turn it on for agent
-            trajectories and sibling prompts; on models without GDN or window layers it costs nothing.
+        prompt_prefix_sharing (`str`, `bool` or [`PrefixSharing`], *optional*, defaults to `"batch"`):
+            Which common prefixes of prompts are captured once when neither prompt is a whole prefix of the other (two
+            decision points of one trajectory whose last turn renders differently, sibling prompts of one history);
+            a prompt that extends a whole cached prompt reuses its state whatever this says. Normalised to a
+            [`PrefixSharing`]:
+
+            - `"batch"`: a generation batch's prompts through their prompt trie: each trunk (a common prefix at
+              which the batch's prompts branch) is captured once as a prompt of its own, and the prompts extend it
+              (its K/V pages shared by the branches, no copy). A trunk ends where its branches part, so nothing is
+              kept at capture-chunk boundaries; a trunk holds one prompt's fixed-size layer states (GDN, sliding
+              windows) of its own while the batch uses it.
+            - `"all"` (or `True`): as `"batch"`, and a later prompt also branches off any cached state it shares a
+              prefix with. Policy captures then keep the fixed-size layers' states at every capture-chunk boundary,
+              so a prompt that branches inside a chunk re-prefills at most that chunk (per boundary: the model's GDN
+              state bytes, e.g. 144 MiB for Qwen3.6-27B, counted in `prompt_cache_gib`; `longstraw plan
+              --prefix-sharing all` adds them): about 9 GiB on the device for the whole Qwen3.6-27B at 512K with 8K
+              chunks, 18 GiB at 1M (they stay on the device with `offload_prompt_state="cpu"`), which the 1M step on
+              one H200 has no room for. For agent trajectories whose decision points arrive in different batches; on
+              models without GDN or window layers the kept states cost nothing.
+            - `"off"` (or `False`): no trunks; only whole cached prompts are extended.
+
+            A common prefix shorter than `capture_chunk_size` is not shared (a chat template's system turn). With
+            `gradient_mode="full"` the boundaries are kept whatever this says.
         graph_free_adapters_in_model_dtype (`bool`, *optional*, defaults to `True`):
             During the capture and generation (no autograd), run PEFT adapter weights (which PEFT keeps in fp32 beside a
             bf16 model) in the model's dtype: the fp32 GEMMs and casts of every adapted layer go (about a quarter of a
@@ -295,11 +304,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             "whose prefix is cached are extended from it instead of captured again."
         },
     )
-    prompt_prefix_sharing: bool = field(
-        default=False,
+    prompt_prefix_sharing: str = field(
+        default=PrefixSharing.BATCH.value,
         metadata={
-            "help": "Capture a common prefix of prompts once (a batch's prompt trie; later prompts branch off any "
-            "cached state): the GDN / window states are kept at every capture-chunk boundary for it."
+            "help": "Which common prefixes of prompts are captured once: 'batch' (the trunks at which a generation "
+            "batch's prompts branch), 'all' (also branches off any cached state: the GDN / window states are kept at "
+            "every capture-chunk boundary for it; True means 'all') or 'off' (False: whole cached prompts only)."
         },
     )
     graph_free_adapters_in_model_dtype: bool = field(
@@ -465,8 +475,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             )
 
     def _normalise(self) -> None:
-        """The spellings of "none" become `None`, `gradient_mode` a [`GradientMode`], `kernel_cache_dir="auto"` a
-        folder of `output_dir`."""
+        """The spellings of "none" become `None`, `gradient_mode` a [`GradientMode`], `prompt_prefix_sharing` a
+        [`PrefixSharing`] (`True`: `"all"`, `False`: `"off"`), `kernel_cache_dir="auto"` a folder of `output_dir`."""
         if self.offload_prompt_state in ("none", "None", ""):
             self.offload_prompt_state = None
         if self.kernel_cache_dir in ("none", "None", ""):
@@ -475,6 +485,7 @@ class LongStrawGRPOConfig(GRPOConfig):
             self.kernel_cache_dir = os.path.join(self.output_dir, KERNEL_CACHE_SUBDIR)
         try:
             self.gradient_mode = GradientMode.parse(self.gradient_mode)
+            self.prompt_prefix_sharing = PrefixSharing.parse(self.prompt_prefix_sharing)
         except ValueError as error:
             raise LongStrawError(str(error)) from None
 

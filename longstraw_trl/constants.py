@@ -81,6 +81,60 @@ GRADIENT_MODES = tuple(mode.value for mode in GradientMode)
 """`gradient_mode` values as users spell them."""
 
 
+class PrefixSharing(str, enum.Enum):
+    """Which common prefixes of prompts are captured once (`LongStrawGRPOConfig.prompt_prefix_sharing`).
+
+    `OFF`: only a prompt that extends a whole cached prompt reuses its state. `BATCH`: also the common prefixes at
+    which a generation batch's prompts branch (each trunk captured once as a prompt of its own, the prompts extend
+    it); nothing is kept at capture-chunk boundaries. `ALL`: also a later prompt branches off any cached state it
+    shares a prefix with, for which policy captures keep their fixed-size layers' states (GDN, sliding windows) at
+    every capture-chunk boundary. Truthy unless `OFF`.
+    """
+
+    OFF = "off"
+    BATCH = "batch"
+    ALL = "all"
+
+    @classmethod
+    def parse(cls, value: str | bool | PrefixSharing) -> PrefixSharing:
+        """The mode named by ``value``: ``"off"``, ``"batch"`` or ``"all"``; ``True`` (or ``"true"``) is ``"all"``,
+        ``False`` (or ``"false"``) is ``"off"``."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, bool):
+            return cls.ALL if value else cls.OFF
+        text = str(value).strip().lower()
+        text = {"true": cls.ALL.value, "false": cls.OFF.value}.get(text, text)
+        try:
+            return cls(text)
+        except ValueError:
+            names = ", ".join(repr(mode.value) for mode in cls)
+            raise ValueError(
+                f"prompt_prefix_sharing must be one of {names} (or True for 'all', False for 'off'), got {value!r}."
+            ) from None
+
+    @property
+    def batch_trunks(self) -> bool:
+        """Whether the common prefixes at which a generation batch's prompts branch are captured once."""
+        return self is not PrefixSharing.OFF
+
+    @property
+    def cached_branches(self) -> bool:
+        """Whether a prompt branches off any cached state it shares a prefix with (inside it, at a kept
+        capture-chunk boundary), which needs the fixed-size layers' states kept at every boundary."""
+        return self is PrefixSharing.ALL
+
+    def __bool__(self) -> bool:
+        return self is not PrefixSharing.OFF
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PREFIX_SHARING_MODES = tuple(mode.value for mode in PrefixSharing)
+"""`prompt_prefix_sharing` values as users spell them."""
+
+
 def cache_root() -> Path:
     """The cache root: ``$LONGSTRAW_CACHE``, else ``~/.cache/longstraw``."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "longstraw")

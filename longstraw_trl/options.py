@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .constants import GradientMode
+from .constants import GradientMode, PrefixSharing
 
-__all__ = ["CaptureOptions", "GradientMode", "LossOptions", "plan_options"]
+__all__ = ["CaptureOptions", "GradientMode", "LossOptions", "PrefixSharing", "plan_options"]
 
 
 def _gradient_mode(options: Any) -> None:
@@ -29,11 +29,11 @@ class CaptureOptions:
         capture_chunk_size: prompt tokens per prefill step (``None``: the engine's default).
         page_size: tokens per K/V page (``None``: the engine's default).
         offload_prompt_state: ``None`` or ``"cpu"`` (the state's offloadable tensors in pinned host memory).
-        prompt_prefix_sharing: capture a common prefix of prompts once and extend it, whether or not one prompt is a
-            whole prefix of the other: the prompts of a generation batch through their prompt trie (each trunk
-            captured once, forked at its branch points), later prompts from any cached state they share a prefix
-            with. Policy captures then keep their fixed-size layers' states (GDN, sliding windows) at every
-            capture-chunk boundary, where a later prompt can branch off.
+        prompt_prefix_sharing: which common prefixes of prompts are captured once (a :class:`PrefixSharing`; its
+            names and ``True`` / ``False`` are accepted): ``"batch"``, the prompts of a generation batch through
+            their prompt trie (each trunk captured once, the prompts extend it: :attr:`batch_trunks`); ``"all"``,
+            also later prompts from any cached state they share a prefix with, for which policy captures keep their
+            fixed-size layers' states (GDN, sliding windows) at every capture-chunk boundary; ``"off"``, neither.
         gradient_mode: :attr:`GradientMode.FULL` keeps what the prompt backward needs (policy captures only).
         cp_group: the context-parallel group the pages are spread over (``None``: one rank).
     """
@@ -41,18 +41,26 @@ class CaptureOptions:
     capture_chunk_size: int | None = None
     page_size: int | None = None
     offload_prompt_state: str | None = None
-    prompt_prefix_sharing: bool = False
+    prompt_prefix_sharing: PrefixSharing = PrefixSharing.BATCH
     gradient_mode: GradientMode = GradientMode.RESPONSE
     cp_group: object = None
 
     def __post_init__(self) -> None:
         _gradient_mode(self)
+        object.__setattr__(self, "prompt_prefix_sharing", PrefixSharing.parse(self.prompt_prefix_sharing))
+
+    @property
+    def batch_trunks(self) -> bool:
+        """Whether the common prefixes at which a generation batch's prompts branch are captured once (a trunk
+        ends at its branch point: its prompts extend it as a whole cached prompt, no boundary kept)."""
+        return self.prompt_prefix_sharing.batch_trunks
 
     @property
     def keep_boundaries(self) -> bool:
         """Whether a policy capture keeps the fixed-size layers' states at every chunk boundary: the full
-        gradient's prompt backward starts from them, and with prefix sharing a later prompt may branch there."""
-        return self.gradient_mode.full or self.prompt_prefix_sharing
+        gradient's prompt backward starts from them, and with ``prompt_prefix_sharing="all"`` a later prompt may
+        branch there."""
+        return self.gradient_mode.full or self.prompt_prefix_sharing.cached_branches
 
     @classmethod
     def from_config(cls, args: Any, cp_group: object = None) -> CaptureOptions:
@@ -142,6 +150,6 @@ def plan_options(args: Any) -> dict[str, Any]:
         prompt_backward_checkpoint_layers=args.prompt_backward_checkpoint_layers,
         replay_batch_tokens=args.replay_batch_tokens,
         gradient_mode=GradientMode.parse(args.gradient_mode).value,
-        prompt_prefix_sharing=args.prompt_prefix_sharing,
+        prompt_prefix_sharing=PrefixSharing.parse(args.prompt_prefix_sharing).value,
         offload_prompt_state=args.offload_prompt_state,
     )

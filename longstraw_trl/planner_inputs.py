@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .constants import GradientMode
+from .constants import GradientMode, PrefixSharing
 from .errors import LongStrawError
 from .options import plan_options
 
@@ -58,7 +58,8 @@ class PlanInputs:
             layers (``None``: as ``replay_checkpoint_layers``).
         gradient_mode: :attr:`GradientMode.RESPONSE` or :attr:`GradientMode.FULL` (their names accepted).
         offload_prompt_state: ``None`` or ``"cpu"`` (the offloadable state in pinned host memory).
-        prompt_prefix_sharing: the fixed-size layer states kept at every capture-chunk boundary.
+        prompt_prefix_sharing: a :class:`PrefixSharing` (its names, ``True`` for ``"all"`` and ``False`` for
+            ``"off"`` accepted): ``"all"`` keeps the fixed-size layer states at every capture-chunk boundary.
     """
 
     num_generations: int = 8
@@ -79,7 +80,7 @@ class PlanInputs:
     prompt_backward_checkpoint_layers: bool | None = None
     gradient_mode: GradientMode = GradientMode.RESPONSE
     offload_prompt_state: str | None = None
-    prompt_prefix_sharing: bool = False
+    prompt_prefix_sharing: PrefixSharing = PrefixSharing.BATCH
 
     def __post_init__(self) -> None:
         if self.fsdp_size < 0:
@@ -90,6 +91,10 @@ class PlanInputs:
             raise LongStrawError(
                 f"gradient_mode must be 'response_only' or 'full', got {self.gradient_mode!r}"
             ) from None
+        try:
+            object.__setattr__(self, "prompt_prefix_sharing", PrefixSharing.parse(self.prompt_prefix_sharing))
+        except ValueError as error:
+            raise LongStrawError(str(error)) from None
         if self.offload_prompt_state not in (None, "cpu"):
             raise LongStrawError(
                 f"offload_prompt_state must be None or 'cpu', got {self.offload_prompt_state!r}"

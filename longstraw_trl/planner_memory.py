@@ -23,6 +23,7 @@ from .model_patches.planned_bytes import attention_head_dim
 from .planner_inputs import DEFAULT_HOST_MEMORY_GIB, DEFAULT_RANKS_PER_HOST, GiB, PlanInputs
 from .planner_terms import (
     count_parameters,
+    fixed_state_bytes,
     fsdp_groups,
     fsdp_shard_elements,
     full_gradient_bytes,
@@ -54,7 +55,7 @@ class MemoryPlan:
     trainable_params: int = 0
     #: ``gradient_mode="full"``: fp32 dK/dV buffers of the pages plus the GDN leaf gradients (the state's size)
     gradient_buffers: int = 0
-    #: ``gradient_mode="full"`` or ``prefix_sharing``: the fixed-size states kept at every capture-chunk boundary
+    #: ``gradient_mode="full"`` or ``prefix_sharing="all"``: the fixed-size states kept at every capture-chunk boundary
     kept_boundaries: int = 0
     #: ``gradient_mode="full"``: one layer's pages' dK/dV in fp32 while a replay's backward computes them
     page_grad_workspace: int = 0
@@ -253,8 +254,10 @@ def plan_memory(config, prompt_tokens: int, inputs: PlanInputs | None = None, **
         plan.notes.append(_fsdp_note(o.fsdp_size))
     if o.gradient_mode.full:
         _add_full_gradient(plan, config, patch, prompt_tokens, o)
-    elif o.prompt_prefix_sharing:  # the full mode keeps the same states already
+    elif o.prompt_prefix_sharing.cached_branches:  # the full mode keeps the same states already
         _add_prefix_boundaries(plan, config, prompt_tokens, o)
+    if o.prompt_prefix_sharing.batch_trunks:
+        _note_trunks(plan, config, prompt_tokens, o)
     if o.offload_prompt_state == "cpu":
         _add_offload(plan, config, prompt_tokens, o)
     plan.notes += _closing_notes(config, o)
@@ -376,11 +379,24 @@ def _add_full_gradient(
 
 
 def _add_prefix_boundaries(plan: MemoryPlan, config, prompt_tokens: int, o: PlanInputs) -> None:
-    """``prompt_prefix_sharing``: the fixed-size layer states kept at every capture-chunk boundary."""
+    """``prompt_prefix_sharing="all"``: the fixed-size layer states kept at every capture-chunk boundary."""
     plan.kept_boundaries = shared_prefix_boundary_bytes(
         config, prompt_tokens, o.dtype_bytes, o.capture_chunk_size
     )
-    plan.notes.append("prompt_prefix_sharing: fixed-size layer states kept at every capture-chunk boundary")
+    plan.notes.append(
+        "prompt_prefix_sharing='all': fixed-size layer states kept at every capture-chunk boundary"
+    )
+
+
+def _note_trunks(plan: MemoryPlan, config, prompt_tokens: int, o: PlanInputs) -> None:
+    """``prompt_prefix_sharing`` ``"batch"`` / ``"all"``: a trunk of the batch's prompt trie holds one prompt's
+    fixed-size layer states of its own (its K/V pages are the branches' prefix views); not counted."""
+    fixed = fixed_state_bytes(config, prompt_tokens, o.dtype_bytes)
+    if fixed:
+        plan.notes.append(
+            f"prompt_prefix_sharing={o.prompt_prefix_sharing.value!r}: each trunk shared by a batch's prompts "
+            f"holds up to {fixed / 2**20:.0f} MiB of GDN / window states of its own (not counted)"
+        )
 
 
 def _add_offload(plan: MemoryPlan, config, prompt_tokens: int, o: PlanInputs) -> None:

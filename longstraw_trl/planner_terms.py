@@ -205,14 +205,21 @@ def full_gradient_bytes(
     return buffers, kept, workspace, host_buffers, kept if offload_prompt_state == "cpu" else 0
 
 
+def fixed_state_bytes(config, prompt_tokens: int, dtype_bytes: int = 2) -> int:
+    """The fixed-size layer states (GDN, sliding windows) of one prompt's state: what a trunk that
+    ``prompt_prefix_sharing`` captures holds of its own (its K/V pages are the branches' prefix views)."""
+    resident = max(prompt_tokens - 1, 0)
+    return sum(
+        cls.planned_bytes(config, i, resident, dtype_bytes)
+        for i, cls in _state_types(config)
+        if not cls.sharded
+    )
+
+
 def shared_prefix_boundary_bytes(
     config, prompt_tokens: int, dtype_bytes: int = 2, chunk_size: int = 8192
 ) -> int:
-    """``prompt_prefix_sharing=True``: the fixed-size layer states (GDN, sliding windows) a policy capture keeps at
+    """``prompt_prefix_sharing="all"``: the fixed-size layer states (GDN, sliding windows) a policy capture keeps at
     every capture-chunk boundary, where a later prompt may branch off (growing kinds give a prefix view instead)."""
     resident = max(prompt_tokens - 1, 0)
-    fixed = 0
-    for i, cls in _state_types(config):
-        if not cls.sharded:
-            fixed += cls.planned_bytes(config, i, resident, dtype_bytes)
-    return _boundaries(resident, chunk_size) * fixed
+    return _boundaries(resident, chunk_size) * fixed_state_bytes(config, prompt_tokens, dtype_bytes)

@@ -106,7 +106,7 @@ class PromptStateManager:
             self.extend,
             refresh_policy,
             cache_bytes,
-            prompt_prefix_sharing=options.prompt_prefix_sharing,
+            prompt_prefix_sharing=options.prompt_prefix_sharing.cached_branches,
             min_branch_tokens=self.min_branch_tokens,
         )
         self.batch_groups: list[str] | None = None
@@ -231,7 +231,7 @@ class PromptStateManager:
         groups = self.group_rows(prompt_ids, num_generations)
         keys = [prompt_key(ids) for ids in groups]
         trunks = []
-        if self.options.prompt_prefix_sharing:  # the common prefixes at which this batch's prompts branch
+        if self.options.batch_trunks:  # the common prefixes at which this batch's prompts branch
             prompts = [torch.as_tensor(ids).reshape(-1).cpu() for ids in groups]
             trunks = branch_prefixes(prompts, min_tokens=self.min_branch_tokens)
         trunk_keys = [prompt_key(ids) for ids in trunks]

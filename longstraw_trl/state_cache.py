@@ -125,7 +125,7 @@ class PromptStateCache:
         max_bytes: bytes of state kept beyond the pinned ones (``None``: no limit).
         min_reuse_tokens: shortest prefix worth extending (shorter ones are captured again).
         prompt_prefix_sharing: extend from any common prefix with a cached prompt (``False``: only from a cached prompt
-            that is a whole prefix of the new one).
+            that is a whole prefix of the new one); the trainer's ``prompt_prefix_sharing="all"``.
         min_branch_tokens: shortest common prefix worth branching off (a whole cached prefix needs only
             ``min_reuse_tokens``): a short one, e.g. a chat template's system turn, would tie the new state to an
             older one (its age, a second K/V segment) to save less than a chunk of prefill.

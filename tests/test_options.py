@@ -45,10 +45,12 @@ def test_capture_options_from_config_use_the_config_names(tmp_path):
         if field.name != "cp_group":  # the trainer's, not the config's
             assert getattr(capture, field.name) == getattr(config, field.name), field.name
     assert capture.cp_group is group and capture.keep_boundaries
-    # the boundaries: kept for the full gradient, or for prefix sharing, not otherwise
+    # the boundaries: kept for the full gradient, or for prefix sharing across batches ("all", True), not otherwise
     assert CaptureOptions(gradient_mode="full").keep_boundaries
     assert CaptureOptions(prompt_prefix_sharing=True).keep_boundaries
-    assert not CaptureOptions().keep_boundaries
+    assert CaptureOptions(prompt_prefix_sharing="all").keep_boundaries
+    assert not CaptureOptions().keep_boundaries and CaptureOptions().batch_trunks
+    assert not CaptureOptions(prompt_prefix_sharing=False).batch_trunks
     # one default across layers: the config's
     defaults = _config(tmp_path)
     assert CaptureOptions().prompt_prefix_sharing == defaults.prompt_prefix_sharing
@@ -85,7 +87,7 @@ def test_plan_options_follow_the_config(tmp_path):
     assert (
         plan["gradient_mode"] == "full"
         and plan["offload_prompt_state"] == "cpu"
-        and plan["prompt_prefix_sharing"] is True
+        and plan["prompt_prefix_sharing"] == "all"
     )
     assert plan["capture_chunk_size"] == config.capture_chunk_size and plan["num_generations"] == 4
     # the replay's layers are recomputed under either checkpointing option

@@ -40,6 +40,8 @@ def test_refusals_name_the_option():
     with pytest.raises(LongStrawError, match="fsdp_size"):
         PlanInputs(fsdp_size=-1)
     assert PlanInputs(gradient_mode="full").gradient_mode is GradientMode.FULL
+    with pytest.raises(LongStrawError, match="prompt_prefix_sharing must be one of 'off', 'batch', 'all'"):
+        PlanInputs(prompt_prefix_sharing="sometimes")
 
 
 def test_the_inputs_object_plans_as_the_keywords_do():
@@ -84,6 +86,7 @@ def test_from_config_reads_the_configs_names():
         prompt_backward_checkpoint_layers=False,
         replay_batch_tokens=1024,
         gradient_mode="full",
+        prompt_prefix_sharing="off",
         offload_prompt_state="cpu",
         lora_rank=16,
     )
