@@ -65,6 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="stock GRPOTrainer's per_device_train_batch_size (gradient accumulation makes up the step's rows): at "
         "16K tokens its SDPA over 16 rows asks for 64 GiB",
     )
+    ap.add_argument(
+        "--stock-prefill-chunk",
+        type=int,
+        default=2048,
+        help="stock GRPOTrainer's generation prefill chunk (transformers' prefill_chunk_size; 0: the whole prompt)",
+    )
     ap.add_argument("--temperature", type=float, default=0.5, help="sampling (see examples/_long_facts.py)")
     ap.add_argument(
         "--save-steps", type=int, default=5, help="a checkpoint every N steps (and at a budget stop)"
@@ -237,6 +243,7 @@ def run_extra(trainer, clock, peak: float, args) -> dict:
             "step_phases": clock.steps, "peak_memory_gib": peak,
             "rows_per_forward": trainer.args.per_device_train_batch_size,
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+            "generation_kwargs": trainer.args.generation_kwargs,
             "peak_memory_kind": "torch.cuda.max_memory_allocated" if args.device == "cuda" else "process peak RSS",
             "reward_first": statistics.fmean(rewards[:window]) if rewards else float("nan"),
             "reward_last": statistics.fmean(rewards[-window:]) if rewards else float("nan")}  # fmt: skip

@@ -155,17 +155,19 @@ def grpo_kwargs(opts, seed: int, run_dir: Path) -> dict:
 
 
 def stock_batching(kwargs: dict, opts) -> dict:
-    """Stock GRPOTrainer's micro-batches: ``--stock-rows-per-forward`` rows a forward, accumulated to the step's rows
-    (the same generation batch and optimizer step as the LongStraw arms; DAPO normalises over the whole batch)."""
-    rows, micro = (
-        kwargs["per_device_train_batch_size"],
-        min(opts.stock_rows_per_forward, kwargs["per_device_train_batch_size"]),
-    )
+    """Stock GRPOTrainer's batching at long prompts: ``--stock-rows-per-forward`` rows a training forward, accumulated
+    to the step's rows (the same generation batch and optimizer step as the LongStraw arms; DAPO normalises over the
+    whole batch), and a generation prefill of ``--stock-prefill-chunk`` tokens at a time (transformers'
+    ``prefill_chunk_size``): Gemma-3's SDPA mask over the whole batch and prompt at once asks for 64 GiB at 16K."""
+    rows = kwargs["per_device_train_batch_size"]
+    micro = min(opts.stock_rows_per_forward, rows)
     if micro < 1 or rows % micro:
         raise SystemExit(
             f"--stock-rows-per-forward {opts.stock_rows_per_forward} must divide the step's {rows} rows"
         )
-    return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": rows // micro}
+    chunk = {"prefill_chunk_size": opts.stock_prefill_chunk} if opts.stock_prefill_chunk else {}
+    return {"per_device_train_batch_size": micro, "gradient_accumulation_steps": rows // micro,
+            "generation_kwargs": chunk or None}  # fmt: skip
 
 
 def build_trainer(

@@ -23,7 +23,7 @@ from longstraw_trl.toy_tokenizer import build_toy_tokenizer  # noqa: E402
 TINY = ["--model", "tiny-gemma3", "--device", "cpu", "--threads", "1", "--prompt", "300", "--seeds", "0"]
 SMALL = ["--num-generations", "2", "--questions-per-step", "1", "--questions-per-doc", "2", "--completion-tokens", "4",
          "--eval-docs", "1", "--eval-questions", "2", "--cosine-lengths", "300", "--cosine-groups", "1",
-         "--cosine-tries", "1", "--stock-rows-per-forward", "1"]  # fmt: skip
+         "--cosine-tries", "1", "--stock-rows-per-forward", "1", "--stock-prefill-chunk", "64"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
