@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .engine import capture_prompt, extend_state, prompt_backward, replay_blocks_backward, replay_logprobs
     from .fused_forwards import fused_elementwise_forwards
     from .generation import generate_from_state
+    from .host_memory import DeviceShare
     from .layer_state import ConvRecurrentState, KVPages, LayerState, WindowKV
     from .model_patches import patch_model, supported_model_types
     from .model_patches.nemotron_h import Mamba2State
@@ -38,6 +39,7 @@ _LAZY = {
     "replay_blocks_backward": ".engine",
     "replay_logprobs": ".engine",
     "generate_from_state": ".generation",
+    "DeviceShare": ".host_memory",
     "ConvRecurrentState": ".layer_state",
     "KVPages": ".layer_state",
     "LayerState": ".layer_state",
@@ -56,6 +58,7 @@ _LAZY = {
 
 __all__ = [
     "ConvRecurrentState",
+    "DeviceShare",
     "GDNState",
     "KVGrad",
     "KVPages",

@@ -159,6 +159,13 @@ def _add_hardware_options(ap: argparse.ArgumentParser) -> None:
         "device where that fits, else offloaded where that fits)",
     )
     ap.add_argument(
+        "--keep-layers-on-device",
+        action="store_true",
+        help="with the state offloaded: keep whole layers of it on the device within 90%% of the GPU memory the plan "
+        "leaves free, as the trainer does (its offload_keep_layers_on_device=True); off by default here, so that the "
+        "peak is what the step needs",
+    )
+    ap.add_argument(
         "--host-memory",
         type=float,
         default=DEFAULT_HOST_MEMORY_GIB,
@@ -339,7 +346,14 @@ def plan(a: argparse.Namespace) -> int:
     prompt = _largest_prompt(a, config, inputs, preset) if a.max_prompt else a.prompt
     # the trainer's pre-flight decision (with --offload auto, its choice); with --max-prompt a smaller --prompt is
     # no change (and the two flags exclude each other)
-    decision = plan_step(config, prompt, inputs, a.offload_prompt_state, vary_prompt=not a.max_prompt)
+    decision = plan_step(
+        config,
+        prompt,
+        inputs,
+        a.offload_prompt_state,
+        vary_prompt=not a.max_prompt,
+        keep_on_device=a.keep_layers_on_device,
+    )
     memory, suggestions = decision.plan, decision.suggestions
     positions = None if preset else check_positions(config, prompt, a.response)
     runs = memory.fits and (positions is None or positions.ok)

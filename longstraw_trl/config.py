@@ -88,6 +88,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             else in host memory where that plan fits, else the trainer refuses before any capture, naming the
             changes that would fit. Without a GPU (and no `preflight_gpu_memory_bytes`), or with
             `preflight_plan=False`, `"auto"` keeps the state on the device.
+        offload_keep_layers_on_device (`bool`, *optional*, defaults to `True`):
+            With the prompt state in host memory (`offload_prompt_state="cpu"`, or `"auto"` choosing it) and a
+            pre-flight plan: whole layers of the offloadable state (K/V pages, MLA latent) stay on the device, in layer
+            order, within 90% of the GPU memory the plan leaves free (the plan counts them; the trainer's log line
+            says how much); only the other layers stream from host memory at every decode step and replay. `False`:
+            every layer streams. Without a pre-flight plan (`preflight_plan=False`, or no GPU and no
+            `preflight_gpu_memory_bytes`) every layer streams.
         preflight_plan (`bool`, *optional*, defaults to `True`):
             Plan the step's memory (`longstraw plan`'s planner, with the real prompt length, `max_completion_length`,
             `num_generations` and the GPU memory free at that moment) at the first generation batch, and again
@@ -281,6 +288,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             "where the step fits, else host memory), None (the model's device) or 'cpu' (pinned host memory, "
             "streamed to the device page by page).",
             "choices": ["auto", "cpu"],
+        },
+    )
+    offload_keep_layers_on_device: bool = field(
+        default=True,
+        metadata={
+            "help": "With the prompt state in host memory and a pre-flight plan: keep whole layers of it on the "
+            "device within 90% of the GPU memory the plan leaves free; only the other layers stream."
         },
     )
     preflight_plan: bool = field(

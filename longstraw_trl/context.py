@@ -21,7 +21,7 @@ from longstraw_trl.kernels.attention import pages_attention, prompt_response_att
 from .context_parallel import communicator
 from .errors import LongStrawError
 from .host_memory import storage_device
-from .layer_state import ConvRecurrentState, KVPages, LayerState, WindowKV
+from .layer_state import ConvRecurrentState, KVPages, LayerState, WindowKV, owned_tokens
 from .prompt_state import PromptState
 from .state_grads import StateGrads
 
@@ -255,18 +255,29 @@ class ForwardContext:
 
     def new_pages(self, k: torch.Tensor, v: torch.Tensor, cls: type[KVPages] = KVPages) -> KVPages:
         """Empty pages for keys like ``k [B, Hkv, T, D]`` and values like ``v``, stored as this call's state
-        stores them (device or offload, this rank's pages); ``cls``: a :class:`KVPages` subclass."""
+        stores them (device or offload, this rank's pages; an offloaded state's :attr:`PromptState.device_share`
+        keeps whole layers on the device while they fit); ``cls``: a :class:`KVPages` subclass."""
+        offloaded = self.state.offload is not None and not self._stays_on_device(k, v)
         return cls(
             num_kv_heads=k.shape[1],
             head_dim=k.shape[-1],
             v_head_dim=v.shape[-1],
             page_size=self.state.page_size,
             dtype=k.dtype,
-            storage=storage_device(k.device, self.state.offload),
+            storage=storage_device(k.device, self.state.offload if offloaded else None),
             cp_rank=self.cp.rank,
             cp_size=self.cp.size,
-            offloaded=self.state.offload is not None,
+            offloaded=offloaded,
         )
+
+    def _stays_on_device(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether an offloaded state's new layer of pages stays on the device: the bytes of the tokens this
+        capture appends to it (this rank's pages) fit what is left of the state's device share."""
+        share = self.state.device_share
+        if share is None:
+            return False
+        tokens = owned_tokens(0, self.reserve_tokens, self.state.page_size, self.cp.rank, self.cp.size)
+        return share.take(tokens * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.dtype.itemsize)
 
     def attend(
         self,

@@ -29,7 +29,7 @@ from .context import CTX_KWARG, ForwardContext, Mode, ResponseKV
 from .errors import LongStrawError, PromptTooLongError
 from .fsdp import is_fsdp2
 from .hooks import head_request, install_head, skip_head, zero_hidden
-from .host_memory import storage_device
+from .host_memory import DeviceShare, storage_device
 from .prompt_state import PromptState
 from .state_grads import StateGrads
 
@@ -239,6 +239,7 @@ def capture_prompt(
     cp_group=None,
     progress: bool | None = None,
     keep_boundaries: bool = False,
+    device_share: DeviceShare | None = None,
 ) -> PromptState:
     """Capture ``prompt_ids`` (1-D) once, without autograd, into a :class:`PromptState`.
 
@@ -259,6 +260,9 @@ def capture_prompt(
         keep_boundaries: keep what :func:`prompt_backward` needs (the full gradient): the prompt's token
             ids and, at every chunk boundary, the fixed-size layers' states (GDN: conv + recurrent state,
             the state's fixed-size bytes once per chunk boundary, on the model's device).
+        device_share: with ``offload_prompt_state="cpu"``: a device budget (:class:`DeviceShare`, shared by the
+            states captured with it) within which whole layers' K/V stay on the device, in layer order; only the
+            other layers stream from host memory. ``None``: every layer's K/V goes to host memory.
     """
     patch_model(model)
     check_token_ids(prompt_ids, model, "prompt_ids")
@@ -274,7 +278,9 @@ def capture_prompt(
     device = model_device(model)
     storage_device(device, offload_prompt_state)  # validates `offload_prompt_state`
     state = PromptState({}, device, offload_prompt_state, cp_group, page_size, chunk_size)
+    state.device_share = device_share if offload_prompt_state else None
     _prefill(state, model, prompt_ids[:-1], 0, chunk_size, progress, keep_boundaries)
+    state.device_share = None  # the layers are placed; an extension's new segments follow their layer's
     state.num_tokens = prompt_ids.numel()
     state.last_token = prompt_ids[-1].to(device)
     if keep_boundaries:

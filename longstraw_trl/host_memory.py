@@ -30,6 +30,33 @@ def storage_device(device: torch.device, offload: str | None) -> torch.device:
     raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
 
 
+class DeviceShare:
+    """What of an offloaded prompt state stays on the device anyway: whole layers, in the order their states are
+    created (layer order), while their bytes fit the budget; the rest goes to host memory and streams back. The
+    capture (``capture_prompt(device_share=...)``) and the planner
+    (:func:`~longstraw_trl.planner_terms.offload_bytes`) place layers by this one rule.
+
+    Args:
+        budget: device bytes the offloaded kinds' states may take (one budget for all the states captured with it).
+    """
+
+    def __init__(self, budget: int):
+        self.budget = max(0, int(budget))
+        self.left = self.budget
+
+    def take(self, nbytes: int) -> bool:
+        """Whether a layer state of ``nbytes`` stays on the device (its bytes are then taken from the budget)."""
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+    @property
+    def taken(self) -> int:
+        """Bytes placed on the device so far."""
+        return self.budget - self.left
+
+
 _COPY_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 _STREAMED_BYTES = [0]
 

@@ -58,6 +58,8 @@ class PlanInputs:
             layers (``None``: as ``replay_checkpoint_layers``).
         gradient_mode: :attr:`GradientMode.RESPONSE` or :attr:`GradientMode.FULL` (their names accepted).
         offload_prompt_state: ``None`` or ``"cpu"`` (the offloadable state in pinned host memory).
+        device_state_bytes: with ``offload_prompt_state="cpu"``: the device share whole layers of the offloadable
+            state stay within, in layer order (the rest in host memory; 0: all of it there).
         prompt_prefix_sharing: a :class:`PrefixSharing` (its names, ``True`` for ``"all"`` and ``False`` for
             ``"off"`` accepted): ``"all"`` keeps the fixed-size layer states at every capture-chunk boundary.
     """
@@ -80,6 +82,7 @@ class PlanInputs:
     prompt_backward_checkpoint_layers: bool | None = None
     gradient_mode: GradientMode = GradientMode.RESPONSE
     offload_prompt_state: str | None = None
+    device_state_bytes: int = 0
     prompt_prefix_sharing: PrefixSharing = PrefixSharing.BATCH
 
     def __post_init__(self) -> None:
@@ -95,6 +98,8 @@ class PlanInputs:
             object.__setattr__(self, "prompt_prefix_sharing", PrefixSharing.parse(self.prompt_prefix_sharing))
         except ValueError as error:
             raise LongStrawError(str(error)) from None
+        if self.device_state_bytes < 0:
+            raise LongStrawError(f"device_state_bytes must be >= 0, got {self.device_state_bytes}")
         if self.offload_prompt_state not in (None, "cpu"):
             raise LongStrawError(
                 f"offload_prompt_state must be None or 'cpu', got {self.offload_prompt_state!r}"

@@ -9,6 +9,7 @@ import math
 import torch
 
 from .errors import UnsupportedModelError
+from .host_memory import DeviceShare
 from .layer_state import owned_tokens
 from .model_patches import patch_for_model_type
 from .model_patches.planned_bytes import attention_head_dim
@@ -141,21 +142,31 @@ def state_bytes(config, prompt_tokens: int, cp_size: int = 1, page_size: int = 1
 
 
 def offload_bytes(
-    config, prompt_tokens: int, cp_size: int = 1, page_size: int = 16384, dtype_bytes: int = 2
+    config,
+    prompt_tokens: int,
+    cp_size: int = 1,
+    page_size: int = 16384,
+    dtype_bytes: int = 2,
+    device_state_bytes: int = 0,
 ) -> tuple[int, int]:
     """``(host bytes, device workspace)`` per rank with ``offload_prompt_state="cpu"``: the state of every
     offloadable layer kind (``LayerState.offloadable``: K/V pages, MLA latent and indexer keys; GDN and window states
     stay on the device) in host memory, and the most that one running layer streams back
-    (``LayerState.planned_offload_workspace``)."""
+    (``LayerState.planned_offload_workspace``). ``device_state_bytes``: the device share whole layers stay within,
+    in layer order (:class:`~longstraw_trl.host_memory.DeviceShare`, the capture's rule); those neither go to the
+    host nor stream."""
     resident, on_rank = _tokens(prompt_tokens, cp_size, page_size)
+    share = DeviceShare(device_state_bytes)
     host = workspace = 0
     for i, cls in _state_types(config):
-        if cls.offloadable:
-            tokens = on_rank if cls.sharded else resident
-            host += cls.planned_bytes(config, i, tokens, dtype_bytes)
-            workspace = max(
-                workspace, cls.planned_offload_workspace(config, i, tokens, page_size, dtype_bytes)
-            )
+        if not cls.offloadable:
+            continue
+        tokens = on_rank if cls.sharded else resident
+        nbytes = cls.planned_bytes(config, i, tokens, dtype_bytes)
+        if share.take(nbytes):
+            continue
+        host += nbytes
+        workspace = max(workspace, cls.planned_offload_workspace(config, i, tokens, page_size, dtype_bytes))
     return host, workspace
 
 

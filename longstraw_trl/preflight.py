@@ -38,6 +38,7 @@ from .planner import (
 )
 
 __all__ = [
+    "DEVICE_SHARE_OF_FREE",
     "PREFLIGHT_MARGIN",
     "PreflightDecision",
     "PreflightError",
@@ -47,6 +48,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+DEVICE_SHARE_OF_FREE = 0.9
+"""Of the GPU memory an offloaded plan leaves free of the budget, the share whole layers of the prompt state may take
+on the device (:func:`plan_step`'s ``keep_on_device``): the rest of the free memory stays unplanned."""
 
 PREFLIGHT_MARGIN = 0.05
 """Fraction of the GPU's memory the trainer's pre-flight plan leaves unplanned when it reads the memory free on
@@ -67,6 +72,8 @@ class PreflightDecision:
         resident: ``"auto"``: the plan with the state on the device.
         offloaded: ``"auto"``: the plan with the state in host memory.
         suggestions: when nothing fits, the changes that would (each re-planned).
+        device_state_bytes: with the state in host memory, the device share whole layers of it stay within (0:
+            every layer streams); the plan counts it.
     """
 
     requested: str | None
@@ -77,6 +84,7 @@ class PreflightDecision:
     resident: MemoryPlan | None = None
     offloaded: MemoryPlan | None = None
     suggestions: list[Suggestion] = field(default_factory=list)
+    device_state_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -86,10 +94,13 @@ class PreflightDecision:
     @property
     def placement(self) -> str:
         """Where the prompt state lives, in words."""
+        if self.offload_prompt_state is None:
+            return "on the device"
+        if not self.device_state_bytes:
+            return "in host memory (offload_prompt_state='cpu')"
         return (
-            "on the device"
-            if self.offload_prompt_state is None
-            else "in host memory (offload_prompt_state='cpu')"
+            f"in host memory (offload_prompt_state='cpu') but for whole layers kept on the device within "
+            f"{self.device_state_bytes / GiB:.2f} GiB"
         )
 
     def reason(self) -> str:
@@ -152,6 +163,7 @@ def plan_step(
     offload_prompt_state: str | None = "auto",
     vary_prompt: bool = True,
     vary_response: bool = False,
+    keep_on_device: bool = True,
 ) -> PreflightDecision:
     """Plan one step and choose where its prompt state lives, or refuse with what would fit.
 
@@ -164,6 +176,9 @@ def plan_step(
             ``None`` or ``"cpu"`` (planned as given).
         vary_prompt: when nothing fits, also suggest a shorter prompt.
         vary_response: when nothing fits, also suggest a shorter response (``max_completion_length``).
+        keep_on_device: with the state in host memory: whole layers of it stay on the device within
+            :data:`DEVICE_SHARE_OF_FREE` of what the plan leaves free of the budget (``device_state_bytes``, planned
+            too); only the other layers stream.
 
     Returns:
         `PreflightDecision`: its ``fits`` says whether the chosen settings fit; when they do not, its
@@ -182,8 +197,18 @@ def plan_step(
     else:
         chosen = offload_prompt_state
         plan = plan_memory(config, prompt_tokens, inputs, offload_prompt_state=chosen)
+    share = 0
+    if plan.fits and chosen == "cpu" and keep_on_device:
+        plan, share = _with_device_share(config, prompt_tokens, inputs, plan)
     decision = PreflightDecision(
-        offload_prompt_state, chosen, plan, prompt_tokens, inputs, resident, offloaded
+        offload_prompt_state,
+        chosen,
+        plan,
+        prompt_tokens,
+        inputs,
+        resident,
+        offloaded,
+        device_state_bytes=share,
     )
     if plan.fits:
         return decision
@@ -196,6 +221,21 @@ def plan_step(
         if shorter is not None:
             decision.suggestions.append(shorter)
     return decision
+
+
+def _with_device_share(
+    config, prompt_tokens: int, inputs: PlanInputs, offloaded: MemoryPlan
+) -> tuple[MemoryPlan, int]:
+    """``(plan, device_state_bytes)``: the offloaded plan with whole layers kept on the device within a share of
+    what it leaves free, or ``(offloaded, 0)`` when that keeps no layer or would not fit."""
+    share = int(DEVICE_SHARE_OF_FREE * (offloaded.gpu_bytes - offloaded.peak))
+    if share <= 0:
+        return offloaded, 0
+    kept = PlanInputs.of(inputs, device_state_bytes=share)
+    plan = plan_memory(config, prompt_tokens, kept, offload_prompt_state="cpu")
+    if not plan.fits or plan.host_state >= offloaded.host_state:
+        return offloaded, 0
+    return plan, share
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -272,6 +312,8 @@ class StepPreflight:
         self.offload_prompt_state: str | None = (
             None if args.offload_prompt_state == "auto" else args.offload_prompt_state
         )
+        #: with the state in host memory: the device share whole layers of a batch's states stay within (0: none)
+        self.device_state_bytes = 0
 
     @property
     def active(self) -> bool:
@@ -312,6 +354,7 @@ class StepPreflight:
         if not decision.fits:
             raise PreflightError(refusal_message(decision, self._budget_source()))
         self.offload_prompt_state = decision.offload_prompt_state
+        self.device_state_bytes = decision.device_state_bytes
         # offloading by itself slows every decode step: say so where TRL's default logging shows it
         log = (
             logger.warning if decision.requested == "auto" and decision.offload_prompt_state else logger.info
@@ -336,7 +379,10 @@ class StepPreflight:
             logger.warning("LongStraw pre-flight plan: not made (%s)", error)
             return None
         inputs = self.plan_inputs(generations, budget)
-        return plan_step(config, tokens, inputs, self.args.offload_prompt_state, vary_response=True)
+        keep = self.args.offload_keep_layers_on_device
+        return plan_step(
+            config, tokens, inputs, self.args.offload_prompt_state, vary_response=True, keep_on_device=keep
+        )
 
     def plan_inputs(self, num_generations: int, gpu_bytes: int) -> PlanInputs:
         """The planner's inputs of this trainer's step: its config's options, the model's dtype and adapters, the

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .errors import LongStrawError
-from .host_memory import pinned_empty, storage_device
+from .host_memory import DeviceShare, pinned_empty, storage_device
 from .layer_state import LayerState
 
 
@@ -54,6 +54,9 @@ class PromptState:
         page_size: tokens per page (the unit of CP ownership and of offload streaming);
         chunk_size: prompt tokens per prefill step (:func:`~longstraw_trl.engine.extend_state` reuses it).
         chunk_seconds: seconds of each prefill chunk of the call that built this state (capture or extend).
+        device_share: with ``offload="cpu"``, while a capture creates the layer states: the device budget whole
+            layers stay on ``device`` within (:class:`~longstraw_trl.host_memory.DeviceShare`); ``None``: every
+            offloadable layer goes to host memory.
     """
 
     def __init__(
@@ -78,6 +81,8 @@ class PromptState:
         # every capture-chunk boundary (resident tokens before it) the fixed-size layers' states there
         self.token_ids: torch.Tensor | None = None
         self.boundaries: dict[int, dict[int, LayerState]] | None = None
+        # offload="cpu": the layers created while this is set stay on the device while they fit its budget (capture)
+        self.device_share: DeviceShare | None = None
 
     @property
     def resident_tokens(self) -> int:

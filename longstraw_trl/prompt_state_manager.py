@@ -23,6 +23,7 @@ from torch import nn
 
 from .engine import DEFAULT_CHUNK_SIZE, capture_prompt, extend_state, replay_logprobs
 from .errors import LongStrawError
+from .host_memory import DeviceShare
 from .options import CaptureOptions
 from .prompt_state import PromptState
 from .refresh import PROBE, RECAPTURE, RefreshPolicy
@@ -110,6 +111,9 @@ class PromptStateManager:
             min_branch_tokens=self.min_branch_tokens,
         )
         self.batch_groups: list[str] | None = None
+        #: offloaded states: the device share whole layers of this batch's policy captures stay within (the trainer's
+        #: pre-flight plan sets it per batch; ``None``: every offloadable layer in host memory)
+        self.device_share: DeviceShare | None = None
         self.tool_turn_keys: set[str] | None = None
         self.train_keys: set[str] = set()
         self._router_prompt_stats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -135,6 +139,7 @@ class PromptStateManager:
                 cp_group=self.options.cp_group,
                 # sharing: the boundaries are where a later prompt may branch off this one's fixed-size states
                 keep_boundaries=self.options.keep_boundaries and role == "policy",
+                device_share=self.device_share if role == "policy" else None,
             )
         if collect:  # the router statistics of the P - 1 captured tokens (none for a one-token prompt)
             self._router_prompt_stats[state] = stats[0] if stats else self._no_router_stats(state.device)

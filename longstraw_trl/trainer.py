@@ -49,6 +49,7 @@ from .expert_parallel import ExpertParallel, check_expert_parallel
 from .fsdp import fit_fsdp_wrap_classes, is_fsdp2, stage_on_host_for_fsdp2
 from .fused_forwards import fused_elementwise_forwards, replay_forwards
 from .generation import SamplingParams
+from .host_memory import DeviceShare
 from .kernels.runtime.autotune import use_kernel_cache
 from .kernels.runtime.compile_ahead import start_compile_ahead_here
 from .loss import GRPOLossSpec, adaptive_entropy_coef, applied_entropy_coef
@@ -348,6 +349,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         offload = self.preflight.before_capture([len(ids) for ids in groups], num_generations)
         options = self.prompt_states.options
         self.prompt_states.options = dataclasses.replace(options, offload_prompt_state=offload)
+        # one device share for the batch's captures: whole layers stay on the device within what the plan leaves
+        share = self.preflight.device_state_bytes if offload == "cpu" else 0
+        self.prompt_states.device_share = DeviceShare(share) if share else None
 
     def _sampling_params(self) -> SamplingParams:
         """TRL's sampling settings, as the shared-prefix sampler takes them."""

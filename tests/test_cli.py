@@ -339,3 +339,19 @@ def test_default_plan_is_of_the_trainers_default_chunk_and_page(capsys):
     _, doubled = _plan_json(capsys, [*argv, "--chunk-size", str(2 * chunk)])
     assert default == trainers
     assert doubled["capture_workspace"] > default["capture_workspace"]  # the chunk shows in the plan
+
+
+def test_keep_layers_on_device_plans_the_trainers_placement(capsys):
+    """`--keep-layers-on-device` (the trainer's offload_keep_layers_on_device): whole K/V layers of the offloaded
+    27B state at 512K stay on an H100 within 90% of what the offloaded plan leaves free; the rest stays on the host."""
+    argv = ["qwen3.6-27b", "--prompt", "524288", "--response", "32", "--lora-rank", "64", "--gpu", "h100"]
+    argv += ["--offload", "cpu"]
+    _, streamed = _plan_json(capsys, argv)
+    status, kept = _plan_json(capsys, [*argv, "--keep-layers-on-device"])
+    assert status == 0 and streamed["fits"] and kept["fits"]
+    free = streamed["gpu_bytes"] - max(streamed["capture_peak"], streamed["replay_peak"])
+    moved = streamed["host_state"] - kept["host_state"]
+    assert 0 < moved <= 0.9 * free and kept["device_state"] - streamed["device_state"] == moved
+    assert kept["state"] == streamed["state"] and kept["offload_workspace"] == streamed["offload_workspace"]
+    assert main(["plan", *argv, "--keep-layers-on-device"]) == 0
+    assert "of whole layers kept on the device (device_state_bytes)" in capsys.readouterr().out

@@ -128,6 +128,46 @@ def test_a_step_that_does_not_fit_is_refused_before_any_capture(offload, capture
     assert (checkpoint / "trainer_state.json").read_text() == '{"global_step": 3}'
 
 
+def test_offloaded_layers_that_fit_what_the_plan_leaves_stay_on_the_device(monkeypatch):
+    """Between the two peaks the state goes to host memory, but whole layers stay on the device within 90% of what
+    the offloaded plan leaves free: the plan counts them, the captures place them so, the step trains; with
+    ``offload_keep_layers_on_device=False`` every layer streams (the same budget)."""
+    resident, offloaded = _peaks()
+    shares = []
+    capture = manager_module.capture_prompt
+
+    def recording(model, prompt_ids, **kwargs):
+        state = capture(model, prompt_ids, **kwargs)
+        shares.append((kwargs.get("device_share"), [layer.offloaded for layer in state.layers.values()]))
+        return state
+
+    monkeypatch.setattr(manager_module, "capture_prompt", recording)
+    budget = (
+        resident - 1
+    )  # the state on the device misses by a byte: the share has room for some of its layers
+    trainer = _trainer(budget=budget)
+    trainer.train()
+    decision = trainer.preflight.decision
+    assert decision.offload_prompt_state == "cpu" and decision.fits and trainer.state.global_step == 1
+    assert decision.device_state_bytes == int(0.9 * (decision.offloaded.gpu_bytes - decision.offloaded.peak))
+    assert 0 < decision.plan.host_state < decision.offloaded.host_state and decision.plan.peak <= budget
+    assert "kept on the device within" in decision.placement
+    share = shares[0][0]  # one share for the batch's captures, taken in capture and layer order
+    assert all(s is share for s, _ in shares) and share.budget == decision.device_state_bytes
+    assert 0 < share.taken <= share.budget
+    placed = [offloaded for _, layers in shares for offloaded in layers]
+    assert (
+        False in placed and True in placed and placed == sorted(placed)
+    )  # the first layers stay, the rest stream
+
+    shares.clear()
+    trainer = _trainer(budget=budget, offload_keep_layers_on_device=False)
+    trainer.train()
+    decision = trainer.preflight.decision
+    assert decision.device_state_bytes == 0 and decision.plan.host_state == decision.offloaded.host_state
+    assert shares and all(share is None and all(placed) for share, placed in shares)
+
+
 def test_without_the_preflight_plan_the_over_budget_step_goes_ahead(captures):
     """The negative control of the refusal: the same budget, with the plan skipped, captures and trains."""
     trainer = _trainer(budget=1, preflight_plan=False)
