@@ -195,6 +195,12 @@ def parse_args() -> argparse.Namespace:
         help="offload_prompt_state (pages and kept full-mode states on the host; the planner plans the same)",
     )
     ap.add_argument(
+        "--stream-all-layers",
+        action="store_true",
+        help="with --offload cpu: offload_keep_layers_on_device=False, every layer streams (default: the whole "
+        "layers that fit what the pre-flight plan leaves free stay on the GPU)",
+    )
+    ap.add_argument(
         "--layers",
         type=int,
         default=None,
@@ -549,6 +555,7 @@ def longstraw_trainer(
         autograd_fused_kernels=args.autograd_fused_kernels,
         gradient_mode=gradient_mode,
         offload_prompt_state=args.offload,
+        offload_keep_layers_on_device=not args.stream_all_layers,
         gradient_checkpointing=args.gradient_checkpointing,
         prompt_backward_checkpoint_layers=args.prompt_backward_checkpointing,
         cp_size=args.cp_size,
@@ -684,6 +691,8 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         page_size=args.page,
         dtype_bytes=plan_dtype_bytes,
         fsdp_size=fsdp_size,
+        # the layers of an offloaded state the trainer's pre-flight plan kept on the device
+        device_state_bytes=trainer.preflight.device_state_bytes,
         # the trainer's config: chunk, checkpointing, gradient mode, offload, CP, EP
         **plan_options(trainer.args),
     )
@@ -691,6 +700,7 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         "ok": True,
         "gradient_mode": trainer.args.gradient_mode,
         "offload_prompt_state": trainer.args.offload_prompt_state,
+        "device_state_bytes": trainer.preflight.device_state_bytes,
         "gradient_checkpointing": trainer.args.gradient_checkpointing,
         "prompt_backward_checkpoint_layers": trainer.args.prompt_backward_checkpoint_layers,
         "prompt_tokens_captured": int(m["longstraw/prompt_tokens"][-1]),

@@ -172,12 +172,21 @@ def link_subpackages(tree: Path) -> None:
             link.symlink_to(Path("..") / sub)
 
 
+#: full_model.py flags that ask for what an older revision always did (``--stream-all-layers``: every offloaded layer
+#: streams); a baseline checkout whose script lacks one runs without it
+BASELINE_DEFAULT_FLAGS = ("--stream-all-layers",)
+
+
 def _baseline_step(tree: Path, step: Step, out: str, revision: str | None) -> Step:
     """``step`` run from the checkout ``tree`` (another revision's files, e.g. ``git archive <rev> | tar -x``), with
     ``tree`` first on PYTHONPATH, its result files under ``out`` and ``revision`` recorded in them."""
     env = dict(step.env, OUT=out, **({"LONGSTRAW_REV": revision} if revision else {}))
+    script = (
+        (tree / "bench" / "full_model.py").read_text() if (tree / "bench" / "full_model.py").is_file() else ""
+    )
+    argv = [a for a in step.argv if a not in BASELINE_DEFAULT_FLAGS or a in script]
     return Step(
-        step.argv,
+        argv,
         "baseline_" + step.log,
         step.timeout,
         step.fla,

@@ -587,3 +587,9 @@ def test_full_model_suite_runs_a_baseline_checkout_first(tmp_path, capsys):
     assert run.main(["full-model", "--dry-run", "--baseline", str(tmp_path)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith(f"(cd {tmp_path}/bench && PYTHONPATH={tmp_path}:/tmp/site:/tmp/fla ")
+    # a flag asking for what older revisions always did is dropped where the baseline's script lacks it
+    steps = run.SUITES["full-model"].build(opts, ["--offload", "cpu", "--stream-all-layers"])
+    assert "--stream-all-layers" in steps[1].argv and "--stream-all-layers" not in steps[0].argv
+    (tmp_path / "bench" / "full_model.py").write_text('ap.add_argument("--stream-all-layers")')
+    steps = run.SUITES["full-model"].build(opts, ["--offload", "cpu", "--stream-all-layers"])
+    assert steps[0].argv == steps[1].argv
