@@ -12,7 +12,14 @@ import os
 import sys
 from pathlib import Path
 
-from .constants import DEFAULT_CHUNK_SIZE, DEFAULT_PAGE_SIZE, PREFIX_SHARING_MODES, PrefixSharing
+from .constants import (
+    AUTO,
+    AUTO_PREFERRED,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PAGE_SIZE,
+    PREFIX_SHARING_MODES,
+    PrefixSharing,
+)
 from .errors import LongStrawError, UnsupportedModelError
 from .planner import (
     DEFAULT_HOST_MEMORY_GIB,
@@ -90,9 +97,10 @@ def _add_step_options(ap: argparse.ArgumentParser) -> None:
     # the trainer's own defaults (LongStrawGRPOConfig.capture_chunk_size / page_size): the plan is of what it runs
     ap.add_argument(
         "--chunk-size",
-        type=int,
+        type=_int_or_auto,
         default=DEFAULT_CHUNK_SIZE,
-        help=f"capture_chunk_size (default {DEFAULT_CHUNK_SIZE}, the trainer's)",
+        help=f"capture_chunk_size (default {DEFAULT_CHUNK_SIZE}, the trainer's preferred); auto: the trainer's "
+        "'auto', the largest power of two down from it that fits",
     )
     ap.add_argument(
         "--page-size",
@@ -140,9 +148,10 @@ def _add_step_options(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--replay-batch-tokens",
-        type=int,
+        type=_int_or_auto,
         default=8192,
-        help="responses replayed together while responses x R stays within this (the trainer's option; 0: one)",
+        help="responses replayed together while responses x R stays within this (the trainer's option; 0: one); "
+        "auto: the trainer's 'auto', 8192 or less, the first that fits",
     )
 
 
@@ -283,14 +292,29 @@ POSITIVE_OPTIONS = (
 )
 
 
+def _int_or_auto(text: str) -> int | str:
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an int or 'auto', got {text!r}") from None
+
+
+def _auto_names(a: argparse.Namespace) -> tuple[str, ...]:
+    """The options given as ``auto``, by the :class:`PlanInputs` fields they set."""
+    given = (("capture_chunk_size", a.chunk_size), ("replay_batch_tokens", a.replay_batch_tokens))
+    return tuple(name for name, value in given if value == AUTO)
+
+
 def _check_values(a: argparse.Namespace) -> None:
     for flag in POSITIVE_OPTIONS:
         value = getattr(a, flag)
-        if value is not None and value < 1:
+        if value is not None and value != AUTO and value < 1:
             raise LongStrawError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if a.fsdp < 0:
         raise LongStrawError(f"--fsdp must be >= 0 (0: not wrapped), got {a.fsdp}")
-    if a.replay_batch_tokens < 0:
+    if a.replay_batch_tokens != AUTO and a.replay_batch_tokens < 0:
         raise LongStrawError(f"--replay-batch-tokens must be >= 0, got {a.replay_batch_tokens}")
     if not (math.isfinite(a.host_memory) and a.host_memory > 0):
         raise LongStrawError(f"--host-memory must be a positive number of GiB, got {a.host_memory}")
@@ -307,11 +331,13 @@ def plan_inputs(a: argparse.Namespace) -> PlanInputs:
         lora_rank=a.lora_rank,
         optimizer=a.optimizer,
         gpu_memory_gib=_parse_gpu(a.gpu),
-        capture_chunk_size=a.chunk_size,
+        capture_chunk_size=AUTO_PREFERRED["capture_chunk_size"] if a.chunk_size == AUTO else a.chunk_size,
         page_size=a.page_size,
         replay_checkpoint_layers=a.checkpoint_layers,
         prompt_backward_checkpoint_layers=a.prompt_backward_checkpointing,
-        replay_batch_tokens=a.replay_batch_tokens,
+        replay_batch_tokens=(
+            AUTO_PREFERRED["replay_batch_tokens"] if a.replay_batch_tokens == AUTO else a.replay_batch_tokens
+        ),
         gradient_mode=a.gradient_mode,
         prompt_prefix_sharing=a.prompt_prefix_sharing,
         offload_prompt_state=None if a.offload_prompt_state == "auto" else a.offload_prompt_state,
@@ -353,18 +379,23 @@ def plan(a: argparse.Namespace) -> int:
         a.offload_prompt_state,
         vary_prompt=not a.max_prompt,
         keep_on_device=a.keep_layers_on_device,
+        auto=_auto_names(a),
     )
     memory, suggestions = decision.plan, decision.suggestions
     positions = None if preset else check_positions(config, prompt, a.response)
     runs = memory.fits and (positions is None or positions.ok)
     chosen = {"offload_chosen": decision.offload_prompt_state} if a.offload_prompt_state == "auto" else {}
+    if _auto_names(a):
+        chosen["auto_settings"] = {name: getattr(decision.inputs, name) for name in _auto_names(a)}
     if a.json:
         print_json(a, prompt, memory, suggestions, positions, runs, chosen)
     else:
-        if chosen:
+        if "offload_chosen" in chosen:
             print(
                 f"offload_prompt_state='auto': the prompt state {decision.placement}, since {decision.reason()}"
             )
+        if "auto_settings" in chosen:
+            print("'auto' settings: " + ", ".join(f"{k}={v}" for k, v in chosen["auto_settings"].items()))
         print_text(a, memory, suggestions, positions)
     return 0 if runs else 1
 

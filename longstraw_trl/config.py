@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .constants import (
-    DEFAULT_CHUNK_SIZE,
+    AUTO,
+    AUTO_PREFERRED,
     DEFAULT_PAGE_SIZE,
     EP_IMPLEMENTATIONS,
     GRADIENT_MODES,
@@ -74,9 +75,11 @@ class LongStrawGRPOConfig(GRPOConfig):
     Parameters:
         > Prompt state
 
-        capture_chunk_size (`int`, *optional*, defaults to `8192`):
-            Prompt tokens per prefill step of the capture. Peak activation memory of the capture grows with the chunk,
-            never with the prompt length.
+        capture_chunk_size (`int` or `"auto"`, *optional*, defaults to `"auto"`):
+            Prompt tokens per prefill step of the capture (and, with `gradient_mode="full"`, of the prompt backward's
+            recomputed segment). Peak activation memory of the capture grows with the chunk, never with the prompt
+            length. `"auto"`: 8192 where the step fits with it, else the largest smaller power of two (down to 1024)
+            with which the pre-flight plan fits (`docs/planner.md`); 8192 where no plan is made.
         page_size (`int`, *optional*, defaults to `16384`):
             Tokens per K/V page of the full-attention layers (pages are allocated one at a time as the prompt is
             captured and are never copied).
@@ -106,20 +109,23 @@ class LongStrawGRPOConfig(GRPOConfig):
         preflight_gpu_memory_bytes (`int` or `None`, *optional*, defaults to `None`):
             GPU memory (bytes) the pre-flight plan may use for the whole step, weights included. `None`: what the
             device reports free plus what this process already holds, less 5% of the card.
-        replay_batch_tokens (`int`, *optional*, defaults to `8192`):
+        replay_batch_tokens (`int` or `"auto"`, *optional*, defaults to `"auto"`):
             Responses of one prompt group are replayed together under autograd (one forward and one backward for
             the batch) while the batch's padded tokens (responses x the longest) stay within this budget; the
             gradient is the same as one response at a time. A replay of one short response is bound by the host
             (measured on the whole Qwen3.6-27B at P = 65,536, R = 256: 1.81 s for one response, 0.28 s per
             response for eight together), so batching divides its cost; the autograd graph grows with the budget
-            (`longstraw plan --replay-batch-tokens`). `0` replays one response at a time.
+            (`longstraw plan --replay-batch-tokens`). `0` replays one response at a time. `"auto"`: 8192 where the
+            step fits with it, else 4096, 2048 or 0, the first with which the pre-flight plan fits; 8192 where no plan
+            is made.
         replay_checkpoint_layers (`bool`, *optional*, defaults to `False`):
             Recompute every decoder layer of a response replay in backward instead of storing its activations (only
             where TRL's own gradient checkpointing, on by default, does not already checkpoint the layer).
         prompt_backward_checkpoint_layers (`bool` or `None`, *optional*, defaults to `None`):
             `gradient_mode="full"`: whether the prompt backward's recomputed capture chunk recomputes each decoder
             layer once more in its backward (checkpointing) instead of keeping every layer's activations over the
-            chunk. `None`: as TRL's `gradient_checkpointing` (on by default) says. `False` saves that second forward
+            chunk. `None`: as TRL's `gradient_checkpointing` (on by default) says, and on where the pre-flight plan
+            fits the step only with it. `False` saves that second forward
             of every layer (the 8-layer Qwen3.6-27B slice's prompt backward at 262K: 21.3 s instead of 28.6 s on an
             H200) at the memory of every layer's graph over one chunk, which grows with
             `capture_chunk_size` (`longstraw plan --gradient-mode full --no-prompt-backward-checkpointing`): a
@@ -270,10 +276,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             For `"adaptive"`: upper bound of the interval.
     """
 
-    capture_chunk_size: int = field(
-        default=DEFAULT_CHUNK_SIZE,
+    capture_chunk_size: str = field(
+        default=AUTO,
         metadata={
-            "help": "Prompt tokens per prefill step of the capture. Peak activation memory of the capture grows with "
+            "help": "Prompt tokens per prefill step of the capture, or 'auto' (8192 where the pre-flight plan fits "
+            "it, else the largest smaller power of two that fits). Peak activation memory of the capture grows with "
             "the chunk, never with the prompt length."
         },
     )
@@ -372,11 +379,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             "processes while the trainer sets up, rather than one by one inside the first step."
         },
     )
-    replay_batch_tokens: int = field(
-        default=8192,
+    replay_batch_tokens: str = field(
+        default=AUTO,
         metadata={
             "help": "Replay the responses of one prompt group together under autograd while responses x longest "
-            "stays within this many tokens (same gradient; fewer, larger kernels). 0: one response at a time."
+            "stays within this many tokens (same gradient; fewer, larger kernels). 0: one response at a time. "
+            "'auto': 8192 where the pre-flight plan fits it, else less."
         },
     )
     replay_checkpoint_layers: bool = field(
@@ -390,7 +398,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "gradient_mode='full': checkpoint the layers of the prompt backward's recomputed chunk (None: as "
-            "gradient_checkpointing says; False: keep every layer's activations over a chunk, one forward less)."
+            "gradient_checkpointing says, or on where the pre-flight plan fits only so; False: keep every layer's "
+            "activations over a chunk, one forward less)."
         },
     )
     gradient_mode: str = field(
@@ -493,6 +502,15 @@ class LongStrawGRPOConfig(GRPOConfig):
         [`PrefixSharing`] (`True`: `"all"`, `False`: `"off"`), `kernel_cache_dir="auto"` a folder of `output_dir`."""
         if self.offload_prompt_state in ("none", "None", ""):
             self.offload_prompt_state = None
+        for name in AUTO_PREFERRED:  # a number from the command line, "auto", or an int
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().lower() != AUTO:
+                try:
+                    setattr(self, name, int(value))
+                except ValueError:
+                    raise LongStrawError(f"{name} must be an int or 'auto', got {value!r}.") from None
+            elif isinstance(value, str):
+                setattr(self, name, AUTO)
         if self.kernel_cache_dir in ("none", "None", ""):
             self.kernel_cache_dir = None
         if self.kernel_cache_dir == "auto":
@@ -517,14 +535,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise LongStrawError(
                 f"generation_fsdp_gather_gib must be None or >= 0 GiB, got {self.generation_fsdp_gather_gib!r}."
             )
-        if self.capture_chunk_size <= 0 or self.page_size <= 0:
+        if self.capture_chunk_size != AUTO and self.capture_chunk_size <= 0 or self.page_size <= 0:
             raise LongStrawError(
-                f"capture_chunk_size and page_size must be positive, got {self.capture_chunk_size} and "
+                f"capture_chunk_size (or 'auto') and page_size must be positive, got {self.capture_chunk_size!r} and "
                 f"{self.page_size}."
             )
         if self.replay_block_size is not None and self.replay_block_size <= 0:
             raise LongStrawError(f"replay_block_size must be positive or None, got {self.replay_block_size}.")
-        if self.replay_batch_tokens < 0:
+        if self.replay_batch_tokens != AUTO and self.replay_batch_tokens < 0:
             raise LongStrawError(
                 f"replay_batch_tokens must be >= 0 (0: one response at a time), got {self.replay_batch_tokens}."
             )

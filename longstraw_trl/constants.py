@@ -14,6 +14,23 @@ DEFAULT_CHUNK_SIZE = 8192
 """Prompt tokens per prefill step of a capture (`capture_chunk_size`)."""
 DEFAULT_PAGE_SIZE = 16384
 """Tokens per K/V page of the full-attention layers (`page_size`)."""
+DEFAULT_REPLAY_BATCH_TOKENS = 8192
+"""Padded response tokens replayed together under autograd (`replay_batch_tokens`)."""
+
+AUTO = "auto"
+"""The value of a memory setting the trainer's pre-flight plan chooses."""
+AUTO_PREFERRED = {
+    "capture_chunk_size": DEFAULT_CHUNK_SIZE,
+    "replay_batch_tokens": DEFAULT_REPLAY_BATCH_TOKENS,
+}
+"""The value an `"auto"` setting takes where the step fits with it, and where no plan is made."""
+
+
+def resolved(args, name: str):
+    """The config's `name` with `"auto"` as its preferred value (:data:`AUTO_PREFERRED`) until a plan chooses."""
+    value = getattr(args, name)
+    return AUTO_PREFERRED[name] if value == AUTO else value
+
 
 REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
 """`refresh_policy` values (`longstraw_trl.refresh.RefreshPolicy`)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .constants import GradientMode, PrefixSharing
+from .constants import GradientMode, PrefixSharing, resolved
 
 __all__ = ["CaptureOptions", "GradientMode", "LossOptions", "PrefixSharing", "plan_options"]
 
@@ -66,7 +66,9 @@ class CaptureOptions:
     def from_config(cls, args: Any, cp_group: object = None) -> CaptureOptions:
         """The capture options of a config (``cp_group``: the trainer's context-parallel group)."""
         return cls(
-            capture_chunk_size=args.capture_chunk_size,
+            capture_chunk_size=resolved(
+                args, "capture_chunk_size"
+            ),  # "auto": the preferred until a plan chooses
             page_size=args.page_size,
             # "auto": on the device until the trainer's pre-flight plan decides (longstraw_trl.preflight)
             offload_prompt_state=None if args.offload_prompt_state == "auto" else args.offload_prompt_state,
@@ -129,10 +131,10 @@ class LossOptions:
             temperature=args.temperature if temperature is None else temperature,
             gradient_mode=args.gradient_mode,
             replay_block_size=args.replay_block_size,
-            replay_batch_tokens=args.replay_batch_tokens,
+            replay_batch_tokens=resolved(args, "replay_batch_tokens"),
             replay_checkpoint_layers=args.replay_checkpoint_layers,
             gradient_checkpointing=bool(args.gradient_checkpointing),
-            capture_chunk_size=args.capture_chunk_size,
+            capture_chunk_size=resolved(args, "capture_chunk_size"),
             prompt_backward_checkpoint_layers=args.prompt_backward_checkpoint_layers,
             autograd_fused_kernels=args.autograd_fused_kernels,
         )
@@ -145,10 +147,10 @@ def plan_options(args: Any) -> dict[str, Any]:
         num_generations=args.num_generations,
         cp_size=args.cp_size,
         ep_size=args.ep_size,
-        capture_chunk_size=args.capture_chunk_size,
+        capture_chunk_size=resolved(args, "capture_chunk_size"),
         checkpoint_layers=bool(args.gradient_checkpointing or args.replay_checkpoint_layers),
         prompt_backward_checkpoint_layers=args.prompt_backward_checkpoint_layers,
-        replay_batch_tokens=args.replay_batch_tokens,
+        replay_batch_tokens=resolved(args, "replay_batch_tokens"),
         gradient_mode=GradientMode.parse(args.gradient_mode).value,
         prompt_prefix_sharing=PrefixSharing.parse(args.prompt_prefix_sharing).value,
         offload_prompt_state=args.offload_prompt_state,

@@ -14,8 +14,10 @@ the prompt tokens or the generations grow past what was planned, logs what it ch
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .constants import AUTO, GradientMode
 from .errors import LongStrawError, PreflightError, UnsupportedModelError
 from .model_patches import unwrap_model
 from .options import plan_options
 from .planner import (
+    SMALLEST_SUGGESTED_CHUNK,
     GiB,
     MemoryPlan,
     PlanInputs,
@@ -38,6 +42,7 @@ from .planner import (
 )
 
 __all__ = [
+    "AUTO_SETTINGS",
     "DEVICE_SHARE_OF_FREE",
     "PREFLIGHT_MARGIN",
     "PreflightDecision",
@@ -52,6 +57,10 @@ logger = logging.getLogger(__name__)
 DEVICE_SHARE_OF_FREE = 0.9
 """Of the GPU memory an offloaded plan leaves free of the budget, the share whole layers of the prompt state may take
 on the device (:func:`plan_step`'s ``keep_on_device``): the rest of the free memory stays unplanned."""
+
+AUTO_SETTINGS = ("capture_chunk_size", "replay_batch_tokens", "prompt_backward_checkpoint_layers")
+"""The memory settings the pre-flight plan may choose: `"auto"` (`capture_chunk_size`, `replay_batch_tokens`), or
+`None` in the full mode (`prompt_backward_checkpoint_layers`)."""
 
 PREFLIGHT_MARGIN = 0.05
 """Fraction of the GPU's memory the trainer's pre-flight plan leaves unplanned when it reads the memory free on
@@ -74,6 +83,8 @@ class PreflightDecision:
         suggestions: when nothing fits, the changes that would (each re-planned).
         device_state_bytes: with the state in host memory, the device share whole layers of it stay within (0:
             every layer streams); the plan counts it.
+        settings: the ``"auto"`` memory settings chosen where they differ from the preferred ones (``{}``: none
+            changed), as :class:`PlanInputs` fields.
     """
 
     requested: str | None
@@ -85,6 +96,7 @@ class PreflightDecision:
     offloaded: MemoryPlan | None = None
     suggestions: list[Suggestion] = field(default_factory=list)
     device_state_bytes: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -106,6 +118,14 @@ class PreflightDecision:
     def reason(self) -> str:
         """Why: the peaks weighed against the budget, in one line."""
         budget = f"{self.plan.gpu_bytes / GiB:.2f} GiB"
+        if self.settings and self.fits:
+            changed = ", ".join(f"{name}={value!r}" for name, value in self.settings.items())
+            preferred = (
+                f"; with the preferred settings: on the device {_gib(self.resident)}, offloaded {_gib(self.offloaded)}"
+                if self.requested == "auto"
+                else ""
+            )
+            return f"with {changed} (chosen for 'auto'): peak {_gib(self.plan)} fits {budget}{preferred}"
         if self.requested != "auto":
             verdict = "fits" if self.fits else "does not fit"
             return f"offload_prompt_state={self.requested!r}: peak {_gib(self.plan)} {verdict} {budget}"
@@ -164,6 +184,7 @@ def plan_step(
     vary_prompt: bool = True,
     vary_response: bool = False,
     keep_on_device: bool = True,
+    auto: Collection[str] = (),
 ) -> PreflightDecision:
     """Plan one step and choose where its prompt state lives, or refuse with what would fit.
 
@@ -179,6 +200,9 @@ def plan_step(
         keep_on_device: with the state in host memory: whole layers of it stay on the device within
             :data:`DEVICE_SHARE_OF_FREE` of what the plan leaves free of the budget (``device_state_bytes``, planned
             too); only the other layers stream.
+        auto: the memory settings set to ``"auto"`` (names of :data:`AUTO_SETTINGS`): where the step does not fit
+            with their preferred values (``inputs``'), each place of the state (``"auto"``: the device first) is
+            planned with smaller ones (:func:`auto_candidates`) before the next place; the first that fits is taken.
 
     Returns:
         `PreflightDecision`: its ``fits`` says whether the chosen settings fit; when they do not, its
@@ -193,10 +217,9 @@ def plan_step(
     if offload_prompt_state == "auto":
         resident = plan_memory(config, prompt_tokens, inputs, offload_prompt_state=None)
         offloaded = plan_memory(config, prompt_tokens, inputs, offload_prompt_state="cpu")
-        chosen, plan = (None, resident) if resident.fits or not offloaded.fits else ("cpu", offloaded)
-    else:
-        chosen = offload_prompt_state
-        plan = plan_memory(config, prompt_tokens, inputs, offload_prompt_state=chosen)
+    places = [None, "cpu"] if offload_prompt_state == "auto" else [offload_prompt_state]
+    chosen, plan, settings = _first_fit(config, prompt_tokens, inputs, places, auto_candidates(inputs, auto))
+    inputs = PlanInputs.of(inputs, **settings)
     share = 0
     if plan.fits and chosen == "cpu" and keep_on_device:
         plan, share = _with_device_share(config, prompt_tokens, inputs, plan)
@@ -209,6 +232,7 @@ def plan_step(
         resident,
         offloaded,
         device_state_bytes=share,
+        settings=settings,
     )
     if plan.fits:
         return decision
@@ -221,6 +245,43 @@ def plan_step(
         if shorter is not None:
             decision.suggestions.append(shorter)
     return decision
+
+
+def auto_candidates(inputs: PlanInputs, auto: Collection[str]) -> list[dict[str, Any]]:
+    """The settings of the ``auto`` names to plan with, in order: the preferred (``inputs``') first, then fewer
+    changes before more, each knob's smaller steps before its larger ones (ties: replay batching, prompt-backward
+    checkpointing, capture chunk). ``auto``: names of :data:`AUTO_SETTINGS`."""
+    steps: list[list[tuple[str, Any]]] = []
+    if "replay_batch_tokens" in auto and inputs.replay_batch_tokens:
+        tokens = inputs.replay_batch_tokens
+        steps.append([("replay_batch_tokens", t) for t in (tokens // 2, tokens // 4, 0) if t < tokens])
+    if "prompt_backward_checkpoint_layers" in auto and inputs.gradient_mode.full:
+        if not inputs.segment_checkpoint_layers:
+            steps.append([("prompt_backward_checkpoint_layers", True)])
+    if "capture_chunk_size" in auto:
+        chunk, smaller = inputs.capture_chunk_size, []
+        while chunk // 2 >= SMALLEST_SUGGESTED_CHUNK:
+            chunk //= 2
+            smaller.append(("capture_chunk_size", chunk))
+        steps.append(smaller)
+    ranked = itertools.product(*[range(len(knob) + 1) for knob in steps])
+    order = sorted(ranked, key=lambda levels: (sum(v > 0 for v in levels), sum(levels), [-v for v in levels]))
+    return [dict(knob[v - 1] for knob, v in zip(steps, levels, strict=True) if v) for levels in order]
+
+
+def _first_fit(
+    config, prompt_tokens: int, inputs: PlanInputs, places: list[str | None], candidates: list[dict[str, Any]]
+) -> tuple[str | None, MemoryPlan, dict[str, Any]]:
+    """``(offload_prompt_state, plan, settings)``: the first of ``places`` (each with every candidate setting, in
+    order) whose plan fits; where none does, the first place's plan with the preferred settings."""
+    for place in places:
+        for changes in candidates:
+            plan = plan_memory(
+                config, prompt_tokens, PlanInputs.of(inputs, **changes), offload_prompt_state=place
+            )
+            if plan.fits:
+                return place, plan, changes
+    return places[0], plan_memory(config, prompt_tokens, inputs, offload_prompt_state=places[0]), {}
 
 
 def _with_device_share(
@@ -314,6 +375,8 @@ class StepPreflight:
         )
         #: with the state in host memory: the device share whole layers of a batch's states stay within (0: none)
         self.device_state_bytes = 0
+        #: the ``"auto"`` memory settings the last plan changed from their preferred values
+        self.settings: dict[str, Any] = {}
 
     @property
     def active(self) -> bool:
@@ -355,6 +418,7 @@ class StepPreflight:
             raise PreflightError(refusal_message(decision, self._budget_source()))
         self.offload_prompt_state = decision.offload_prompt_state
         self.device_state_bytes = decision.device_state_bytes
+        self.settings = decision.settings
         # offloading by itself slows every decode step: say so where TRL's default logging shows it
         log = (
             logger.warning if decision.requested == "auto" and decision.offload_prompt_state else logger.info
@@ -381,7 +445,13 @@ class StepPreflight:
         inputs = self.plan_inputs(generations, budget)
         keep = self.args.offload_keep_layers_on_device
         return plan_step(
-            config, tokens, inputs, self.args.offload_prompt_state, vary_response=True, keep_on_device=keep
+            config,
+            tokens,
+            inputs,
+            self.args.offload_prompt_state,
+            vary_response=True,
+            keep_on_device=keep,
+            auto=auto_settings(self.args),
         )
 
     def plan_inputs(self, num_generations: int, gpu_bytes: int) -> PlanInputs:
@@ -428,6 +498,15 @@ class StepPreflight:
         values = torch.tensor([tokens, generations, -budget], dtype=torch.int64, device=self.device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         return int(values[0]), int(values[1]), -int(values[2])
+
+
+def auto_settings(args: Any) -> tuple[str, ...]:
+    """The names of :data:`AUTO_SETTINGS` a config leaves to the pre-flight plan: ``"auto"`` values, and
+    ``prompt_backward_checkpoint_layers=None`` in the full mode."""
+    names = [name for name in ("capture_chunk_size", "replay_batch_tokens") if getattr(args, name) == AUTO]
+    if args.prompt_backward_checkpoint_layers is None and GradientMode.parse(args.gradient_mode).full:
+        names.append("prompt_backward_checkpoint_layers")
+    return tuple(names)
 
 
 def _adapters(model: nn.Module) -> tuple[int | None, int | None]:

@@ -347,8 +347,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self.rollout.check_positions([len(ids) for ids in prompt_ids], where)
         groups = self.prompt_states.group_rows(prompt_ids, num_generations)
         offload = self.preflight.before_capture([len(ids) for ids in groups], num_generations)
-        options = self.prompt_states.options
-        self.prompt_states.options = dataclasses.replace(options, offload_prompt_state=offload)
+        options, settings = self.prompt_states.options, self.preflight.settings
+        chunk = (
+            {"capture_chunk_size": settings["capture_chunk_size"]} if "capture_chunk_size" in settings else {}
+        )
+        self.prompt_states.options = dataclasses.replace(options, offload_prompt_state=offload, **chunk)
+        # the "auto" settings the plan chose (the loss's: replay batching, prompt-backward checkpointing, chunk)
+        self.streamed_loss.options = dataclasses.replace(self.streamed_loss.options, **settings)
         # one device share for the batch's captures: whole layers stay on the device within what the plan leaves
         share = self.preflight.device_state_bytes if offload == "cpu" else 0
         self.prompt_states.device_share = DeviceShare(share) if share else None

@@ -330,9 +330,16 @@ def test_default_plan_is_of_the_trainers_default_chunk_and_page(capsys):
     import dataclasses
 
     from longstraw_trl import LongStrawGRPOConfig
+    from longstraw_trl.constants import AUTO_PREFERRED
 
     defaults = {f.name: f.default for f in dataclasses.fields(LongStrawGRPOConfig)}
-    chunk, page = defaults["capture_chunk_size"], defaults["page_size"]
+    # "auto": the value the trainer takes where the step fits with it (--chunk-size auto plans the search)
+    chunk = (
+        AUTO_PREFERRED["capture_chunk_size"]
+        if defaults["capture_chunk_size"] == "auto"
+        else defaults["capture_chunk_size"]
+    )
+    page = defaults["page_size"]
     argv = ["qwen3-8b", *SMALL, "--lora-rank", "16"]
     _, default = _plan_json(capsys, argv)
     _, trainers = _plan_json(capsys, [*argv, "--chunk-size", str(chunk), "--page-size", str(page)])
@@ -355,3 +362,18 @@ def test_keep_layers_on_device_plans_the_trainers_placement(capsys):
     assert kept["state"] == streamed["state"] and kept["offload_workspace"] == streamed["offload_workspace"]
     assert main(["plan", *argv, "--keep-layers-on-device"]) == 0
     assert "of whole layers kept on the device (device_state_bytes)" in capsys.readouterr().out
+
+
+def test_auto_settings_plan_what_the_trainer_chooses(capsys):
+    """`--replay-batch-tokens auto` / `--chunk-size auto` (the trainer's defaults): the 27B at 128K with R = 4,096
+    does not fit an H100 replaying two responses together; "auto" replays one at a time instead, and fits."""
+    argv = ["qwen3.6-27b", "--prompt", "131072", "--response", "4096", "--lora-rank", "64", "--gpu", "h100"]
+    status, given = _plan_json(capsys, argv)
+    assert status == 1 and not given["fits"]
+    status, auto = _plan_json(capsys, [*argv, "--replay-batch-tokens", "auto", "--chunk-size", "auto"])
+    assert status == 0 and auto["fits"] and auto["suggestions"] == []
+    assert auto["auto_settings"] == {"capture_chunk_size": 8192, "replay_batch_tokens": 4096}
+    status, same = _plan_json(capsys, [*argv, "--replay-batch-tokens", "4096"])
+    assert status == 0 and same["replay_peak"] == auto["replay_peak"]  # the plan of the chosen value
+    with pytest.raises(SystemExit):
+        main(["plan", *argv, "--chunk-size", "big"])

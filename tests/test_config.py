@@ -105,8 +105,10 @@ REFUSALS = [
     ({"offload_prompt_state": "gpu"}, "offload_prompt_state must be None or 'cpu'"),
     ({"generation_fsdp_gather_gib": -1.0}, "generation_fsdp_gather_gib must be None or >= 0"),
     ({"generation_fsdp_gather_gib": float("nan")}, "generation_fsdp_gather_gib must be None or >= 0"),
-    ({"capture_chunk_size": 0}, "capture_chunk_size and page_size must be positive"),
-    ({"page_size": -1}, "capture_chunk_size and page_size must be positive"),
+    ({"capture_chunk_size": 0}, "capture_chunk_size (or 'auto') and page_size must be positive"),
+    ({"page_size": -1}, "capture_chunk_size (or 'auto') and page_size must be positive"),
+    ({"capture_chunk_size": "big"}, "capture_chunk_size must be an int or 'auto', got 'big'"),
+    ({"replay_batch_tokens": "many"}, "replay_batch_tokens must be an int or 'auto', got 'many'"),
     ({"replay_block_size": 0}, "replay_block_size must be positive or None"),
     ({"replay_batch_tokens": -1}, "replay_batch_tokens must be >= 0"),
     ({"gradient_mode": "prompt"}, "gradient_mode must be one of"),
@@ -164,3 +166,31 @@ def test_config_normalises(tmp_path):
     assert full.to_dict()["gradient_mode"] == "full"
     assert json.loads(full.to_json_string())["gradient_mode"] == "full"
     assert _config(tmp_path, gradient_mode=GradientMode.FULL).gradient_mode is GradientMode.FULL
+
+
+def test_memory_settings_take_auto_or_a_number(tmp_path):
+    """`capture_chunk_size` and `replay_batch_tokens` default to "auto" (the pre-flight plan chooses; the preferred
+    value where no plan is made); a number, also as the command line spells it, is kept as an int."""
+    from longstraw_trl.options import CaptureOptions, LossOptions, plan_options
+
+    default = _config(tmp_path)
+    assert default.capture_chunk_size == "auto" and default.replay_batch_tokens == "auto"
+    assert CaptureOptions.from_config(default).capture_chunk_size == 8192
+    assert LossOptions.from_config(default).replay_batch_tokens == 8192
+    assert (
+        plan_options(default)["capture_chunk_size"] == 8192
+        and plan_options(default)["replay_batch_tokens"] == 8192
+    )
+    given = _config(tmp_path, capture_chunk_size="4096", replay_batch_tokens=0)
+    assert given.capture_chunk_size == 4096 and given.replay_batch_tokens == 0
+    assert _config(tmp_path, capture_chunk_size=" AUTO ").capture_chunk_size == "auto"
+    from transformers import HfArgumentParser
+
+    from longstraw_trl import LongStrawGRPOConfig
+
+    (parsed,) = HfArgumentParser(LongStrawGRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--bf16", "false", "--report_to", "none"]
+        + ["--per_device_train_batch_size", "4", "--num_generations", "4"]
+        + ["--capture_chunk_size", "2048", "--replay_batch_tokens", "auto"]
+    )
+    assert parsed.capture_chunk_size == 2048 and parsed.replay_batch_tokens == "auto"

@@ -89,7 +89,13 @@ def test_plan_options_follow_the_config(tmp_path):
         and plan["offload_prompt_state"] == "cpu"
         and plan["prompt_prefix_sharing"] == "all"
     )
-    assert plan["capture_chunk_size"] == config.capture_chunk_size and plan["num_generations"] == 4
+    # "auto" (the default) plans the preferred chunk; a number as given
+    assert (
+        config.capture_chunk_size == "auto"
+        and plan["capture_chunk_size"] == 8192
+        and plan["num_generations"] == 4
+    )
+    assert plan_options(_config(tmp_path, capture_chunk_size=2048))["capture_chunk_size"] == 2048
     # the replay's layers are recomputed under either checkpointing option
     namespace = SimpleNamespace(
         **{**vars(config), "gradient_checkpointing": False, "replay_checkpoint_layers": True}

@@ -15,7 +15,7 @@ from datasets import Dataset
 from longstraw_trl import prompt_state_manager as manager_module
 from longstraw_trl.errors import PreflightError, PromptTooLongError
 from longstraw_trl.planner import GiB, PlanInputs, plan_memory
-from longstraw_trl.preflight import plan_step
+from longstraw_trl.preflight import auto_candidates, plan_step
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog. " * 2, "a long straw: 1234567890 " * 3]
 # one generation batch, one optimizer step: the first batch's plan and capture, then the loss
@@ -43,6 +43,9 @@ def captures(monkeypatch):
 
 def _trainer(budget=None, **kwargs):
     kwargs.setdefault("train_dataset", _dataset())
+    # the memory settings as given (not "auto"), so that only the state's place is decided; "auto" has its own tests
+    kwargs.setdefault("capture_chunk_size", 8192)
+    kwargs.setdefault("replay_batch_tokens", 8192)
     return make_tiny_longstraw_trainer(
         preflight_gpu_memory_bytes=budget, page_size=16, seed=0, **{**ONE_STEP, **kwargs}
     )
@@ -166,6 +169,58 @@ def test_offloaded_layers_that_fit_what_the_plan_leaves_stay_on_the_device(monke
     decision = trainer.preflight.decision
     assert decision.device_state_bytes == 0 and decision.plan.host_state == decision.offloaded.host_state
     assert shares and all(share is None and all(placed) for share, placed in shares)
+
+
+def test_auto_memory_settings_are_lowered_before_the_state_is_offloaded(captures, caplog):
+    """`replay_batch_tokens="auto"` / `capture_chunk_size="auto"` (the defaults): where the state on the device fits
+    only with less replay batching, the plan takes that (the loss replays so) instead of offloading; with the
+    settings given as numbers the same budget offloads (the negative control)."""
+    trainer = _trainer(budget=1 << 50, replay_batch_tokens="auto", capture_chunk_size="auto")
+    trainer.train()
+    decision = trainer.preflight.decision
+    assert decision.settings == {} and trainer.streamed_loss.options.replay_batch_tokens == 8192
+    config = trainer.model.config
+    one_at_a_time = PlanInputs.of(decision.inputs, replay_batch_tokens=0)
+    budget = plan_memory(config, decision.prompt_tokens, one_at_a_time, offload_prompt_state=None).peak + 4096
+    assert budget < decision.resident.peak  # one response at a time holds less than the batch
+    captures.clear()
+    with caplog.at_level(logging.INFO, logger=PREFLIGHT_LOGGER):
+        trainer = _trainer(budget=budget, replay_batch_tokens="auto", capture_chunk_size="auto")
+        trainer.train()
+    decision = trainer.preflight.decision
+    assert decision.offload_prompt_state is None and decision.fits and trainer.state.global_step == 1
+    assert (
+        decision.settings == {"replay_batch_tokens": 0}
+        and trainer.streamed_loss.options.replay_batch_tokens == 0
+    )
+    assert captures and all(offload is None for offload in captures)
+    (line,) = [r.getMessage() for r in caplog.records if "pre-flight plan (" in r.getMessage()]
+    assert "with replay_batch_tokens=0 (chosen for 'auto')" in line
+    # 8192 as given: the state cannot stay on the device (it goes to the host where that fits, else a refusal)
+    trainer = _trainer(budget=budget)
+    try:
+        trainer.train()
+    except PreflightError:
+        assert not trainer.preflight.decision.fits
+    else:
+        assert trainer.preflight.decision.offload_prompt_state == "cpu"
+    assert trainer.preflight.decision.settings == {}
+
+
+def test_auto_candidates_try_fewer_and_smaller_changes_first():
+    inputs = PlanInputs(capture_chunk_size=4096, replay_batch_tokens=8192, gradient_mode="full")
+    names = ("capture_chunk_size", "replay_batch_tokens", "prompt_backward_checkpoint_layers")
+    candidates = auto_candidates(inputs, names)
+    assert candidates[:4] == [{}, {"replay_batch_tokens": 4096}, {"prompt_backward_checkpoint_layers": True},
+                              {"capture_chunk_size": 2048}]  # fmt: skip
+    assert candidates[-1] == {"replay_batch_tokens": 0, "prompt_backward_checkpoint_layers": True,
+                              "capture_chunk_size": 1024}  # fmt: skip
+    assert len(candidates) == 4 * 2 * 3 and len({tuple(sorted(c.items())) for c in candidates}) == len(
+        candidates
+    )
+    assert auto_candidates(inputs, ()) == [{}]
+    response_only = PlanInputs.of(inputs, gradient_mode="response_only")
+    assert all("prompt_backward_checkpoint_layers" not in c for c in auto_candidates(response_only, names))
 
 
 def test_without_the_preflight_plan_the_over_budget_step_goes_ahead(captures):
