@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import shlex
@@ -154,7 +155,9 @@ def _full_model(opts, rest):
         tree = Path(opts.baseline).resolve()
         if not opts.dry_run:
             link_subpackages(tree)
-        steps.insert(0, _baseline_step(tree, steps[0], f"{out}/baseline", opts.baseline_rev))
+        extra = shlex.split(opts.baseline_args or "")
+        base = _baseline_step(tree, steps[0], f"{out}/baseline", opts.baseline_rev, extra)
+        steps = _alternating(base, steps[0], opts.pairs, out)
     # the full gradient's prompt backward: seconds against both floors, its segments (an estimate if cut)
     steps.append(
         Step(_py("pb_summary.py", f"{out}/full_model_*.json"), "full_model_summary.txt", 60, tail=40)
@@ -177,14 +180,35 @@ def link_subpackages(tree: Path) -> None:
 BASELINE_DEFAULT_FLAGS = ("--stream-all-layers",)
 
 
-def _baseline_step(tree: Path, step: Step, out: str, revision: str | None) -> Step:
+def _alternating(base: Step, ours: Step, pairs: int, out: str) -> list[Step]:
+    """``pairs`` pairs of the baseline's step and ours, in the order base, ours, ours, base, base, ours, ... (each
+    side first as often as second, so that what the first process of a machine pays falls on both); with more than
+    one pair, each run's files in ``$OUT/baseline/<i>`` and ``$OUT/run<i>``."""
+    if pairs < 1:
+        raise SystemExit(f"--pairs must be >= 1, got {pairs}")
+    if pairs == 1:
+        return [base, ours]
+    steps = []
+    for i in range(pairs):
+        b = dataclasses.replace(
+            base, env=dict(base.env, OUT=f"{out}/baseline/{i}"), log=f"baseline{i}_{ours.log}"
+        )
+        o = dataclasses.replace(ours, env=dict(ours.env, OUT=f"{out}/run{i}"), log=f"run{i}_{ours.log}")
+        steps += [b, o] if i % 2 == 0 else [o, b]
+    return steps
+
+
+def _baseline_step(
+    tree: Path, step: Step, out: str, revision: str | None, extra: list[str] | None = None
+) -> Step:
     """``step`` run from the checkout ``tree`` (another revision's files, e.g. ``git archive <rev> | tar -x``), with
-    ``tree`` first on PYTHONPATH, its result files under ``out`` and ``revision`` recorded in them."""
+    ``tree`` first on PYTHONPATH, its result files under ``out`` and ``revision`` recorded in them; ``extra``:
+    arguments for the baseline's script only (e.g. ``--stream-all-layers`` with this checkout as the baseline)."""
     env = dict(step.env, OUT=out, **({"LONGSTRAW_REV": revision} if revision else {}))
     script = (
         (tree / "bench" / "full_model.py").read_text() if (tree / "bench" / "full_model.py").is_file() else ""
     )
-    argv = [a for a in step.argv if a not in BASELINE_DEFAULT_FLAGS or a in script]
+    argv = [a for a in step.argv if a not in BASELINE_DEFAULT_FLAGS or a in script] + list(extra or [])
     return Step(
         argv,
         "baseline_" + step.log,
@@ -468,6 +492,24 @@ SUITES = {
                         metavar="DIR",
                         help="a checkout of another revision: its step runs first, in its own process on the same "
                         "GPU (results in $OUT/baseline/), so that the two revisions' phases compare side by side",
+                    ),
+                ),
+                (
+                    ("--pairs",),
+                    dict(
+                        type=int,
+                        default=1,
+                        help="with --baseline: this many pairs, alternating which side runs first (base, ours, ours, "
+                        "base, ...), each run's files in $OUT/baseline/<i> and $OUT/run<i>",
+                    ),
+                ),
+                (
+                    ("--baseline-args",),
+                    dict(
+                        default="",
+                        metavar="ARGS",
+                        help="with --baseline: more arguments for the baseline's script only, e.g. "
+                        "--baseline-args=--stream-all-layers with --baseline . to measure keeping layers on the GPU",
                     ),
                 ),
                 (

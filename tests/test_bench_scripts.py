@@ -593,3 +593,25 @@ def test_full_model_suite_runs_a_baseline_checkout_first(tmp_path, capsys):
     (tmp_path / "bench" / "full_model.py").write_text('ap.add_argument("--stream-all-layers")')
     steps = run.SUITES["full-model"].build(opts, ["--offload", "cpu", "--stream-all-layers"])
     assert steps[0].argv == steps[1].argv
+
+
+def test_full_model_suite_alternates_pairs_and_gives_the_baseline_its_own_arguments(tmp_path, monkeypatch):
+    """`--pairs 3`: base, ours, ours, base, base, ours, each run's files apart; `--baseline-args` reach the baseline
+    only (this checkout against itself streaming every layer)."""
+    run = _load_bench("run")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    for sub in ("longstraw_trl", "kernels", "model_patches", "bench"):
+        (tmp_path / sub).mkdir()
+    argv = ["full-model", "--baseline", str(tmp_path), "--pairs", "3", "--baseline-args=--stream-all-layers"]
+    steps = run.SUITES["full-model"].build(run.parse(argv)[1], ["--offload", "cpu"])[
+        :-1
+    ]  # the last summarises
+    assert ["base" if s.path else "ours" for s in steps] == ["base", "ours", "ours", "base", "base", "ours"]
+    out = tmp_path / "out"
+    assert [s.env["OUT"] for s in steps] == [f"{out}/baseline/0", f"{out}/run0", f"{out}/run1", f"{out}/baseline/1",
+                                             f"{out}/baseline/2", f"{out}/run2"]  # fmt: skip
+    assert all(s.argv[-1] == "--stream-all-layers" for s in steps if s.path)
+    assert not any("--stream-all-layers" in s.argv for s in steps if not s.path)
+    assert len({s.log for s in steps}) == 6
+    with pytest.raises(SystemExit):
+        run.SUITES["full-model"].build(run.parse([*argv[:3], "--pairs", "0"])[1], [])
