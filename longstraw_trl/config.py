@@ -92,8 +92,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             changes that would fit. Without a GPU (and no `preflight_gpu_memory_bytes`), or with
             `preflight_plan=False`, `"auto"` keeps the state on the device.
         offload_keep_layers_on_device (`bool`, *optional*, defaults to `True`):
-            With the prompt state in host memory (`offload_prompt_state="cpu"`, or `"auto"` choosing it) and a
-            pre-flight plan: whole layers of the offloadable state (K/V pages, MLA latent) stay on the device, in layer
+            With the prompt state in host memory (`offload_prompt_state="cpu"`, or `"auto"` choosing it), the
+            response-only gradient and a pre-flight plan: whole layers of the offloadable state (K/V pages, MLA latent) stay on the device, in layer
             order, within 90% of the GPU memory the plan leaves free (the plan counts them; the trainer's log line
             says how much); only the other layers stream from host memory at every decode step and replay. `False`:
             every layer streams. Without a pre-flight plan (`preflight_plan=False`, or no GPU and no

@@ -197,9 +197,9 @@ def plan_step(
             ``None`` or ``"cpu"`` (planned as given).
         vary_prompt: when nothing fits, also suggest a shorter prompt.
         vary_response: when nothing fits, also suggest a shorter response (``max_completion_length``).
-        keep_on_device: with the state in host memory: whole layers of it stay on the device within
-            :data:`DEVICE_SHARE_OF_FREE` of what the plan leaves free of the budget (``device_state_bytes``, planned
-            too); only the other layers stream.
+        keep_on_device: with the state in host memory and the response-only gradient: whole layers of it stay on
+            the device within :data:`DEVICE_SHARE_OF_FREE` of what the plan leaves free of the budget
+            (``device_state_bytes``, planned too); only the other layers stream.
         auto: the memory settings set to ``"auto"`` (names of :data:`AUTO_SETTINGS`): where the step does not fit
             with their preferred values (``inputs``'), each place of the state (``"auto"``: the device first) is
             planned with smaller ones (:func:`auto_candidates`) before the next place; the first that fits is taken.
@@ -290,7 +290,9 @@ def _with_device_share(
     """``(plan, device_state_bytes)``: the offloaded plan with whole layers kept on the device within a share of
     what it leaves free, or ``(offloaded, 0)`` when that keeps no layer or would not fit."""
     share = int(DEVICE_SHARE_OF_FREE * (offloaded.gpu_bytes - offloaded.peak))
-    if share <= 0:
+    # the full gradient's fp32 dK/dV buffers live beside their pages: a kept layer's would take twice its bytes more
+    # of the device, which the offloaded plan puts on the host
+    if share <= 0 or inputs.gradient_mode.full:
         return offloaded, 0
     kept = PlanInputs.of(inputs, device_state_bytes=share)
     plan = plan_memory(config, prompt_tokens, kept, offload_prompt_state="cpu")

@@ -377,3 +377,12 @@ def test_auto_settings_plan_what_the_trainer_chooses(capsys):
     assert status == 0 and same["replay_peak"] == auto["replay_peak"]  # the plan of the chosen value
     with pytest.raises(SystemExit):
         main(["plan", *argv, "--chunk-size", "big"])
+
+
+def test_keep_layers_on_device_leaves_the_full_gradient_on_the_host(capsys):
+    """The full gradient's dK/dV buffers follow their pages: with --gradient-mode full every layer stays offloaded."""
+    argv = ["qwen3.6-27b", "--prompt", "262144", "--response", "32", "--lora-rank", "64", "--gpu", "h100"]
+    argv += ["--offload", "cpu", "--gradient-mode", "full"]
+    _, streamed = _plan_json(capsys, argv)
+    _, kept = _plan_json(capsys, [*argv, "--keep-layers-on-device"])
+    assert kept["host_state"] == streamed["host_state"] > 0 and kept["replay_peak"] == streamed["replay_peak"]
