@@ -88,6 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--state-dir", default="/tmp/longstraw_real_long")
     ap.add_argument(
+        "--resume-from",
+        default="",
+        metavar="FILE",
+        help="a result file of these settings (e.g. bench/results/real_long_gemma3-270m_h100_P16384.json): its "
+        "finished runs, check and held-out evaluation are kept and not run again (another machine's state)",
+    )
+    ap.add_argument(
         "--cache-dir", default="", help="LONGSTRAW_CACHE: where the dequantised checkpoint is kept"
     )
     ap.add_argument(
@@ -123,6 +130,28 @@ class State:
     def get(self, name: str):
         path = self.root / f"{name}.json"
         return json.loads(path.read_text()) if path.is_file() else None
+
+    def finished_runs(self) -> list[dict]:
+        """Every finished run's record in the state, by seed and then arm (this call's or an earlier one's)."""
+        records = [json.loads(p.read_text()) for p in sorted((self.root / "runs").glob("*_seed*.json"))]
+        order = {"stock": 0, "full": 1, "response_only": 2}
+        return sorted(records, key=lambda r: (r["seed"], order.get(r["arm"], 3), r["arm"]))
+
+    def resume_from(self, path: Path) -> int:
+        """Take the finished runs, the check and the held-out evaluation before training of a result file of the same
+        settings (an earlier machine's), where this state lacks them; returns the runs taken."""
+        payload = json.loads(path.read_text())
+        if payload.get("settings") != self.settings:
+            raise SystemExit(
+                f"{path} holds runs of other settings than this call's: {payload.get('settings')}"
+            )
+        for name, value in (("check", payload.get("check")), ("before", payload.get("heldout_before"))):
+            if value is not None and self.get(name) is None:
+                self.put(name, value)
+        taken = [r for r in payload.get("runs", []) if self.get(f"runs/{r['arm']}_seed{r['seed']}") is None]
+        for record in taken:
+            self.put(f"runs/{record['arm']}_seed{record['seed']}", record)
+        return len(taken)
 
     def put(self, name: str, value) -> None:
         path = self.root / f"{name}.json"
@@ -257,11 +286,13 @@ def write_results(state: State, args, wall: float) -> list[Path]:
 
     gpu = gpu_token() if args.device == "cuda" else "cpu"
     model = args.model
-    runs = [state.get(f"runs/{a}_seed{s}") for s in args.seeds for a in args.arms]
-    payload = {"settings": state.settings, "seeds": args.seeds, "arms": args.arms, "check": state.get("check"),
-               "heldout_before": state.get("before"), "runs": [r for r in runs if r],
-               "summary": summary_table([r for r in runs if r]), "call_seconds": wall,
-               "complete": all(runs)}  # fmt: skip
+    asked = [state.get(f"runs/{a}_seed{s}") for s in args.seeds for a in args.arms]
+    runs = state.finished_runs()  # this call's arms and seeds, and any others the state holds
+    seeds = sorted({*args.seeds, *(r["seed"] for r in runs)})
+    arms = list(dict.fromkeys([*args.arms, *(r["arm"] for r in runs)]))
+    payload = {"settings": state.settings, "seeds": seeds, "arms": arms, "check": state.get("check"),
+               "heldout_before": state.get("before"), "runs": runs, "summary": summary_table(runs),
+               "call_seconds": wall, "complete": all(asked)}  # fmt: skip
     paths = [write_result(f"real_long_{model}_{gpu}_P{args.prompt}", payload)]
     cos = state.get("cosine")
     if cos:
@@ -291,7 +322,7 @@ def print_table(state: State, args) -> None:
     from real_long_cosine import cosine_table
 
     before = state.get("before")
-    runs = [r for r in (state.get(f"runs/{a}_seed{s}") for s in args.seeds for a in args.arms) if r]
+    runs = state.finished_runs()
     print(f"\nP={args.prompt}: held-out before {before['accuracy']:.1%}" if before else f"\nP={args.prompt}")
     print(f"{'arm':>14} {'seeds':>5} {'after':>7} {'sd':>6} {'gain':>7} {'s/step':>7} {'peak GiB':>8}")
     for r in summary_table(runs):
@@ -320,6 +351,10 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     state = State(Path(args.state_dir), settings_of(args))
+    if args.resume_from:  # relative to here, or to the repository (the runner calls this in bench/)
+        path = Path(args.resume_from)
+        path = path if path.is_file() else HERE.parent / args.resume_from
+        print(f"resumed {state.resume_from(path)} finished run(s) from {path}")
     base, tokenizer = load(args.model, args.device)
     positions = base.config.max_position_embeddings
     if max(args.prompt, args.check_length) + 64 + args.completion_tokens > positions:

@@ -107,6 +107,45 @@ def test_a_stopped_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert not list(run_dir.glob("checkpoint-*"))  # a finished run drops its checkpoints
 
 
+def test_another_machine_resumes_from_the_result_file(tmp_path, monkeypatch):
+    """`--resume-from`: a fresh state takes the finished runs, the check and the evaluation before training of a
+    result file of the same settings, runs only what is missing, and writes them all; other settings are refused."""
+    import real_long
+
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    first = ["--arms", "response_only", "--steps", "1", "--parts", "check", "train"]
+    _main(tmp_path, *first)
+    result = tmp_path / "out" / "real_long_tiny-gemma3_cpu_P300.json"
+    kept = json.loads(result.read_text())["runs"][0]
+    fresh = [
+        *TINY,
+        *SMALL,
+        "--steps",
+        "1",
+        "--parts",
+        "check",
+        "train",
+        "--state-dir",
+        str(tmp_path / "fresh"),
+    ]
+    assert real_long.main([*fresh, "--arms", "stock", "response_only", "--resume-from", str(result)]) == 0
+    data = json.loads(result.read_text())
+    assert [r["arm"] for r in data["runs"]] == ["stock", "response_only"] and data["complete"]
+    assert data["runs"][1] == kept  # taken as it was, not run again
+    other = [
+        *TINY,
+        *SMALL,
+        "--steps",
+        "2",
+        "--state-dir",
+        str(tmp_path / "other"),
+        "--resume-from",
+        str(result),
+    ]
+    with pytest.raises(SystemExit, match="other settings"):
+        real_long.main(other)
+
+
 def test_the_runner_builds_the_call():
     out = subprocess.run(
         [sys.executable, "bench/run.py", "real-long", "--dry-run", "--prompt", "32000", "--seeds", "0"],
