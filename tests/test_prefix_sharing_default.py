@@ -15,9 +15,7 @@ import math
 import pytest
 import torch
 from _reference import padded_completions
-from _trl_helpers import make_tiny_longstraw_trainer
-from datasets import Dataset
-from test_prefix_tree import MODELS, _decision_points, _text_reward
+from test_prefix_tree import MODELS, _decision_points, sibling_log_and_ids, sibling_trainer
 from test_streamed_loss import Host
 from transformers import HfArgumentParser
 
@@ -196,26 +194,10 @@ def test_plan_command_counts_kept_boundaries_for_all_only(capsys, flags, kept):
 
 
 def _train_one_step(family: str, **options):
-    """One `trainer.train()` step with TRL's and LongStraw's defaults (small capture chunks for the tiny prompts, no
-    weight update so that the cached states are the weights' own) on two decision points of one history whose last
-    turns differ."""
-    history = "a b c d e f g h i j k l m n o p q r s t"
-    rows = [history + " u v w", history + " x y"]
-    trainer = make_tiny_longstraw_trainer(
-        train_dataset=Dataset.from_dict({"prompt": rows * 2}),
-        reward_funcs=_text_reward,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        gradient_accumulation_steps=1,
-        max_steps=1,
-        logging_steps=1,
-        learning_rate=0.0,
-        capture_chunk_size=CHUNK,
-        seed=3,
-        **({"model": MODELS["qwen3_5"]()} if family == "qwen3_5" else {}),
-        **options,
-    )
-    # the cache's entries once the batch's states are built (the trainer drops them when `train()` returns)
+    """One `trainer.train()` step on the sibling prompts with TRL's and LongStraw's defaults (no weight update, so that
+    the cached states are the weights' own); also the cache's entries once the batch's states are built (the trainer
+    drops them when `train()` returns)."""
+    trainer = sibling_trainer(family, learning_rate=0.0, **options)
     held: dict = {}
     acquire = trainer.prompt_states.acquire_groups
 
@@ -226,8 +208,7 @@ def _train_one_step(family: str, **options):
 
     trainer.prompt_states.acquire_groups = acquire_and_record
     trainer.train()
-    (log,) = (h for h in trainer.state.log_history if "longstraw/tokens_captured" in h)
-    ids = [torch.tensor(trainer.processing_class(p)["input_ids"]) for p in rows]
+    log, ids = sibling_log_and_ids(trainer)
     return trainer, log, ids, held
 
 

@@ -166,35 +166,49 @@ def _text_reward(completions, **kwargs):
     return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
-def _train_one_step(family: str, share: bool, **options):
-    """One `trainer.train()` step (SGD, so the update is the gradient) on two decision points of one history whose last
-    turns differ: neither prompt is a prefix of the other."""
-    history = "a b c d e f g h i j k l m n o p q r s t"
-    rows = [history + " u v w", history + " x y"]
-    trainer = make_tiny_longstraw_trainer(
-        train_dataset=Dataset.from_dict({"prompt": rows * 2}),
+SIBLING_HISTORY = "a b c d e f g h i j k l m n o p q r s t"
+#: two decision points of one history whose last turns differ: neither prompt is a prefix of the other
+SIBLING_ROWS = [SIBLING_HISTORY + " u v w", SIBLING_HISTORY + " x y"]
+
+
+def sibling_trainer(family: str, **options):
+    """A tiny trainer for one step (8-token capture chunks) on :data:`SIBLING_ROWS`, G = 2; ``options`` go to its
+    config. qwen3: the tiny trainer's own model; qwen3_5: the hybrid (its vocabulary covers the toy tokenizer's)."""
+    return make_tiny_longstraw_trainer(
+        train_dataset=Dataset.from_dict({"prompt": SIBLING_ROWS * 2}),
         reward_funcs=_text_reward,
         per_device_train_batch_size=4,
         num_generations=2,
         gradient_accumulation_steps=1,
         max_steps=1,
         logging_steps=1,
+        capture_chunk_size=8,
+        seed=3,
+        **({"model": MODELS["qwen3_5"]()} if family == "qwen3_5" else {}),
+        **options,
+    )
+
+
+def sibling_log_and_ids(trainer) -> tuple[dict, list[torch.Tensor]]:
+    """The logged step of a :func:`sibling_trainer` after ``train()``, and the token ids of its two prompts."""
+    (log,) = (h for h in trainer.state.log_history if "longstraw/tokens_captured" in h)
+    return log, [torch.tensor(trainer.processing_class(p)["input_ids"]) for p in SIBLING_ROWS]
+
+
+def _train_one_step(family: str, share: bool, **options):
+    """One `trainer.train()` step (SGD, so the update is the gradient) on the sibling prompts."""
+    trainer = sibling_trainer(
+        family,
         optim="sgd",
         learning_rate=0.5,
         activation_checkpointing=True,  # TRL's default
-        capture_chunk_size=8,
         prompt_prefix_sharing=share,
-        seed=3,
-        # qwen3: the tiny trainer's own model; qwen3_5: the hybrid (its vocabulary covers the toy tokenizer's)
-        **({"model": build_hybrid("qwen3_5")} if family == "qwen3_5" else {}),
         **options,
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
-    (log,) = (h for h in trainer.state.log_history if "longstraw/tokens_captured" in h)
-    ids = [torch.tensor(trainer.processing_class(p)["input_ids"]) for p in rows]
-    return update, log, ids
+    return (update, *sibling_log_and_ids(trainer))
 
 
 # the hybrid's full mode (~13 s) runs with LONGSTRAW_SLOW=1; its branch's full gradient is also checked against stock in
