@@ -257,7 +257,7 @@ class ForwardContext:
         """Empty pages for keys like ``k [B, Hkv, T, D]`` and values like ``v``, stored as this call's state
         stores them (device or offload, this rank's pages; an offloaded state's :attr:`PromptState.device_share`
         keeps whole layers on the device while they fit); ``cls``: a :class:`KVPages` subclass."""
-        offloaded = self.state.offload is not None and not self._stays_on_device(k, v)
+        offloaded = self.state.offload is not None and not self._stays_on_device(k, v, cls)
         return cls(
             num_kv_heads=k.shape[1],
             head_dim=k.shape[-1],
@@ -270,14 +270,14 @@ class ForwardContext:
             offloaded=offloaded,
         )
 
-    def _stays_on_device(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+    def _stays_on_device(self, k: torch.Tensor, v: torch.Tensor, cls: type[KVPages]) -> bool:
         """Whether an offloaded state's new layer of pages stays on the device: the bytes of the tokens this
         capture appends to it (this rank's pages) fit what is left of the state's device share."""
         share = self.state.device_share
         if share is None:
             return False
         tokens = owned_tokens(0, self.reserve_tokens, self.state.page_size, self.cp.rank, self.cp.size)
-        return share.take(tokens * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.dtype.itemsize)
+        return share.take(tokens * cls.bytes_per_token(k.shape[1], k.shape[-1], v.shape[-1], k.dtype))
 
     def attend(
         self,

@@ -304,7 +304,12 @@ class KVPages(LayerState):
 
     def token_bytes(self) -> int:
         """Bytes of one token's K and V in this layer."""
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.itemsize
+        return self.bytes_per_token(self.num_kv_heads, self.head_dim, self.v_head_dim, self.dtype)
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one token's K and V in pages of this layout (before they exist: where to keep them)."""
+        return num_kv_heads * (head_dim + v_head_dim) * dtype.itemsize
 
     def decode_streams(self, device: torch.device) -> bool:
         """Offloaded pages are streamed to the device through side streams at every step."""

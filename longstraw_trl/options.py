@@ -66,9 +66,8 @@ class CaptureOptions:
     def from_config(cls, args: Any, cp_group: object = None) -> CaptureOptions:
         """The capture options of a config (``cp_group``: the trainer's context-parallel group)."""
         return cls(
-            capture_chunk_size=resolved(
-                args, "capture_chunk_size"
-            ),  # "auto": the preferred until a plan chooses
+            # "auto": the preferred value until the trainer's pre-flight plan chooses
+            capture_chunk_size=resolved(args, "capture_chunk_size"),
             page_size=args.page_size,
             # "auto": on the device until the trainer's pre-flight plan decides (longstraw_trl.preflight)
             offload_prompt_state=None if args.offload_prompt_state == "auto" else args.offload_prompt_state,

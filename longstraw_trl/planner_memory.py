@@ -401,11 +401,9 @@ def _note_trunks(plan: MemoryPlan, config, prompt_tokens: int, o: PlanInputs) ->
 
 def _add_offload(plan: MemoryPlan, config, prompt_tokens: int, o: PlanInputs) -> None:
     """``offload_prompt_state="cpu"``: the offloadable state in host memory, the running layer's streamed back."""
-    plan.host_state, plan.offload_workspace = offload_bytes(
+    plan.host_state, plan.offload_workspace, kept = offload_bytes(
         config, prompt_tokens, o.cp_size, o.page_size, o.dtype_bytes, o.device_state_bytes
     )
-    offloadable = offload_bytes(config, prompt_tokens, o.cp_size, o.page_size, o.dtype_bytes)[0]
-    kept = offloadable - plan.host_state
     plan.notes.append(
         f"offload='cpu': {plan.host_state / GiB:.2f} GiB of prompt state in pinned host memory on this rank "
         f"(of the {plan.host_memory / GiB:.2f} GiB it may pin), streamed back a layer at a time"

@@ -148,13 +148,13 @@ def offload_bytes(
     page_size: int = 16384,
     dtype_bytes: int = 2,
     device_state_bytes: int = 0,
-) -> tuple[int, int]:
-    """``(host bytes, device workspace)`` per rank with ``offload_prompt_state="cpu"``: the state of every
+) -> tuple[int, int, int]:
+    """``(host bytes, device workspace, kept bytes)`` per rank with ``offload_prompt_state="cpu"``: the state of every
     offloadable layer kind (``LayerState.offloadable``: K/V pages, MLA latent and indexer keys; GDN and window states
     stay on the device) in host memory, and the most that one running layer streams back
     (``LayerState.planned_offload_workspace``). ``device_state_bytes``: the device share whole layers stay within,
-    in layer order (:class:`~longstraw_trl.host_memory.DeviceShare`, the capture's rule); those neither go to the
-    host nor stream."""
+    in layer order (:class:`~longstraw_trl.host_memory.DeviceShare`, the capture's rule); those (the kept bytes)
+    neither go to the host nor stream."""
     resident, on_rank = _tokens(prompt_tokens, cp_size, page_size)
     share = DeviceShare(device_state_bytes)
     host = workspace = 0
@@ -167,7 +167,7 @@ def offload_bytes(
             continue
         host += nbytes
         workspace = max(workspace, cls.planned_offload_workspace(config, i, tokens, page_size, dtype_bytes))
-    return host, workspace
+    return host, workspace, share.taken
 
 
 def kept_page_parts_bytes(config, types: list[str], tokens: int) -> int:
