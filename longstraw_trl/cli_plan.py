@@ -14,11 +14,11 @@ from pathlib import Path
 
 from .constants import (
     AUTO,
-    AUTO_PREFERRED,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
     PREFIX_SHARING_MODES,
     PrefixSharing,
+    preferred_if_auto,
 )
 from .errors import LongStrawError, UnsupportedModelError
 from .planner import (
@@ -331,13 +331,11 @@ def plan_inputs(a: argparse.Namespace) -> PlanInputs:
         lora_rank=a.lora_rank,
         optimizer=a.optimizer,
         gpu_memory_gib=_parse_gpu(a.gpu),
-        capture_chunk_size=AUTO_PREFERRED["capture_chunk_size"] if a.chunk_size == AUTO else a.chunk_size,
+        capture_chunk_size=preferred_if_auto("capture_chunk_size", a.chunk_size),
         page_size=a.page_size,
         replay_checkpoint_layers=a.checkpoint_layers,
         prompt_backward_checkpoint_layers=a.prompt_backward_checkpointing,
-        replay_batch_tokens=(
-            AUTO_PREFERRED["replay_batch_tokens"] if a.replay_batch_tokens == AUTO else a.replay_batch_tokens
-        ),
+        replay_batch_tokens=preferred_if_auto("replay_batch_tokens", a.replay_batch_tokens),
         gradient_mode=a.gradient_mode,
         prompt_prefix_sharing=a.prompt_prefix_sharing,
         offload_prompt_state=None if a.offload_prompt_state == "auto" else a.offload_prompt_state,

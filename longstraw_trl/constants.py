@@ -26,10 +26,14 @@ AUTO_PREFERRED = {
 """The value an `"auto"` setting takes where the step fits with it, and where no plan is made."""
 
 
+def preferred_if_auto(name: str, value):
+    """`value` of the setting `name`, `"auto"` as its preferred value (:data:`AUTO_PREFERRED`)."""
+    return AUTO_PREFERRED[name] if value == AUTO else value
+
+
 def resolved(args, name: str):
     """The config's `name` with `"auto"` as its preferred value (:data:`AUTO_PREFERRED`) until a plan chooses."""
-    value = getattr(args, name)
-    return AUTO_PREFERRED[name] if value == AUTO else value
+    return preferred_if_auto(name, getattr(args, name))
 
 
 REFRESH_POLICIES = ("recapture", "reuse", "adaptive")
