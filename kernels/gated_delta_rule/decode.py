@@ -203,6 +203,73 @@ def gdn_decode_available(*tensors: torch.Tensor | None) -> bool:
     return _triton_importable()
 
 
+def _checked_inputs(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    Hv: int,
+    conv_state: torch.Tensor | None,
+    recurrent_state: torch.Tensor | None,
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    activation: str | None,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``gdn_decode_step``'s input checks; returns the 2-D conv weight and the conv state's last ``kernel_size - 1``
+    columns."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(
+            f"unsupported activation {activation!r}; use one of {sorted(map(str, _ACTIVATIONS))}"
+        )
+    if mixed_qkv.dim() != 3 or mixed_qkv.shape[1] != 1:
+        raise ValueError(
+            f"mixed_qkv must be [B, 1, C] (one token per sequence); got {tuple(mixed_qkv.shape)}"
+        )
+    B, _, C = mixed_qkv.shape
+    Hk, Dk, Dv = int(num_k_heads), int(head_k_dim), int(head_v_dim)
+    for name, t in (("a", a), ("b", b)):
+        if t.shape != (B, 1, Hv):
+            raise ValueError(f"{name} must be [B, 1, Hv] = {(B, 1, Hv)}; got {tuple(t.shape)}")
+    if Hk <= 0 or Hv % Hk:
+        raise ValueError(f"the value heads ({Hv}) must be a multiple of the q/k heads ({Hk})")
+    if C != 2 * Hk * Dk + Hv * Dv:
+        raise ValueError(f"mixed_qkv has {C} channels; 2 * Hk * Dk + Hv * Dv = {2 * Hk * Dk + Hv * Dv}")
+    weight = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 2:
+        raise ValueError(f"conv_weight must be [C={C}, kernel_size >= 2]; got {tuple(conv_weight.shape)}")
+    ks = weight.shape[1]
+    if conv_bias is not None and conv_bias.shape != (C,):
+        raise ValueError(f"conv_bias must be [{C}]; got {tuple(conv_bias.shape)}")
+    if dt_bias.numel() != Hv:
+        raise ValueError(f"dt_bias must have Hv = {Hv} elements like A_log; got {tuple(dt_bias.shape)}")
+    if conv_state is not None:
+        if conv_state.dim() != 3 or conv_state.shape[:2] != (B, C) or conv_state.shape[2] < ks - 1:
+            raise ValueError(
+                f"conv_state must be [B, C, W >= kernel_size - 1] = [{B}, {C}, >= {ks - 1}]; "
+                f"got {tuple(conv_state.shape)}"
+            )
+        if conv_state.shape[2] != ks - 1:
+            if in_place:
+                raise ValueError(f"in_place needs conv_state of width kernel_size - 1 = {ks - 1}")
+            conv_state = conv_state[..., conv_state.shape[2] - (ks - 1) :]
+    if recurrent_state is not None:
+        if recurrent_state.shape != (B, Hv, Dk, Dv) or recurrent_state.dtype != torch.float32:
+            raise ValueError(
+                f"recurrent_state must be fp32 [B, Hv, Dk, Dv] = {(B, Hv, Dk, Dv)}; got "
+                f"{recurrent_state.dtype} {tuple(recurrent_state.shape)}"
+            )
+    if in_place:
+        for name, t in (("conv_state", conv_state), ("recurrent_state", recurrent_state)):
+            if t is None or not t.is_contiguous():
+                raise ValueError(f"in_place needs {name} given and contiguous (its own storage per element)")
+    return weight, conv_state
+
+
 def gdn_decode_step(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -241,53 +308,25 @@ def gdn_decode_step(
     Returns:
         ``(core [B, 1, Hv, Dv] in mixed_qkv's dtype, conv state [B, C, kernel_size - 1], recurrent state fp32)``.
     """
-    if activation not in _ACTIVATIONS:
-        raise ValueError(
-            f"unsupported activation {activation!r}; use one of {sorted(map(str, _ACTIVATIONS))}"
-        )
-    if mixed_qkv.dim() != 3 or mixed_qkv.shape[1] != 1:
-        raise ValueError(
-            f"mixed_qkv must be [B, 1, C] (one token per sequence); got {tuple(mixed_qkv.shape)}"
-        )
+    weight, conv_state = _checked_inputs(
+        mixed_qkv,
+        a,
+        b,
+        conv_weight,
+        conv_bias,
+        dt_bias,
+        A_log.numel(),
+        conv_state,
+        recurrent_state,
+        num_k_heads=num_k_heads,
+        head_k_dim=head_k_dim,
+        head_v_dim=head_v_dim,
+        activation=activation,
+        in_place=in_place,
+    )
     B, _, C = mixed_qkv.shape
-    Hv = A_log.numel()
+    Hv, ks = A_log.numel(), weight.shape[1]
     Hk, Dk, Dv = int(num_k_heads), int(head_k_dim), int(head_v_dim)
-    for name, t in (("a", a), ("b", b)):
-        if t.shape != (B, 1, Hv):
-            raise ValueError(f"{name} must be [B, 1, Hv] = {(B, 1, Hv)}; got {tuple(t.shape)}")
-    if Hk <= 0 or Hv % Hk:
-        raise ValueError(f"the value heads ({Hv}) must be a multiple of the q/k heads ({Hk})")
-    if C != 2 * Hk * Dk + Hv * Dv:
-        raise ValueError(f"mixed_qkv has {C} channels; 2 * Hk * Dk + Hv * Dv = {2 * Hk * Dk + Hv * Dv}")
-    weight = conv_weight.squeeze(1) if conv_weight.dim() == 3 else conv_weight
-    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 2:
-        raise ValueError(f"conv_weight must be [C={C}, kernel_size >= 2]; got {tuple(conv_weight.shape)}")
-    ks = weight.shape[1]
-    if conv_bias is not None and conv_bias.shape != (C,):
-        raise ValueError(f"conv_bias must be [{C}]; got {tuple(conv_bias.shape)}")
-    if dt_bias.numel() != Hv:
-        raise ValueError(f"dt_bias must have Hv = {Hv} elements like A_log; got {tuple(dt_bias.shape)}")
-    if conv_state is not None:
-        if conv_state.dim() != 3 or conv_state.shape[:2] != (B, C) or conv_state.shape[2] < ks - 1:
-            raise ValueError(
-                f"conv_state must be [B, C, W >= kernel_size - 1] = [{B}, {C}, >= {ks - 1}]; "
-                f"got {tuple(conv_state.shape)}"
-            )
-        if conv_state.shape[2] != ks - 1:
-            if in_place:
-                raise ValueError(f"in_place needs conv_state of width kernel_size - 1 = {ks - 1}")
-            conv_state = conv_state[..., conv_state.shape[2] - (ks - 1) :]
-    if recurrent_state is not None:
-        if recurrent_state.shape != (B, Hv, Dk, Dv) or recurrent_state.dtype != torch.float32:
-            raise ValueError(
-                f"recurrent_state must be fp32 [B, Hv, Dk, Dv] = {(B, Hv, Dk, Dv)}; got "
-                f"{recurrent_state.dtype} {tuple(recurrent_state.shape)}"
-            )
-    if in_place:
-        for name, t in (("conv_state", conv_state), ("recurrent_state", recurrent_state)):
-            if t is None or not t.is_contiguous():
-                raise ValueError(f"in_place needs {name} given and contiguous (its own storage per element)")
-
     triton, conv_kernel, delta_kernel = _kernels()
     device, dtype = mixed_qkv.device, mixed_qkv.dtype
     new_conv = conv_state if in_place else torch.empty(B, C, ks - 1, dtype=dtype, device=device)
