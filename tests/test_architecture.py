@@ -320,3 +320,32 @@ def test_trl_hook_signatures(hook):
         return
     params = list(inspect.signature(getattr(GRPOTrainer, hook)).parameters)
     assert params[: len(expected)] == expected, f"TRL's {hook}{params} changed from {expected}"
+
+
+MAX_FUNCTION_LINES = 100
+MAX_MODULE_LINES = 800
+
+
+def _is_triton_kernel_code(fn: ast.AST) -> bool:
+    """A ``@triton.jit`` body, or the cached builder that defines such bodies (kernel math, not glue)."""
+    return any(
+        isinstance(n, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in n.decorator_list)
+        for n in ast.walk(fn)
+    )
+
+
+def test_functions_and_modules_stay_short():
+    """No function over ~100 lines (Triton kernel bodies excepted) and no module over ~800: a longer one holds
+    several concerns."""
+    long = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        if tree.body and tree.body[-1].end_lineno > MAX_MODULE_LINES:
+            long.append(f"{module}: {tree.body[-1].end_lineno} lines")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or _is_triton_kernel_code(node):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                long.append(f"{module}.{node.name}:{node.lineno}: {lines} lines")
+    assert not long, "\n".join(long)

@@ -335,7 +335,18 @@ def gdn_decode_step(
     core = torch.empty(B, 1, Hv, Dv, dtype=dtype, device=device)
     s0 = conv_state if conv_state is not None else new_conv  # unread without a state
     h0 = recurrent_state if recurrent_state is not None else new_rec
+    _launch_conv(conv_kernel, triton, mixed_qkv, weight, conv_bias, conv_state, s0, new_conv, y, activation)
+    _launch_delta(
+        delta_kernel, triton, y, a, b, A_log, dt_bias, recurrent_state, h0, new_rec, core, scale, Hk
+    )
+    return core, new_conv, new_rec
 
+
+def _launch_conv(
+    conv_kernel, triton, mixed_qkv, weight, conv_bias, conv_state, s0, new_conv, y, activation
+) -> None:
+    """The causal conv's one step: ``y`` and the shifted conv state ``new_conv``."""
+    B, _, C = mixed_qkv.shape
     conv_kernel[(B, triton.cdiv(C, _BLOCK_C))](
         mixed_qkv,
         mixed_qkv.stride(0),
@@ -350,13 +361,21 @@ def gdn_decode_step(
         *new_conv.stride(),
         y,
         C,
-        KS=ks,
+        KS=weight.shape[1],
         HAS_BIAS=conv_bias is not None,
         HAS_STATE=conv_state is not None,
         SILU=activation in ("silu", "swish"),
         BLOCK_C=_BLOCK_C,
         num_warps=4,
     )
+
+
+def _launch_delta(
+    delta_kernel, triton, y, a, b, A_log, dt_bias, recurrent_state, h0, new_rec, core, scale, Hk
+) -> None:
+    """The delta rule's one step: ``core`` and the new recurrent state ``new_rec``."""
+    B, Hv, Dk, Dv = new_rec.shape
+    C = y.shape[1]
     BV = min(_BLOCK_V, triton.next_power_of_2(Dv))
     delta_kernel[(B * Hv, triton.cdiv(Dv, BV))](
         y,
@@ -384,4 +403,3 @@ def gdn_decode_step(
         HAS_STATE=recurrent_state is not None,
         num_warps=4,
     )
-    return core, new_conv, new_rec
