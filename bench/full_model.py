@@ -80,7 +80,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from longstraw_trl import LongStrawGRPOConfig, LongStrawGRPOTrainer, PromptState
 from longstraw_trl import engine as longstraw_engine
-from longstraw_trl.constants import EP_IMPLEMENTATIONS
+from longstraw_trl.constants import AUTO_PREFERRED, EP_IMPLEMENTATIONS
 from longstraw_trl.expert_parallel import num_routed_experts
 from longstraw_trl.options import plan_options
 from longstraw_trl.planner import GPU_MEMORY_GIB, plan_memory
@@ -103,6 +103,17 @@ TINY = dict(  # --tiny defaults (explicit flags still win)
 )
 
 
+#: the trainer's memory settings this script sets, by config name: the options that set them
+MEMORY_FLAGS = {
+    "capture_chunk_size": "chunk",
+    "replay_batch_tokens": "replay_batch_tokens",
+    "offload_prompt_state": "offload",
+}
+
+#: the memory settings with an "auto" or a default of their own that this script sets only when asked
+OTHER_MEMORY_SETTINGS = ("prompt_backward_checkpoint_layers", "offload_keep_layers_on_device")
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -123,12 +134,32 @@ def parse_args() -> argparse.Namespace:
         "second over a prefix page, then one a token short, the shapes every measured capture runs)",
     )
     ap.add_argument("--warmup-response", type=int, default=32)
-    ap.add_argument("--chunk", type=int, default=16384, help="capture_chunk_size")
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="capture_chunk_size (default 16384; with --library-defaults 'auto')",
+    )
     ap.add_argument(
         "--replay-batch-tokens",
         type=int,
-        default=8192,
-        help="replay_batch_tokens (0: one response at a time)",
+        default=None,
+        help="replay_batch_tokens (0: one response at a time; default 8192, with --library-defaults 'auto')",
+    )
+    ap.add_argument(
+        "--library-defaults",
+        action="store_true",
+        help="the trainer's memory settings left at LongStrawGRPOConfig's defaults: offload_prompt_state, "
+        "capture_chunk_size, replay_batch_tokens and prompt_backward_checkpoint_layers 'auto', chosen by the "
+        "pre-flight plan at the first batch (its decision recorded); --offload, --chunk and --replay-batch-tokens "
+        "given as well set theirs",
+    )
+    ap.add_argument(
+        "--preflight-gpu-memory-gib",
+        type=float,
+        default=None,
+        help="LongStrawGRPOConfig.preflight_gpu_memory_bytes: the pre-flight plan's GPU memory for the step (default: "
+        "what the GPU has free; on the CPU no plan is made without it)",
     )
     ap.add_argument(
         "--fused-kernels",
@@ -242,6 +273,20 @@ def parse_args() -> argparse.Namespace:
         )
     if args.preset == "glm-5" and not args.skip_stock:
         ap.error("--preset glm-5 needs --skip-stock: the stock side's time estimates use the dense floors")
+    # what the user set, before the bench's own defaults fill in (--library-defaults leaves the rest to the config)
+    args.given = {flag for flag in MEMORY_FLAGS.values() if getattr(args, flag) is not None}
+    if args.library_defaults and args.stream_all_layers:
+        ap.error(
+            "--library-defaults keeps offloaded layers on the device where they fit; drop --stream-all-layers"
+        )
+    # the bench's settings; with --library-defaults, what "auto" prefers (the floors' matmul shapes, the warm-up)
+    preferred = (
+        (AUTO_PREFERRED["capture_chunk_size"], AUTO_PREFERRED["replay_batch_tokens"])
+        if args.library_defaults
+        else (16384, 8192)
+    )
+    args.chunk = preferred[0] if args.chunk is None else args.chunk
+    args.replay_batch_tokens = preferred[1] if args.replay_batch_tokens is None else args.replay_batch_tokens
     if args.warmup_prompt is None:
         args.warmup_prompt = 3 * args.chunk
     return args
@@ -537,6 +582,14 @@ def longstraw_trainer(
 ) -> LongStrawGRPOTrainer:
     out_dir = tempfile.mkdtemp(prefix="longstraw_full_")  # nothing is saved there (save_strategy="no")
     atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+    memory = dict(offload_keep_layers_on_device=not args.stream_all_layers)
+    if args.prompt_backward_checkpointing is not None:
+        memory["prompt_backward_checkpoint_layers"] = args.prompt_backward_checkpointing
+    for name, flag in MEMORY_FLAGS.items():  # with --library-defaults, the config's own ("auto") unless given
+        if not args.library_defaults or flag in args.given:
+            memory[name] = getattr(args, flag)
+    if args.preflight_gpu_memory_gib is not None:
+        memory["preflight_gpu_memory_bytes"] = int(args.preflight_gpu_memory_gib * 2**30)
     config = LongStrawGRPOConfig(
         output_dir=out_dir,
         report_to="none",
@@ -548,21 +601,17 @@ def longstraw_trainer(
         per_device_train_batch_size=args.generations,
         gradient_accumulation_steps=1,
         max_completion_length=r,
-        capture_chunk_size=args.chunk,
         page_size=args.page,
-        replay_batch_tokens=args.replay_batch_tokens,
         graph_free_fused_kernels=args.fused_kernels,
         autograd_fused_kernels=args.autograd_fused_kernels,
         gradient_mode=gradient_mode,
-        offload_prompt_state=args.offload,
-        offload_keep_layers_on_device=not args.stream_all_layers,
         gradient_checkpointing=args.gradient_checkpointing,
-        prompt_backward_checkpoint_layers=args.prompt_backward_checkpointing,
         cp_size=args.cp_size,
         ep_size=args.ep_size,
         ep_implementation=args.ep_implementation,
         use_cpu=args.tiny,
         bf16=not args.tiny,
+        **memory,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -613,6 +662,35 @@ def _guarded(fn, *args):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return failure
+
+
+def chosen_plan_options(trainer) -> dict:
+    """The planner's options for the step ``trainer`` ran: its config's, with the pre-flight plan's choices for the
+    settings left at "auto" (where the state lives, smaller chunks or replay batches)."""
+    return {
+        **plan_options(trainer.args),
+        "offload_prompt_state": trainer.preflight.offload_prompt_state,
+        **trainer.preflight.settings,
+    }
+
+
+def preflight_record(trainer) -> dict | None:
+    """What the trainer's pre-flight plan decided at the step's first batch, as it logged it (None: no plan made)."""
+    decision = trainer.preflight.decision
+    if decision is None:
+        return None
+    return {
+        "requested": decision.requested,
+        "offload_prompt_state": decision.offload_prompt_state,
+        "placement": decision.placement,
+        "reason": decision.reason(),
+        "settings": decision.settings,
+        "device_state_bytes": decision.device_state_bytes,
+        "planned_peak_gib": decision.plan.peak / 2**30,
+        # "auto": both places with the preferred settings
+        "resident_peak_gib": decision.resident.peak / 2**30 if decision.resident else None,
+        "offloaded_peak_gib": decision.offloaded.peak / 2**30 if decision.offloaded else None,
+    }
 
 
 # allocated device memory at marks of the running step (_MemoryMarks), kept for an OOM record too
@@ -693,13 +771,16 @@ def longstraw_step(trainer, floors: Floors, args, p: int, r: int, plan_dtype_byt
         fsdp_size=fsdp_size,
         # the layers of an offloaded state the trainer's pre-flight plan kept on the device
         device_state_bytes=trainer.preflight.device_state_bytes,
-        # the trainer's config: chunk, checkpointing, gradient mode, offload, CP, EP
-        **plan_options(trainer.args),
+        # the trainer's config (chunk, checkpointing, gradient mode, CP, EP) with what its pre-flight chose for "auto"
+        **chosen_plan_options(trainer),
     )
     return {
         "ok": True,
         "gradient_mode": trainer.args.gradient_mode,
-        "offload_prompt_state": trainer.args.offload_prompt_state,
+        "offload_prompt_state": trainer.preflight.offload_prompt_state,
+        # the memory settings as configured ("auto": the pre-flight plan's to choose) and what it decided
+        "configured": {name: getattr(trainer.args, name) for name in (*MEMORY_FLAGS, *OTHER_MEMORY_SETTINGS)},
+        "preflight": preflight_record(trainer),
         "device_state_bytes": trainer.preflight.device_state_bytes,
         "gradient_checkpointing": trainer.args.gradient_checkpointing,
         "prompt_backward_checkpoint_layers": trainer.args.prompt_backward_checkpoint_layers,

@@ -90,7 +90,8 @@ def gpu_token() -> str:
 
 def _result_tag(args: list[str]) -> str:
     tag = f"_{gpu_token()}_P{_last(args, '--prompts')}"
-    return tag + ("_offload" if _last(args, "--offload") == "cpu" else "")
+    tag += "_offload" if _last(args, "--offload") == "cpu" else ""
+    return tag + ("_defaults" if "--library-defaults" in args else "")
 
 
 def _gpu_tests(opts, rest):

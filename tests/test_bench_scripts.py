@@ -20,7 +20,7 @@ import torch.distributed as dist
 BENCH = Path(__file__).parent.parent / "bench"
 
 
-def _run(tmp_path: Path, *args: str) -> None:
+def _run(tmp_path: Path, *args: str, ok: bool = True) -> None:
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=BENCH,
@@ -30,7 +30,7 @@ def _run(tmp_path: Path, *args: str) -> None:
         timeout=300,
         check=False,
     )
-    assert proc.returncode == 0, f"stdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"
+    assert (proc.returncode == 0) == ok, f"stdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"
 
 
 def test_engine_slice_dry_run(tmp_path):
@@ -132,6 +132,28 @@ def test_full_model_dry_run(tmp_path):
     assert stock["largest_fitting_prompt"] == 512 and stock["largest_fitting_step_s"] > 0
     assert stock["first_oom_prompt"] is None and stock["stopped_by"] == "budget"
     assert [r.get("ok") for r in stock["results"]] == [True, True, False] and stock["results"][2]["skipped"]
+
+
+def test_full_model_library_defaults_leave_memory_settings_to_the_preflight_plan(tmp_path):
+    # --library-defaults: the trainer's memory settings stay "auto"; under a GPU budget just below the preferred
+    # plan's peak the pre-flight chooses other settings, the step runs with them and the record says what it chose;
+    # the bench's plan is the pre-flight's. Negative control: the bench's explicit settings are refused there.
+    def step(tag, *extra, ok=True):
+        _run(tmp_path, "full_model.py", "--tiny", "--skip-stock", "--prompts", "512", "--warmup-prompt", "0",
+             "--tag", tag, *extra, ok=ok)  # fmt: skip
+        return json.loads((tmp_path / f"full_model_qwen3.6-27b_tiny{tag}.json").read_text())["longstraw"][0]
+
+    roomy = step("_roomy", "--library-defaults", "--preflight-gpu-memory-gib", "1000")
+    assert roomy["configured"]["offload_prompt_state"] == roomy["configured"]["replay_batch_tokens"] == "auto"
+    assert roomy["preflight"]["settings"] == {} and roomy["preflight"]["offload_prompt_state"] is None
+    budget = str(roomy["preflight"]["resident_peak_gib"] - 1e-6)
+    tight = step("_tight", "--library-defaults", "--preflight-gpu-memory-gib", budget)
+    chose = tight["preflight"]
+    assert tight["ok"] and (chose["settings"] or chose["offload_prompt_state"] == "cpu"), chose
+    assert chose["planned_peak_gib"] <= float(budget)
+    assert tight["planner"]["peak_gib"] == pytest.approx(chose["planned_peak_gib"], rel=1e-9)
+    refused = step("_explicit", "--preflight-gpu-memory-gib", budget, ok=False)
+    assert not refused["ok"] and refused["error"].startswith("PreflightError") and "configured" not in refused
 
 
 def test_full_model_dry_run_full_mode_segments_and_kernel_rate_floor(tmp_path):
@@ -533,6 +555,14 @@ def test_full_model_suite_runs_the_reference_step(monkeypatch, capsys):
         and got["gradient_modes"] == ["response_only", "full"]
         and got["offload"] == "cpu"
     )
+
+
+def test_full_model_suite_names_a_library_defaults_step(monkeypatch, capsys):
+    run = _load_bench("run")
+    monkeypatch.setattr(run, "gpu_token", lambda: "h100")
+    assert run.main(["full-model", "--dry-run", "--library-defaults", "--prompts", "1048576"]) == 0
+    argv = shlex.split(capsys.readouterr().out.splitlines()[0].split(" full_model.py ", 1)[1].rstrip(")"))
+    assert "--library-defaults" in argv and argv[argv.index("--tag") + 1] == "_h100_P1048576_defaults"
 
 
 def test_every_suite_builds_its_commands(capsys):
