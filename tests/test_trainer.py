@@ -437,6 +437,20 @@ def test_unsupported_model_is_refused():
         make_tiny_longstraw_trainer(model=GPT2LMHeadModel(config))
 
 
+def test_prompt_learning_peft_is_refused_as_config_and_as_wrapped_model():
+    """Prompt tuning adds virtual tokens the captured prompt state never sees: refused whether it comes as
+    `peft_config` or on a PEFT-wrapped model, naming the method and the adapter."""
+    from peft import PromptTuningConfig
+    from transformers import AutoModelForCausalLM
+
+    tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    with pytest.raises(UnsupportedModelError, match=r"PromptTuningConfig is a prompt-learning PEFT method"):
+        make_tiny_longstraw_trainer(peft_config=tuning)
+    wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir()), tuning)
+    with pytest.raises(UnsupportedModelError, match=r"PEFT adapter 'default' \(PromptTuningConfig\)"):
+        make_tiny_longstraw_trainer(model=wrapped)
+
+
 def _stock_accepts(model) -> None:
     """Stock `GRPOTrainer` builds on `model` (the refusal below is LongStraw's, not the model's)."""
     from _trl_helpers import _constant_reward, _tiny_config_kwargs
